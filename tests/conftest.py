@@ -1,0 +1,30 @@
+"""Shared fixtures: the tiny local model, real vLLM engines, real xoscar pools."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import pytest
+
+from .support.engines import EngineOptions, EngineProcess
+from .support.tiny_model import TinyQwen2, build_tiny_qwen2
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Qwen2 model, built once per test run (or taken from XAVIER_TINY_MODEL_DIR,
+    where it is built once and kept)."""
+    keep = os.environ.get("XAVIER_TINY_MODEL_DIR")
+    out = keep or str(tmp_path_factory.mktemp("tiny-qwen2"))
+    return build_tiny_qwen2(out, TinyQwen2())
+
+
+@pytest.fixture
+def engine_process(tiny_model_dir: str) -> Iterator[EngineProcess]:
+    """A real vLLM V1 CPU engine in a child process (its own engine-core process too)."""
+    eng = EngineProcess(EngineOptions(model=tiny_model_dir))
+    try:
+        yield eng
+    finally:
+        eng.close()

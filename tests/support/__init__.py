@@ -1,0 +1,1 @@
+"""Test support: tiny local model, real vLLM engines, real xoscar pools."""

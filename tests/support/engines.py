@@ -1,0 +1,129 @@
+"""Real vLLM V1 engines on the tiny model, in this process or in a child process.
+
+CPU settings used everywhere: ``VLLM_CPU_KVCACHE_SPACE`` small (1 GiB by
+default, ``XAVIER_TEST_KV_GIB`` overrides), eager mode, bf16, prefix caching,
+block size 16.  vLLM's CPU platform uses ``spawn``; child processes get this
+repository on ``PYTHONPATH`` so the overlay and the test support import there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def cpu_engine_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("XAVIER_TEST_KV_GIB", "1"),
+        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class EngineOptions:
+    model: str
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def llm_kwargs(self) -> Dict[str, Any]:
+        kw: Dict[str, Any] = dict(
+            model=self.model, tokenizer=self.model, dtype="bfloat16", enforce_eager=True,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed)
+        kw.update(self.extra)
+        return kw
+
+
+def greedy(max_tokens: int = 16) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def start_in_process_llm(opts: EngineOptions) -> Any:
+    """``vllm.LLM`` with the engine core and worker in this process (fast start)."""
+    os.environ.update(cpu_engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+    from vllm import LLM
+
+    return LLM(**opts.llm_kwargs())
+
+
+def generate_ids(llm: Any, prompts: Sequence[Any], max_tokens: int = 16) -> List[List[int]]:
+    outs = llm.generate(list(prompts), greedy(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+class EngineProcess:
+    """A vLLM engine in a child process, driven by JSON lines over stdin/stdout.
+
+    ``generate(prompts)`` returns token ids and the number of locally cached
+    prompt tokens per request.
+    """
+
+    def __init__(self, opts: EngineOptions, env: Optional[Dict[str, str]] = None,
+                 start_timeout: float = 300.0) -> None:
+        child_env = dict(os.environ)
+        child_env.update(cpu_engine_env(env))
+        child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.engine_server", json.dumps(opts.llm_kwargs())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr, text=True,
+            cwd=REPO, env=child_env, start_new_session=True)
+        t0 = time.monotonic()
+        ready = self._read(start_timeout)
+        if ready.get("status") != "ready":
+            self.close()
+            raise RuntimeError(f"engine process failed to start: {ready}")
+        self.pid = ready["pid"]
+        self.start_seconds = time.monotonic() - t0
+
+    def _read(self, timeout: float) -> Dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine process exited with {self.proc.poll()}")
+        return json.loads(line)
+
+    def request(self, message: Dict[str, Any], timeout: float = 300.0) -> Dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read(timeout)
+        if "error" in reply:
+            raise RuntimeError(f"engine process: {reply['error']}")
+        return reply
+
+    def generate(self, prompts: Sequence[Any], max_tokens: int = 16) -> Dict[str, Any]:
+        return self.request({"op": "generate", "prompts": list(prompts),
+                             "max_tokens": max_tokens})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except Exception:
+                pass
+        if self.proc.poll() is None:
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)

@@ -1,0 +1,163 @@
+"""A tiny Qwen2-shaped model with random bf16 weights and an offline tokenizer.
+
+Deterministic: same files for the same arguments (seeded weights, a BPE
+tokenizer trained on the interpreter's own standard library sources).  No
+download, no torch needed to build it.
+
+    python -m tests.support.tiny_model OUT_DIR [--layers N] [--hidden H]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import struct
+import sysconfig
+from dataclasses import dataclass
+
+import numpy as np
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class TinyQwen2:
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 2048
+    max_positions: int = 4096
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _corpus():
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    for f in files[:120]:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            yield fh.read()
+
+
+def _build_tokenizer(out: str, cfg: TinyQwen2) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=cfg.vocab, special_tokens=SPECIAL,
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>",
+                                   model_max_length=cfg.max_positions)
+    fast.save_pretrained(out)
+    return int(tok.get_vocab_size())
+
+
+def _bf16_bytes(a: np.ndarray) -> bytes:
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even
+    return u.astype("<u2").tobytes()
+
+
+def _save_safetensors(path: str, tensors: dict) -> None:
+    header, blobs, off = {}, [], 0
+    for name, a in tensors.items():
+        b = _bf16_bytes(a)
+        header[name] = {"dtype": "BF16", "shape": list(a.shape),
+                        "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    header["__metadata__"] = {"format": "pt"}
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def _build_weights(out: str, cfg: TinyQwen2, vocab: int) -> None:
+    rng = np.random.default_rng(cfg.seed)
+
+    def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+
+    t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32),
+         "model.norm.weight": np.ones(cfg.hidden, np.float32),
+         "lm_head.weight": lin(vocab, cfg.hidden, 4.0)}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = np.ones(cfg.hidden, np.float32)
+        t[p + "post_attention_layernorm.weight"] = np.ones(cfg.hidden, np.float32)
+        for n, rows in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):
+            t[p + f"self_attn.{n}_proj.weight"] = lin(rows * cfg.head_dim, cfg.hidden)
+            t[p + f"self_attn.{n}_proj.bias"] = 0.1 * rng.standard_normal(
+                rows * cfg.head_dim, dtype=np.float32)
+        t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.head_dim)
+        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+    _save_safetensors(os.path.join(out, "model.safetensors"), t)
+
+
+def _build_config(out: str, cfg: TinyQwen2, vocab: int) -> None:
+    conf = {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads, "max_position_embeddings": cfg.max_positions,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": cfg.layers, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "rope_theta": 10000.0,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16", "attention_dropout": 0.0,
+        "initializer_range": 0.02, "use_cache": True,
+    }
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2, sort_keys=True)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, f)
+
+
+def build_tiny_qwen2(out: str, cfg: TinyQwen2 = TinyQwen2()) -> str:
+    """Write the model into ``out`` (created) unless it is already complete there."""
+    stamp = os.path.join(out, ".complete")
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == repr(cfg):
+                return out
+    os.makedirs(out, exist_ok=True)
+    vocab = _build_tokenizer(out, cfg)
+    _build_config(out, cfg, vocab)
+    _build_weights(out, cfg, vocab)
+    with open(stamp, "w") as f:
+        f.write(repr(cfg))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=512)
+    a = ap.parse_args()
+    cfg = TinyQwen2(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                    intermediate=a.intermediate)
+    print(build_tiny_qwen2(a.out, cfg))
+
+
+if __name__ == "__main__":
+    main()
