@@ -1,0 +1,376 @@
+"""The batched load engine on real tensors (CPU here; the same tests run on CUDA
+when a device is present: XAVIER_TEST_DEVICE=cuda)."""
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from xinference.model.llm.vllm.xavier import block_copy, gpu_transfer
+from xinference.model.llm.vllm.xavier.gpu_transfer import (
+    CloseError,
+    GPUTransfer,
+    Lease,
+    LoadError,
+    LoadRejected,
+    TransferClosedError,
+)
+from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError
+from xinference.model.llm.vllm.xavier.load_batch import NULL_BLOCK_ID, Tier
+from xinference.model.llm.vllm.xavier.plan import ConflictingWriteError, SlabConfig
+
+from .kvfixtures import BLOCK_DIM, bits, expected_after, loads, make_caches, make_world
+
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+N_BLOCKS, N_SLOTS = 64, 48
+CFG = SlabConfig(full_rows=8, small_rows=2, switch_after=2)
+
+
+class Releaser:
+    def __init__(self, fail_ids=()):
+        self.released, self.fail_ids = [], set(fail_ids)
+
+    async def __call__(self, lease: Lease) -> None:
+        self.released.append(lease.lease_id)
+        if lease.lease_id in self.fail_ids:
+            raise RuntimeError(f"directory unreachable for lease {lease.lease_id}")
+
+
+def assert_equal_bits(got, exp):
+    for g in exp:
+        for a, b in zip(got[g], exp[g]):
+            assert torch.equal(bits(a.cpu()), bits(b.cpu())), f"group {g} differs"
+
+
+async def engine_with(world, local, releaser=None, cfg=CFG):
+    eng = GPUTransfer(rank=0, slab_config=cfg, release_lease=releaser)
+    await eng.set_local_caches(local, BLOCK_DIM)
+    for (rank, tier), caches in world.storages.items():
+        await eng.map_storage(rank, Tier(tier), caches, BLOCK_DIM)
+    return eng
+
+
+@st.composite
+def scenarios(draw):
+    keys = draw(st.lists(st.integers(1, 2**40), min_size=1, max_size=10, unique=True))
+    holders = {}
+    for rank in (1, 2, 3):
+        for tier in (0, 1):
+            if draw(st.booleans()):
+                holders[(rank, tier)] = draw(st.lists(st.sampled_from(keys), unique=True,
+                                                      max_size=len(keys)))
+    offers = [(k, rt) for rt, held in holders.items() for k in held]
+    dest_key = {}
+    requests = []
+    for _ in range(draw(st.integers(0, 5))):
+        req = []
+        for _ in range(draw(st.integers(0, 24))):
+            if not offers:
+                break
+            k, (rank, tier) = draw(st.sampled_from(offers))
+            g = draw(st.integers(0, 1))
+            if draw(st.integers(0, 9)) == 0:
+                d = NULL_BLOCK_ID
+            else:
+                free = [d for d in range(1, N_BLOCKS) if dest_key.get((g, d), k) == k]
+                d = draw(st.sampled_from(free))
+                dest_key[(g, d)] = k
+            req.append((g, k, rank, tier, None, d))
+        requests.append(req)
+    return keys, holders, requests, dest_key
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(), st.integers(0, 2**31))
+def test_batched_load_bit_exact_and_counters_exact(dtype, scenario, seed):
+    keys, holders, requests, dest_key = scenario
+    gen = torch.Generator().manual_seed(seed)
+    world = make_world(keys, holders, N_SLOTS, dtype, gen, DEVICE)
+    rows = [[(g, k, r, t, world.slot_of[(r, t, g, k)], d) for g, k, r, t, _, d in req]
+            for req in requests]
+    local = make_caches(N_BLOCKS, dtype, gen, DEVICE)
+    expected = expected_after(local, world, dest_key)
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        leases = [Lease(i, 1) for i in range(3)]
+        res = await eng.load_gpu_requests_v1(loads(rows), leases)
+        await eng.close()
+        return eng, res
+
+    eng, res = asyncio.run(run())
+    assert_equal_bits(local, expected)
+    reads = {(g, k) for (g, d), k in dest_key.items()}
+    block_bytes = {g: sum(t[0].numel() for t in [[x.select(BLOCK_DIM[g], 0)]
+                                                  for x in local[g]]) * local[g][0].element_size()
+                   for g in local}
+    c = eng.counters
+    assert res.blocks_written == c.blocks_written == len(dest_key)
+    assert c.useful_bytes == sum(block_bytes[g] for g, _ in reads)
+    assert c.padded_bytes == res.padded_bytes
+    assert c.batch_calls == 1 and c.logical_requests == len(requests)
+    assert c.transfers == res.transfers
+    assert sorted(releaser.released) == [0, 1, 2]
+
+
+def test_negative_control_skipped_copy_is_caught(monkeypatch):
+    """The same check catches a load that claims success but skips the copy."""
+    gen = torch.Generator().manual_seed(1)
+    world = make_world([5, 6], {(1, 0): [5, 6]}, N_SLOTS, torch.bfloat16, gen, DEVICE)
+    local = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+    dest_key = {(0, 3): 5, (1, 4): 6}
+    rows = [[(g, k, 1, 0, world.slot_of[(1, 0, g, k)], d) for (g, d), k in dest_key.items()]]
+    expected = expected_after(local, world, dest_key)
+    monkeypatch.setattr(gpu_transfer, "copy_transfer", lambda *a, **k: None)
+
+    async def run():
+        eng = await engine_with(world, local)
+        return await eng.load_gpu_requests_v1(loads(rows))
+
+    res = asyncio.run(run())
+    assert res.blocks_written == 2  # claimed ...
+    with pytest.raises(AssertionError, match="differs"):
+        assert_equal_bits(local, expected)  # ... but caught
+
+
+def _simple(dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    world = make_world([5, 6, 7], {(1, 0): [5, 6, 7], (2, 1): [5, 6, 7]}, N_SLOTS, dtype, gen,
+                       DEVICE)
+    local = make_caches(N_BLOCKS, dtype, gen, DEVICE)
+    return world, local
+
+
+def test_conflict_rejected_before_any_byte_is_written():
+    world, local = _simple()
+    before = {g: [t.clone() for t in ts] for g, ts in local.items()}
+    s = world.slot_of
+    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 1, 0, s[(1, 0, 0, 6)], 9)],
+            [(0, 7, 2, 1, s[(2, 1, 0, 7)], 9)]]
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        with pytest.raises(ConflictingWriteError, match="destination block 9"):
+            await eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+        return eng
+
+    eng = asyncio.run(run())
+    assert_equal_bits(local, before)
+    assert releaser.released == [1, 2]
+    assert eng.counters.rejected_batches == 1 and eng.counters.batch_calls == 0
+
+
+@pytest.mark.parametrize("row, field", [
+    ((0, 5, 1, 0, 10_000, 3), "slot"),
+    ((0, 5, 1, 0, 0, 10_000), "dest"),
+    ((0, 5, 9, 0, 0, 3), "rank"),
+])
+def test_out_of_range_or_unmapped_rejected_and_named(row, field):
+    world, local = _simple()
+    before = {g: [t.clone() for t in ts] for g, ts in local.items()}
+    good = (0, 6, 1, 0, world.slot_of[(1, 0, 0, 6)], 4)
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        with pytest.raises(LoadRejected, match=f"^{field}: "):
+            await eng.load_gpu_requests_v1(loads([[good, row]]), [Lease(1, 1)])
+
+    asyncio.run(run())
+    assert_equal_bits(local, before)
+    assert releaser.released == [1]
+
+
+def test_repeated_cancellation_waits_for_copy_and_releases():
+    world, local = _simple()
+    s = world.slot_of
+    dest_key = {(0, 3): 5, (0, 4): 6, (1, 5): 7}
+    rows = [[(g, k, 1, 0, s[(1, 0, g, k)], d) for (g, d), k in dest_key.items()]]
+    expected = expected_after(local, world, dest_key)
+    gate, entered = threading.Event(), threading.Event()
+    real_copy = gpu_transfer.copy_transfer
+
+    def gated_copy(*args, **kwargs):
+        entered.set()
+        assert gate.wait(30)
+        return real_copy(*args, **kwargs)
+
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        gpu_transfer.copy_transfer = gated_copy
+        try:
+            task = asyncio.ensure_future(eng.load_gpu_requests_v1(loads(rows), [Lease(7, 1)]))
+            while not entered.is_set():
+                await asyncio.sleep(0.01)
+            for _ in range(3):
+                task.cancel()
+                await asyncio.sleep(0.02)
+                assert not task.done()  # still waiting for the copy
+            assert releaser.released == []
+            gate.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gpu_transfer.copy_transfer = real_copy
+        return eng
+
+    eng = asyncio.run(run())
+    assert_equal_bits(local, expected)  # the copy finished before the caller returned
+    assert releaser.released == [7]
+    assert eng.counters.batch_calls == 1
+
+
+def test_partial_lease_release_failure_is_reported_and_others_released():
+    world, local = _simple()
+    s = world.slot_of
+    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3)]]
+    releaser = Releaser(fail_ids={2})
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        res = await eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)])
+        return eng, res
+
+    eng, res = asyncio.run(run())
+    assert sorted(releaser.released) == [1, 2, 3, 4]
+    assert len(res.lease_release_errors) == 1 and "lease 2" in res.lease_release_errors[0]
+    assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
+
+
+def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
+    world, local = _simple()
+    s = world.slot_of
+    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 2, 1, s[(2, 1, 0, 6)], 4)]]
+    calls = []
+    real_copy = gpu_transfer.copy_transfer
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("peer mapping vanished")
+        return real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_transfer, "copy_transfer", failing_second)
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        with pytest.raises(LoadError) as ei:
+            await eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+        return eng, ei.value
+
+    eng, err = asyncio.run(run())
+    assert err.planned[0].tolist() == [3, 4]
+    assert sorted(releaser.released) == [1, 2]
+    assert eng.counters.load_failures == 1 and eng.counters.batch_calls == 0
+
+
+def test_close_twice_then_load_and_map_refused():
+    world, local = _simple()
+    releaser = Releaser()
+
+    async def run():
+        eng = await engine_with(world, local, releaser)
+        await eng.close()
+        await eng.close()
+        assert eng.closed and eng.mapped() == []
+        with pytest.raises(TransferClosedError, match="load_gpu_requests_v1: .* closed"):
+            await eng.load_gpu_requests_v1(loads([[]]), [Lease(3, 1)])
+        with pytest.raises(TransferClosedError, match="map_storage: .* closed"):
+            await eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
+
+    asyncio.run(run())
+    assert releaser.released == [3]
+
+
+def test_close_that_fails_halfway_can_be_retried():
+    world, local = _simple()
+    released = []
+    fail_once = {"left": 1}
+
+    def release_of(name):
+        def release():
+            if name == "r1" and fail_once["left"]:
+                fail_once["left"] -= 1
+                raise OSError("unmap failed")
+            released.append(name)
+        return release
+
+    async def run():
+        eng = GPUTransfer(rank=0, slab_config=CFG)
+        await eng.set_local_caches(local, BLOCK_DIM, release=release_of("local"))
+        await eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM, release_of("r1"))
+        await eng.map_storage(2, Tier.CPU, world.storages[(2, 1)], BLOCK_DIM, release_of("r2"))
+        with pytest.raises(CloseError, match="rank 1 GPU storage"):
+            await eng.close()
+        assert sorted(released) == ["local", "r2"] and not eng.closed
+        with pytest.raises(TransferClosedError):
+            await eng.load_gpu_requests_v1(loads([[]]))
+        await eng.close()
+        assert eng.closed
+        await eng.close()
+
+    asyncio.run(run())
+    assert sorted(released) == ["local", "r1", "r2"]
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "group"])
+def test_schema_mismatch_refused_nothing_mapped(change):
+    gen = torch.Generator().manual_seed(3)
+    local = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+    if change == "dtype":
+        peer = make_caches(N_SLOTS, torch.float16, gen, DEVICE)
+        pattern = "dtype torch.float16 does not match local torch.bfloat16"
+    elif change == "shape":
+        peer = make_caches(N_SLOTS, torch.bfloat16, gen, DEVICE)
+        peer[0][1] = peer[0][1][..., :1].clone()
+        pattern = "block_shape"
+    else:
+        peer = make_caches(N_SLOTS, torch.bfloat16, gen, DEVICE, groups=(0,))
+        pattern = "group 1 missing"
+
+    async def run():
+        eng = GPUTransfer(rank=0, slab_config=CFG)
+        await eng.set_local_caches(local, BLOCK_DIM)
+        with pytest.raises(SchemaMismatchError, match=pattern):
+            await eng.map_storage(1, Tier.GPU, peer, BLOCK_DIM)
+        assert eng.mapped() == []
+
+    asyncio.run(run())
+
+
+def test_slabs_are_bounded_and_full_slab_released_on_close():
+    world, local = _simple()
+    s = world.slot_of
+    rows = [[(0, k, 1, 0, s[(1, 0, 0, k)], 10 + i) for i, k in enumerate((5, 6, 7))]]
+
+    async def run():
+        eng = await engine_with(world, local)
+        await eng.load_gpu_requests_v1(loads(rows))
+        slabs = eng._slabs
+        per_block = sum(t.numel() * t.element_size() for t in local[0]) // N_BLOCKS
+        assert slabs.allocated_bytes == CFG.full_rows * per_block  # one full slab, group 0
+        await eng.load_gpu_requests_v1(loads(rows))
+        assert slabs.allocated_bytes == CFG.full_rows * per_block  # reused, not grown
+        await eng.close()
+        assert slabs.allocated_bytes == 0
+
+    asyncio.run(run())
+
+
+def test_block_view_is_a_view():
+    t = torch.zeros(2, 5, 3)
+    v = block_copy.block_view(t, 1)
+    v[4].fill_(1)
+    assert t[:, 4].eq(1).all() and np.isclose(float(t.sum()), 6)

@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+
+from xinference.model.llm.vllm.xavier.load_batch import (
+    COLUMNS,
+    BlockLoad,
+    LoadBatch,
+    LoadBatchError,
+    empty_batch,
+    fold_block_hash,
+)
+
+
+def test_from_requests_round_trip():
+    b = LoadBatch.from_requests([
+        ("a", [BlockLoad(0, 11, 1, 0, 5, 7), BlockLoad(0, 12, 1, 0, 6, 8)]),
+        ("b", []),
+        ("c", [BlockLoad(1, 13, 2, 1, 0, 9)]),
+    ])
+    assert b.table.dtype == np.int64 and b.table.shape == (3, len(COLUMNS))
+    assert b.offsets.tolist() == [0, 2, 2, 3]
+    assert b.row_request_index().tolist() == [0, 0, 2]
+    assert b.rows_of("c").tolist() == [[1, 13, 2, 1, 0, 9]]
+    assert [s.request_ids for s in b.split()] == [("a",), ("b",), ("c",)]
+    again = LoadBatch.concat(b.split())
+    assert again.request_ids == b.request_ids
+    assert np.array_equal(again.table, b.table) and np.array_equal(again.offsets, b.offsets)
+    assert not b.table.flags.writeable
+
+
+@pytest.mark.parametrize("col", range(len(COLUMNS)))
+def test_negative_value_named(col):
+    row = [0, 1, 1, 0, 1, 1]
+    row[col] = -1
+    with pytest.raises(LoadBatchError, match=f"^{COLUMNS[col]}: negative"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([row]))
+
+
+def test_bad_inputs_named():
+    with pytest.raises(LoadBatchError, match="^tier: unknown tier 7"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1, 7, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^table: expected 6 columns"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^table: expected integer dtype"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0.0, 1, 1, 0, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^offsets: expected 2 entries"):
+        LoadBatch(("r",), np.array([0, 1, 1]), np.array([[0, 1, 1, 0, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^offsets: must start at 0"):
+        LoadBatch(("r", "s"), np.array([0, 2, 1]), np.array([[0, 1, 1, 0, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^request_ids: duplicate"):
+        LoadBatch(("r", "r"), np.array([0, 0, 0]), np.zeros((0, 6), np.int64))
+    with pytest.raises(LoadBatchError, match="^table: value does not fit"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 2**63, 1, 0, 1, 1]], dtype=np.uint64))
+
+
+def test_empty():
+    b = empty_batch()
+    assert b.num_requests == 0 and b.num_rows == 0
+
+
+def test_fold_block_hash_stable_and_non_negative():
+    assert fold_block_hash(b"abc") == fold_block_hash(bytearray(b"abc"))
+    assert fold_block_hash(b"abc") != fold_block_hash(b"abd")
+    assert fold_block_hash(12345) == fold_block_hash(12345)
+    assert fold_block_hash(b"abc", seed=1) != fold_block_hash(b"abc", seed=2)
+    for v in (b"", 0, -5, 2**200, ("x", 1)):
+        assert 0 <= fold_block_hash(v) < 2**63

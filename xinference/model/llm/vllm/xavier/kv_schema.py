@@ -1,0 +1,137 @@
+"""KV layout schema: what a block is, per KV-cache group and layer.
+
+A block is treated as an opaque slice along each layer tensor's *block
+dimension* (vLLM's CPU backend: ``[num_blocks, kv_heads, block_size,
+2*head]``, dim 0; several CUDA backends: ``[2, num_blocks, ...]``, dim 1).  A
+peer's storage may be read into local KV caches only when, for every group
+and layer, dtype and per-block shape are equal; the number of blocks may
+differ (storage has its own slot count).
+
+The dataclasses are torch-free; :func:`layout_of` inspects tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Sequence, Tuple, Union
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+_DTYPE_BYTES = {
+    "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8,
+    "torch.uint8": 1, "torch.int8": 1, "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1,
+}
+
+
+class SchemaMismatchError(ValueError):
+    """Two KV layouts cannot exchange blocks; the message names group, layer and field."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    name: str
+    dtype: str
+    block_dim: int
+    num_blocks: int
+    block_shape: Tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        n = _DTYPE_BYTES.get(self.dtype)
+        if n is None:
+            raise SchemaMismatchError(f"dtype: unsupported KV dtype {self.dtype} ({self.name})")
+        size = n
+        for d in self.block_shape:
+            size *= d
+        return size
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    group: int
+    layers: Tuple[LayerLayout, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers of the group."""
+        return sum(layer.block_bytes for layer in self.layers)
+
+    @property
+    def num_blocks(self) -> int:
+        return min(layer.num_blocks for layer in self.layers) if self.layers else 0
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: Tuple[GroupLayout, ...]
+
+    def group(self, group: int) -> GroupLayout:
+        for g in self.groups:
+            if g.group == group:
+                return g
+        raise KeyError(group)
+
+    @property
+    def group_ids(self) -> Tuple[int, ...]:
+        return tuple(g.group for g in self.groups)
+
+    def fingerprint(self) -> str:
+        """Stable hash of what must match between peers (not the block counts)."""
+        desc = [[g.group, [[la.dtype, la.block_dim, list(la.block_shape)] for la in g.layers]]
+                for g in self.groups]
+        return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
+
+    def check_compatible(self, other: KVLayout, what: str = "peer") -> None:
+        """Raise :class:`SchemaMismatchError` unless ``other`` can feed this layout.
+
+        Checks every group of ``self`` exists in ``other`` with the same number
+        of layers, dtypes and per-block shapes (layer names and block counts
+        may differ).
+        """
+        theirs = {g.group: g for g in other.groups}
+        for mine in self.groups:
+            peer = theirs.get(mine.group)
+            if peer is None:
+                raise SchemaMismatchError(
+                    f"{what} schema: KV-cache group {mine.group} missing "
+                    f"(has groups {sorted(theirs)})")
+            if len(peer.layers) != len(mine.layers):
+                raise SchemaMismatchError(
+                    f"{what} schema: group {mine.group} has {len(peer.layers)} layers, "
+                    f"local has {len(mine.layers)}")
+            for la, lb in zip(mine.layers, peer.layers):
+                for field in ("dtype", "block_shape"):
+                    va, vb = getattr(la, field), getattr(lb, field)
+                    if va != vb:
+                        raise SchemaMismatchError(
+                            f"{what} schema: group {mine.group} layer {la.name}: {field} "
+                            f"{vb} does not match local {va}")
+
+
+LayerTensors = Sequence[Union["torch.Tensor", Tuple[str, "torch.Tensor"]]]
+
+
+def layout_of(caches: Mapping[int, LayerTensors],
+              block_dim: Union[int, Mapping[int, int]] = 0) -> KVLayout:
+    """Layout of ``{group: [tensor | (name, tensor), ...]}``.
+
+    ``block_dim`` is one int for all groups or a per-group mapping.
+    """
+    groups = []
+    for gid in sorted(caches):
+        dim = block_dim if isinstance(block_dim, int) else block_dim[gid]
+        layers = []
+        for i, item in enumerate(caches[gid]):
+            name, t = item if isinstance(item, tuple) else (f"g{gid}.layer{i}", item)
+            if not 0 <= dim < t.dim():
+                raise SchemaMismatchError(
+                    f"block_dim: {dim} out of range for layer {name} of shape {tuple(t.shape)}")
+            shape = tuple(int(s) for s in t.shape)
+            layers.append(LayerLayout(
+                name=name, dtype=str(t.dtype), block_dim=dim, num_blocks=shape[dim],
+                block_shape=shape[:dim] + shape[dim + 1:]))
+        groups.append(GroupLayout(int(gid), tuple(layers)))
+    return KVLayout(tuple(groups))

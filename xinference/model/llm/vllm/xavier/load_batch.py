@@ -1,0 +1,209 @@
+"""The compact wire format of one scheduler step's KV loads.
+
+A step carries every scheduled request's loads in ONE int64 table, so that a
+single xoscar call moves the whole step (one pickled buffer instead of
+thousands of Python tuples).  Each row is one block position of one request:
+
+=========  ===============================================================
+column     meaning
+=========  ===============================================================
+group      KV-cache group id (vLLM ``kv_cache_config.kv_cache_groups``)
+key        block key (vLLM block hash folded to int64)
+rank       source rank that holds the block
+tier       storage tier on that rank (:class:`Tier`)
+slot       slot index in that rank's tier storage
+dest       destination block id in the loading replica's KV cache
+=========  ===============================================================
+
+Pure module: numpy only, no torch, no actors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+COLUMNS: Tuple[str, ...] = ("group", "key", "rank", "tier", "slot", "dest")
+GROUP, KEY, RANK, TIER, SLOT, DEST = range(len(COLUMNS))
+
+#: vLLM's shared null block (``BlockPool.null_block``) has block id 0.
+NULL_BLOCK_ID = 0
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives on its source rank."""
+
+    GPU = 0
+    CPU = 1
+
+
+class LoadBatchError(ValueError):
+    """Malformed step metadata; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """One block position of one request (convenience form for tests and callers)."""
+
+    group: int
+    key: int
+    rank: int
+    tier: int
+    slot: int
+    dest: int
+
+    def as_row(self) -> Tuple[int, int, int, int, int, int]:
+        return (self.group, self.key, self.rank, self.tier, self.slot, self.dest)
+
+
+@dataclass(frozen=True)
+class LoadBatch:
+    """All loads of one scheduler step.
+
+    ``table`` is an int64 array of shape ``[N, 6]`` (columns :data:`COLUMNS`);
+    rows ``offsets[i]:offsets[i+1]`` belong to ``request_ids[i]``.  The
+    constructor validates everything and raises :class:`LoadBatchError` naming
+    the bad field; a batch that exists is well formed.
+    """
+
+    request_ids: Tuple[str, ...]
+    offsets: np.ndarray
+    table: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        ids = tuple(self.request_ids)
+        object.__setattr__(self, "request_ids", ids)
+        if len(set(ids)) != len(ids):
+            raise LoadBatchError("request_ids: duplicate request id in one step")
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise LoadBatchError(f"request_ids: expected str, got {type(rid).__name__}")
+        offsets = _as_int64("offsets", self.offsets, ndim=1)
+        table = _as_int64("table", self.table, ndim=2)
+        if table.shape[1] != len(COLUMNS):
+            raise LoadBatchError(
+                f"table: expected {len(COLUMNS)} columns {COLUMNS}, got shape {table.shape}")
+        if offsets.shape[0] != len(ids) + 1:
+            raise LoadBatchError(
+                f"offsets: expected {len(ids) + 1} entries for {len(ids)} requests, "
+                f"got {offsets.shape[0]}")
+        if offsets[0] != 0 or offsets[-1] != table.shape[0] or np.any(np.diff(offsets) < 0):
+            raise LoadBatchError(
+                f"offsets: must start at 0, be non-decreasing and end at {table.shape[0]}")
+        for col, name in enumerate(COLUMNS):
+            if table.shape[0] and table[:, col].min() < 0:
+                bad = int(np.argmax(table[:, col] < 0))
+                raise LoadBatchError(f"{name}: negative value {int(table[bad, col])} in row {bad}")
+        if table.shape[0]:
+            tiers = table[:, TIER]
+            bad_tier = ~np.isin(tiers, [t.value for t in Tier])
+            if bad_tier.any():
+                row = int(np.argmax(bad_tier))
+                raise LoadBatchError(f"tier: unknown tier {int(tiers[row])} in row {row}")
+        offsets.setflags(write=False)
+        table.setflags(write=False)
+        object.__setattr__(self, "offsets", offsets)
+        object.__setattr__(self, "table", table)
+
+    # -- construction ------------------------------------------------------
+    @classmethod
+    def from_requests(
+        cls, requests: Iterable[Tuple[str, Sequence[BlockLoad]]]
+    ) -> LoadBatch:
+        """Build a batch from ``(request_id, loads)`` pairs."""
+        ids: List[str] = []
+        rows: List[Tuple[int, ...]] = []
+        offsets = [0]
+        for rid, loads in requests:
+            ids.append(rid)
+            rows.extend(load.as_row() for load in loads)
+            offsets.append(len(rows))
+        table = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(COLUMNS))
+        return cls(tuple(ids), np.asarray(offsets, dtype=np.int64), table)
+
+    @classmethod
+    def concat(cls, batches: Sequence[LoadBatch]) -> LoadBatch:
+        """One batch carrying the requests of several (e.g. per-request) batches."""
+        ids: List[str] = []
+        tables = []
+        offsets = [0]
+        for b in batches:
+            ids.extend(b.request_ids)
+            tables.append(b.table)
+            offsets.extend((b.offsets[1:] + offsets[-1]).tolist())
+        table = np.concatenate(tables) if tables else np.zeros((0, len(COLUMNS)), np.int64)
+        return cls(tuple(ids), np.asarray(offsets, dtype=np.int64), table)
+
+    # -- views ---------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.shape[0])
+
+    def row_request_index(self) -> np.ndarray:
+        """int64 array: index into ``request_ids`` of each table row."""
+        counts = np.diff(self.offsets)
+        return np.repeat(np.arange(self.num_requests, dtype=np.int64), counts)
+
+    def rows_of(self, request_id: str) -> np.ndarray:
+        i = self.request_ids.index(request_id)
+        return self.table[self.offsets[i]:self.offsets[i + 1]]
+
+    def split(self) -> List[LoadBatch]:
+        """One single-request batch per request (the per-request baseline)."""
+        return [
+            LoadBatch((rid,), np.asarray([0, self.offsets[i + 1] - self.offsets[i]], np.int64),
+                      self.table[self.offsets[i]:self.offsets[i + 1]].copy())
+            for i, rid in enumerate(self.request_ids)
+        ]
+
+
+def empty_batch() -> LoadBatch:
+    return LoadBatch((), np.zeros(1, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
+
+
+def _as_int64(name: str, value: object, ndim: int) -> np.ndarray:
+    if not isinstance(value, np.ndarray):
+        try:
+            value = np.asarray(value)
+        except Exception as exc:  # pragma: no cover - numpy raises many types
+            raise LoadBatchError(f"{name}: not an array ({exc})") from exc
+    arr: np.ndarray = value
+    if arr.ndim != ndim:
+        # an empty Python list gives shape (0,); accept it as an empty table
+        if ndim == 2 and arr.size == 0:
+            return np.zeros((0, len(COLUMNS)), np.int64)
+        raise LoadBatchError(f"{name}: expected {ndim}-D array, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and arr.dtype.kind not in "iu":
+            raise LoadBatchError(f"{name}: expected integer dtype (int64), got {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+            raise LoadBatchError(f"{name}: value does not fit in int64")
+        arr = arr.astype(np.int64)
+    return np.array(arr, dtype=np.int64, copy=True)
+
+
+def fold_block_hash(block_hash: object, seed: Optional[int] = None) -> int:
+    """Fold an arbitrary vLLM block hash (bytes, int, tuple) to a non-negative int64 key.
+
+    Equal hashes give equal keys in every process (no Python ``hash()``; it is
+    salted per process).
+    """
+    import hashlib
+
+    if isinstance(block_hash, (bytes, bytearray, memoryview)):
+        data = bytes(block_hash)
+    elif isinstance(block_hash, int):
+        data = block_hash.to_bytes((block_hash.bit_length() + 8) // 8 or 1, "little", signed=True)
+    else:
+        data = repr(block_hash).encode()
+    if seed is not None:
+        data = seed.to_bytes(8, "little", signed=True) + data
+    digest = hashlib.blake2b(data, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF

@@ -1,0 +1,237 @@
+"""Pure planning of one step's batched KV load.
+
+``plan_step(batch, slab_config, slab_state)`` turns a :class:`LoadBatch` into a
+:class:`LoadPlan`:
+
+1. null-block positions (``dest == NULL_BLOCK_ID``) are dropped first, so they
+   never count as writes or conflicts;
+2. every destination of a KV-cache group must receive exactly one key; two
+   different keys for one destination reject the WHOLE batch
+   (:class:`ConflictingWriteError`) before any byte is copied;
+3. identical ``(group, key, dest)`` writes collapse into one;
+4. each ``(group, key)`` is read once, from one source: GPU tier before CPU
+   tier, then the first offer in batch order; all its destinations are
+   written from that one read;
+5. reads are grouped by ``(source rank, tier, group)`` and cut into
+   transfers of at most ``slab rows`` blocks; the slab (full or small) is
+   chosen per source rank with hysteresis (:class:`SlabState`).
+
+No torch, no actors: numpy int64 arrays in, frozen dataclasses out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Tuple
+
+import numpy as np
+
+from .load_batch import DEST, GROUP, KEY, NULL_BLOCK_ID, RANK, SLOT, TIER, LoadBatch, Tier
+
+
+class ConflictingWriteError(ValueError):
+    """Two different keys target one destination block of one KV-cache group."""
+
+    def __init__(self, group: int, dest: int, key_a: int, key_b: int,
+                 requests: Tuple[str, ...]) -> None:
+        self.group, self.dest, self.key_a, self.key_b = group, dest, key_a, key_b
+        self.requests = requests
+        super().__init__(
+            f"conflicting writes: destination block {dest} of KV-cache group {group} "
+            f"is targeted by key {key_a} and key {key_b} (requests {', '.join(requests)}); "
+            "the whole batch was rejected before any copy")
+
+
+@dataclass(frozen=True)
+class SlabConfig:
+    """Slab sizes in blocks and the hysteresis of the small slab.
+
+    A source rank's batch is *small* when it reads at most ``small_rows``
+    blocks.  The small slab is used only after ``switch_after`` consecutive
+    small batches from that rank; one large batch switches back to full.
+    """
+
+    full_rows: int = 512
+    small_rows: int = 32
+    switch_after: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.full_rows, int) or self.full_rows < 1:
+            raise ValueError(f"full_rows: must be a positive int, got {self.full_rows!r}")
+        if not isinstance(self.small_rows, int) or not 1 <= self.small_rows <= self.full_rows:
+            raise ValueError(
+                f"small_rows: must be an int in [1, full_rows={self.full_rows}], "
+                f"got {self.small_rows!r}")
+        if not isinstance(self.switch_after, int) or self.switch_after < 1:
+            raise ValueError(f"switch_after: must be a positive int, got {self.switch_after!r}")
+
+
+@dataclass(frozen=True)
+class PeerSlabState:
+    consecutive_small: int = 0
+    use_small: bool = False
+
+
+@dataclass(frozen=True)
+class SlabState:
+    """Per source rank hysteresis state; immutable, advanced by :func:`plan_step`."""
+
+    peers: Mapping[int, PeerSlabState] = field(default_factory=dict)
+
+    def choose(self, cfg: SlabConfig, rank: int, rows: int) -> Tuple[int, PeerSlabState]:
+        """Slab rows for ``rank`` reading ``rows`` blocks this step, and the next state."""
+        prev = self.peers.get(rank, PeerSlabState())
+        if rows > cfg.small_rows:
+            nxt = PeerSlabState(0, False)
+        else:
+            count = prev.consecutive_small + 1
+            nxt = PeerSlabState(count, prev.use_small or count >= cfg.switch_after)
+        return (cfg.small_rows if nxt.use_small else cfg.full_rows), nxt
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One bounded copy: gather ``src_slots`` into slab rows ``0..rows-1``, then
+    write slab row ``dst_rows[i]`` into destination block ``dst_blocks[i]``."""
+
+    source_rank: int
+    tier: Tier
+    group: int
+    slab_rows: int
+    src_slots: np.ndarray
+    dst_blocks: np.ndarray
+    dst_rows: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.src_slots.shape[0])
+
+    @property
+    def padded_rows(self) -> int:
+        return self.slab_rows - self.rows
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    transfers: Tuple[Transfer, ...]
+    #: requests of the batch (all of them, including those left with no loads)
+    request_ids: Tuple[str, ...]
+    #: null-block positions dropped
+    dropped_null: int
+    #: identical (group, key, dest) writes collapsed
+    duplicate_writes: int
+    #: rows offering a (group, key) that is read from another row (not read again)
+    redundant_reads: int
+    #: destinations written per group: group -> sorted int64 dest ids
+    written: Mapping[int, np.ndarray]
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.transfers)
+
+    @property
+    def padded_rows(self) -> int:
+        return sum(t.padded_rows for t in self.transfers)
+
+    @property
+    def blocks_written(self) -> int:
+        return sum(int(t.dst_blocks.shape[0]) for t in self.transfers)
+
+
+def plan_step(batch: LoadBatch, cfg: SlabConfig,
+              state: SlabState | None = None) -> Tuple[LoadPlan, SlabState]:
+    """Plan ``batch``; returns the plan and the advanced slab state.
+
+    Raises :class:`ConflictingWriteError` (and nothing is planned) when one
+    destination of a group would receive two different keys.
+    """
+    state = state if state is not None else SlabState()
+    table = batch.table
+    req_index = batch.row_request_index()
+
+    live = table[:, DEST] != NULL_BLOCK_ID
+    dropped_null = int((~live).sum())
+    table, req_index = table[live], req_index[live]
+
+    _reject_conflicts(table, req_index, batch.request_ids)
+
+    # unique writes (group, key, dest), first occurrence kept
+    order = np.lexsort((np.arange(len(table)), table[:, DEST], table[:, KEY], table[:, GROUP]))
+    t_sorted = table[order]
+    same_write = np.zeros(len(t_sorted), dtype=bool)
+    if len(t_sorted) > 1:
+        same_write[1:] = np.all(
+            t_sorted[1:, [GROUP, KEY, DEST]] == t_sorted[:-1, [GROUP, KEY, DEST]], axis=1)
+    duplicate_writes = int(same_write.sum())
+    writes = t_sorted[~same_write][:, [GROUP, KEY, DEST]]
+
+    # one source per (group, key): GPU before CPU, then batch order
+    src_order = np.lexsort((np.arange(len(table)), table[:, TIER], table[:, KEY], table[:, GROUP]))
+    s_sorted = table[src_order]
+    first = np.ones(len(s_sorted), dtype=bool)
+    if len(s_sorted) > 1:
+        first[1:] = np.any(s_sorted[1:, [GROUP, KEY]] != s_sorted[:-1, [GROUP, KEY]], axis=1)
+    sources = s_sorted[first]  # sorted by (group, key)
+    # keep read order stable: order sources by first appearance in the batch
+    first_pos = src_order[first]
+    sources = sources[np.argsort(first_pos, kind="stable")]
+    redundant_reads = int(len(s_sorted) - len(sources))
+
+    # map each write to the index of its (group, key) source in `sources`
+    pairs = np.concatenate([sources[:, [GROUP, KEY]], writes[:, :2]])
+    _, pair_id = np.unique(pairs, axis=0, return_inverse=True)
+    pair_id = pair_id.reshape(-1)
+    source_of_pair = np.empty(len(pairs), dtype=np.int64)
+    source_of_pair[pair_id[:len(sources)]] = np.arange(len(sources), dtype=np.int64)
+    write_src = source_of_pair[pair_id[len(sources):]]
+
+    # rows per peer and slab choice
+    next_peers: Dict[int, PeerSlabState] = dict(state.peers)
+    slab_for_rank: Dict[int, int] = {}
+    ranks, counts = np.unique(sources[:, RANK], return_counts=True)
+    for rank, count in zip(ranks.tolist(), counts.tolist()):
+        slab_for_rank[rank], next_peers[rank] = state.choose(cfg, rank, count)
+
+    transfers: List[Transfer] = []
+    bucket_keys = sources[:, [RANK, TIER, GROUP]]
+    # buckets in order of first appearance
+    _, bucket_first, bucket_of = np.unique(bucket_keys, axis=0, return_index=True,
+                                           return_inverse=True)
+    bucket_of = bucket_of.reshape(-1)
+    for b in np.argsort(bucket_first, kind="stable").tolist():
+        members = np.flatnonzero(bucket_of == b)  # indices into `sources`, batch order
+        rank, tier, group = (int(v) for v in bucket_keys[members[0]])
+        slab = slab_for_rank[rank]
+        for start in range(0, len(members), slab):
+            chunk = members[start:start + slab]
+            row_of = np.full(len(sources), -1, dtype=np.int64)
+            row_of[chunk] = np.arange(len(chunk), dtype=np.int64)
+            sel = row_of[write_src] >= 0
+            transfers.append(Transfer(
+                source_rank=rank, tier=Tier(tier), group=group, slab_rows=slab,
+                src_slots=sources[chunk, SLOT].astype(np.int64),
+                dst_blocks=writes[sel, 2].astype(np.int64),
+                dst_rows=row_of[write_src[sel]]))
+
+    written: Dict[int, np.ndarray] = {}
+    for g in np.unique(writes[:, 0]).tolist():
+        written[int(g)] = np.sort(writes[writes[:, 0] == g, 2])
+    plan = LoadPlan(tuple(transfers), batch.request_ids, dropped_null, duplicate_writes,
+                    redundant_reads, written)
+    return plan, SlabState(next_peers)
+
+
+def _reject_conflicts(table: np.ndarray, req_index: np.ndarray,
+                      request_ids: Tuple[str, ...]) -> None:
+    if len(table) < 2:
+        return
+    order = np.lexsort((table[:, KEY], table[:, DEST], table[:, GROUP]))
+    t = table[order]
+    same_dest = np.all(t[1:, [GROUP, DEST]] == t[:-1, [GROUP, DEST]], axis=1)
+    clash = same_dest & (t[1:, KEY] != t[:-1, KEY])
+    if clash.any():
+        i = int(np.argmax(clash))
+        a, b = order[i], order[i + 1]
+        reqs = tuple(dict.fromkeys((request_ids[req_index[a]], request_ids[req_index[b]])))
+        raise ConflictingWriteError(int(t[i, GROUP]), int(t[i, DEST]), int(t[i, KEY]),
+                                    int(t[i + 1, KEY]), reqs)
