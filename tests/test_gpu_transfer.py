@@ -5,7 +5,6 @@ import asyncio
 import os
 import threading
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -369,8 +368,12 @@ def test_slabs_are_bounded_and_full_slab_released_on_close():
     asyncio.run(run())
 
 
-def test_block_view_is_a_view():
-    t = torch.zeros(2, 5, 3)
-    v = block_copy.block_view(t, 1)
-    v[4].fill_(1)
-    assert t[:, 4].eq(1).all() and np.isclose(float(t.sum()), 6)
+@pytest.mark.parametrize("shape, dim, word", [((5, 2, 4), 0, torch.int64), ((5, 3), 0, torch.int16),
+                                              ((2, 5, 4), 1, torch.int16)])
+def test_block_view_is_an_integer_view_that_writes_through(shape, dim, word):
+    t = torch.zeros(shape, dtype=torch.bfloat16)
+    v = block_copy.block_view(t, dim)
+    assert v.dtype == word and v.shape[0] == 5
+    v[4] = -1  # all bits set: a bf16 NaN pattern
+    assert bits(t.select(dim, 4)).eq(-1).all()
+    assert int(bits(t).ne(0).sum()) == t.select(dim, 4).numel()

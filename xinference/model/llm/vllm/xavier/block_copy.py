@@ -1,42 +1,63 @@
 """Execution of one planned :class:`~.plan.Transfer` with torch (CPU or CUDA).
 
-``copy_transfer`` gathers the transfer's source slots of every layer into
-the slab (``index_select`` into the slab's first ``rows`` rows), then writes
-slab rows into destination blocks (``index_copy_`` along the block
-dimension).  Layers are addressed through views with the block dimension
-moved first, so any layout validated by :mod:`.kv_schema` works.  Bytes are
-copied, never converted: bf16 bit patterns are preserved.
+Every layer tensor is addressed through a *block view*: the block dimension
+moved first and the dtype reinterpreted as plain integers (``int64`` words
+for contiguous rows, the element-sized integer otherwise).  Copies therefore
+move bits, never values: bf16/fp16 NaN payloads survive, and wide words make
+``index_select`` a straight memory copy.
+
+A slab layer is a contiguous ``uint8`` buffer ``[rows, block_bytes]``; it is
+reinterpreted to match each side's view, so a source stored block-first can
+feed a destination whose block dimension is 1 (the per-block logical order is
+what :mod:`.kv_schema` compares).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 def block_view(t: torch.Tensor, block_dim: int) -> torch.Tensor:
-    """View of ``t`` with the block dimension first (no copy)."""
-    return t if block_dim == 0 else t.movedim(block_dim, 0)
+    """Block-first integer view of ``t`` (no copy; writes go through to ``t``)."""
+    v = t.movedim(block_dim, 0) if block_dim else t
+    itemsize = v.element_size()
+    if v.is_contiguous():
+        flat = v.reshape(v.shape[0], math.prod(v.shape[1:]))
+        row_bytes = flat.shape[1] * itemsize
+        if itemsize < 8 and row_bytes % 8 == 0 and (v.storage_offset() * itemsize) % 8 == 0:
+            return flat.view(torch.uint8).view(torch.int64)
+        return flat.view(_INT_OF_SIZE[itemsize])
+    return v.view(_INT_OF_SIZE[itemsize])
+
+
+def slab_as(slab: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+    """The first ``rows`` rows of a ``uint8`` slab viewed with ``like``'s dtype and
+    per-block shape (the slab is contiguous, so any such view exists)."""
+    return slab[:rows].view(like.dtype).view(rows, *like.shape[1:])
 
 
 def copy_transfer(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor],
                   slab_layers: Sequence[torch.Tensor], src_slots: torch.Tensor,
                   dst_blocks: torch.Tensor, dst_rows: torch.Tensor,
                   identity_rows: bool) -> None:
-    """Copy one transfer for every layer.
+    """Copy one transfer for every layer: gather ``src_slots`` into the slab, then
+    write slab row ``dst_rows[i]`` into block ``dst_blocks[i]``.
 
-    All tensors are block-first views; index tensors are int64 on the
-    destination's device.  ``identity_rows`` says ``dst_rows == arange``
-    (each read has exactly one destination, in order), which skips a gather.
+    Layers are block views (:func:`block_view`); index tensors are int64,
+    ``src_slots`` on the source's device, the others on the destination's.
+    ``identity_rows`` says ``dst_rows == arange(rows)``, which skips a gather.
     """
     rows = int(src_slots.shape[0])
     for src, dst, slab in zip(src_layers, dst_layers, slab_layers):
-        staged = slab[:rows]
-        if src.device != staged.device:
-            idx = src_slots.to(src.device)
-            staged.copy_(src.index_select(0, idx), non_blocking=True)
-        else:
-            torch.index_select(src, 0, src_slots, out=staged)
+        if src.device == slab.device:
+            torch.index_select(src, 0, src_slots, out=slab_as(slab, rows, src))
+        else:  # e.g. CPU tier into a CUDA slab
+            slab_as(slab, rows, src).copy_(src.index_select(0, src_slots), non_blocking=True)
+        staged = slab_as(slab, rows, dst)
         values = staged if identity_rows else staged.index_select(0, dst_rows)
         dst.index_copy_(0, dst_blocks, values)

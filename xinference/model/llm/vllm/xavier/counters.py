@@ -14,6 +14,7 @@ class TransferCounters:
       loads counts once per call that carries it);
     * ``batch_calls``: ``load_gpu_requests_v1`` calls that were executed;
     * ``transfers``: slab-bounded copies issued;
+    * ``fused_transfers``: of those, copies done by the fused Triton kernel;
     * ``useful_bytes``: bytes of source blocks read into slabs;
     * ``padded_bytes``: slab capacity of those transfers left unfilled
       (bytes a fixed-shape wire transfer would carry in vain);
@@ -26,6 +27,7 @@ class TransferCounters:
     logical_requests: int = 0
     batch_calls: int = 0
     transfers: int = 0
+    fused_transfers: int = 0
     useful_bytes: int = 0
     padded_bytes: int = 0
     blocks_written: int = 0

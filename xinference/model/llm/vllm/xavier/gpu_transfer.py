@@ -28,17 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
 
+from . import block_copy_triton
 from .block_copy import block_view, copy_transfer
 from .counters import TransferCounters
 from .kv_schema import KVLayout, LayerTensors, layout_of
 from .load_batch import LoadBatch, LoadBatchError, Tier
-from .plan import ConflictingWriteError, LoadPlan, SlabConfig, SlabState, plan_step
+from .plan import ConflictingWriteError, LoadPlan, SlabConfig, SlabState, Transfer, plan_step
 from .slabs import SlabPool
 
 logger = logging.getLogger(__name__)
@@ -95,13 +97,22 @@ class _MappedStorage:
     layout: KVLayout
     layers: Dict[int, List[torch.Tensor]]  # block-first views
     release: Optional[Callable[[], None]]
+    pointer_tables: Dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class GPUTransfer:
     """Batched KV loads into one replica's KV caches (CPU or CUDA tensors)."""
 
     def __init__(self, rank: int, slab_config: Optional[SlabConfig] = None,
-                 release_lease: Optional[ReleaseLease] = None) -> None:
+                 release_lease: Optional[ReleaseLease] = None,
+                 copy_kernel: Optional[str] = None) -> None:
+        """``copy_kernel``: ``"auto"`` (default; env ``XAVIER_COPY_KERNEL``) uses the fused
+        Triton gather-scatter for same-device CUDA transfers when it applies, ``"torch"``
+        always uses the slab-staged torch copy, ``"triton"`` requires the fused kernel."""
+        kernel = copy_kernel or os.environ.get("XAVIER_COPY_KERNEL", "auto")
+        if kernel not in ("auto", "torch", "triton"):
+            raise ValueError(f"copy_kernel: expected auto, torch or triton, got {kernel!r}")
+        self.copy_kernel = kernel
         self.rank = rank
         self.slab_config = slab_config or SlabConfig()
         self._release_lease = release_lease
@@ -109,6 +120,7 @@ class GPUTransfer:
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
+        self._local_pointer_tables: Dict[int, torch.Tensor] = {}
         self._local_release: Optional[Callable[[], None]] = None
         self._slabs: Optional[SlabPool] = None
         self._device: Optional[torch.device] = None
@@ -144,6 +156,7 @@ class GPUTransfer:
                 raise LoadBatchError(f"local KV caches: expected one device, got {devices}")
             self._device = devices.pop()
             self._local_layers = _block_views(caches, layout)
+            self._local_pointer_tables = {}
             self._local_layout = layout
             self._local_release = release
             self._slabs = SlabPool(layout, self.slab_config.full_rows,
@@ -297,18 +310,44 @@ class GPUTransfer:
         with ctx:
             for t in plan.transfers:
                 st = self._storages[(t.source_rank, t.tier)]
+                src, dst = st.layers[t.group], self._local_layers[t.group]
+                if self._fused(src, dst):
+                    self._run_fused(st, t, device)
+                    continue
                 n_dst = int(t.dst_blocks.shape[0])
                 identity = n_dst == t.rows and bool(np.all(t.dst_rows == np.arange(n_dst)))
-                src_dev = st.layers[t.group][0].device
                 copy_transfer(
-                    st.layers[t.group], self._local_layers[t.group],
-                    self._slabs.get(t.group, t.slab_rows),
-                    torch.from_numpy(t.src_slots).to(src_dev, non_blocking=True),
+                    src, dst, self._slabs.get(t.group, t.slab_rows),
+                    torch.from_numpy(t.src_slots).to(src[0].device, non_blocking=True),
                     torch.from_numpy(t.dst_blocks).to(device, non_blocking=True),
                     torch.from_numpy(t.dst_rows).to(device, non_blocking=True),
                     identity)
             if self._stream is not None:
                 self._stream.synchronize()
+
+    def _fused(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool:
+        if self.copy_kernel == "torch":
+            return False
+        ok = block_copy_triton.supports(src, dst)
+        if not ok and self.copy_kernel == "triton":
+            raise LoadRejected("copy_kernel: the fused Triton kernel does not apply to this "
+                               "transfer (needs contiguous block-first CUDA layers)")
+        return ok
+
+    def _run_fused(self, st: _MappedStorage, t: Transfer, device: torch.device) -> None:
+        src, dst = st.layers[t.group], self._local_layers[t.group]
+        src_table = st.pointer_tables.get(t.group)
+        if src_table is None:
+            src_table = st.pointer_tables[t.group] = block_copy_triton.pointer_table(src)
+        dst_table = self._local_pointer_tables.get(t.group)
+        if dst_table is None:
+            dst_table = self._local_pointer_tables[t.group] = block_copy_triton.pointer_table(dst)
+        block_copy_triton.gather_scatter(
+            src_table, dst_table, len(dst), int(dst[0].shape[1]), src[0].stride(0),
+            dst[0].stride(0),
+            torch.from_numpy(t.src_slots[t.dst_rows]).to(device, non_blocking=True),
+            torch.from_numpy(t.dst_blocks).to(device, non_blocking=True))
+        self.counters.fused_transfers += 1
 
     async def _release_all(self, leases: Sequence[Lease]) -> List[str]:
         errors: List[str] = []

@@ -178,10 +178,9 @@ def plan_step(batch: LoadBatch, cfg: SlabConfig,
     redundant_reads = int(len(s_sorted) - len(sources))
 
     # map each write to the index of its (group, key) source in `sources`
-    pairs = np.concatenate([sources[:, [GROUP, KEY]], writes[:, :2]])
-    _, pair_id = np.unique(pairs, axis=0, return_inverse=True)
-    pair_id = pair_id.reshape(-1)
-    source_of_pair = np.empty(len(pairs), dtype=np.int64)
+    pair_id = _dense_ids(np.concatenate([sources[:, GROUP], writes[:, 0]]),
+                         np.concatenate([sources[:, KEY], writes[:, 1]]))
+    source_of_pair = np.empty(len(pair_id), dtype=np.int64)
     source_of_pair[pair_id[:len(sources)]] = np.arange(len(sources), dtype=np.int64)
     write_src = source_of_pair[pair_id[len(sources):]]
 
@@ -194,10 +193,10 @@ def plan_step(batch: LoadBatch, cfg: SlabConfig,
 
     transfers: List[Transfer] = []
     bucket_keys = sources[:, [RANK, TIER, GROUP]]
-    # buckets in order of first appearance
-    _, bucket_first, bucket_of = np.unique(bucket_keys, axis=0, return_index=True,
-                                           return_inverse=True)
-    bucket_of = bucket_of.reshape(-1)
+    bucket_of = _dense_ids(bucket_keys[:, 0], bucket_keys[:, 1], bucket_keys[:, 2])
+    bucket_first = np.full(int(bucket_of.max()) + 1 if len(bucket_of) else 0, len(bucket_of),
+                           dtype=np.int64)
+    np.minimum.at(bucket_first, bucket_of, np.arange(len(bucket_of), dtype=np.int64))
     for b in np.argsort(bucket_first, kind="stable").tolist():
         members = np.flatnonzero(bucket_of == b)  # indices into `sources`, batch order
         rank, tier, group = (int(v) for v in bucket_keys[members[0]])
@@ -235,3 +234,23 @@ def _reject_conflicts(table: np.ndarray, req_index: np.ndarray,
         reqs = tuple(dict.fromkeys((request_ids[req_index[a]], request_ids[req_index[b]])))
         raise ConflictingWriteError(int(t[i, GROUP]), int(t[i, DEST]), int(t[i, KEY]),
                                     int(t[i + 1, KEY]), reqs)
+
+
+def _dense_ids(*columns: np.ndarray) -> np.ndarray:
+    """Dense int64 ids (0..k-1, in sorted order) of the distinct rows of ``columns``.
+
+    One lexsort; avoids ``np.unique(axis=0)``, which sorts a void view and is
+    an order of magnitude slower on a step's few hundred rows.
+    """
+    n = len(columns[0])
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.lexsort(columns[::-1])
+    new = np.zeros(n, dtype=bool)
+    new[0] = True
+    for col in columns:
+        sc = col[order]
+        new[1:] |= sc[1:] != sc[:-1]
+    ids = np.empty(n, dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
+    return ids

@@ -1,7 +1,7 @@
 """Persistent, bounded staging slabs for block transfers.
 
-A slab of ``rows`` blocks for a KV-cache group is one tensor per layer shaped
-``[rows, *block_shape]``: a transfer gathers up to ``rows`` source blocks
+A slab of ``rows`` blocks for a KV-cache group is one contiguous ``uint8``
+tensor per layer shaped ``[rows, block_bytes]``: a transfer gathers up to ``rows`` source blocks
 into it, then scatters them into the destination caches.  Slabs bound the
 memory a transfer needs and give every wire transfer a fixed shape.
 
@@ -17,9 +17,6 @@ from typing import Dict, List, Tuple
 import torch
 
 from .kv_schema import GroupLayout, KVLayout
-
-_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64,
-                                torch.uint8, torch.int8)}
 
 
 class SlabPool:
@@ -45,8 +42,8 @@ class SlabPool:
         return slab
 
     def _allocate(self, group: GroupLayout, rows: int) -> List[torch.Tensor]:
-        return [torch.empty((rows, *layer.block_shape), dtype=_DTYPES[layer.dtype],
-                            device=self._device) for layer in group.layers]
+        return [torch.empty((rows, layer.block_bytes), dtype=torch.uint8, device=self._device)
+                for layer in group.layers]
 
     @property
     def allocated_bytes(self) -> int:

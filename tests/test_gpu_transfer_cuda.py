@@ -1,0 +1,88 @@
+"""CUDA-only: the fused Triton kernel and storages mapped through CUDA IPC.
+
+Skipped without a CUDA device (CI); run on the lent GPU (see doc/gpu.md).  The
+rest of the engine's tests run on CUDA too with XAVIER_TEST_DEVICE=cuda.
+"""
+
+import asyncio
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier.load_batch import Tier
+from xinference.model.llm.vllm.xavier.plan import SlabConfig
+
+from .kvfixtures import bits, loads, random_bits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")]
+
+LAYERS, BLOCK = 6, (2, 16, 128)  # TRITON_ATTN-like block: [2, block_size, kv_heads*head]
+
+
+def storage(n, seed, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    return [random_bits((n, *BLOCK), torch.bfloat16, gen, device) for _ in range(LAYERS)]
+
+
+def produce(queue, done, n, seed):
+    """Child process: owns a CUDA storage, shares it through CUDA IPC, waits."""
+    layers = storage(n, seed)
+    queue.put(layers)
+    done.wait(120)
+
+
+@pytest.mark.parametrize("kernel, fused", [("auto", True), ("triton", True), ("torch", False)])
+def test_fused_kernel_bit_exact(kernel, fused):
+    local, peer = storage(300, 1), storage(200, 2)
+    rows = [[(0, 1000 + i, 1, 0, (7 * i) % 200, 1 + i) for i in range(150)],
+            [(0, 1000, 1, 0, 0, 290)]]  # shared key, second destination
+    expected = [t.clone() for t in local]
+    for i in range(150):
+        for e, p in zip(expected, peer):
+            e[1 + i] = p[(7 * i) % 200]
+    for e, p in zip(expected, peer):
+        e[290] = p[0]
+
+    async def run():
+        eng = GPUTransfer(0, SlabConfig(64, 8, 2), copy_kernel=kernel)
+        await eng.set_local_caches({0: local})
+        await eng.map_storage(1, Tier.GPU, {0: peer})
+        await eng.load_gpu_requests_v1(loads(rows))
+        await eng.close()
+        return eng.counters
+
+    c = asyncio.run(run())
+    for a, b in zip(local, expected):
+        assert torch.equal(bits(a), bits(b))
+    assert c.transfers == 3 and c.fused_transfers == (3 if fused else 0)
+    assert c.blocks_written == 151
+
+
+def test_cuda_ipc_storage_from_another_process():
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=produce, args=(queue, done, 128, 5))
+    proc.start()
+    try:
+        peer = queue.get(timeout=120)  # rebuilt from CUDA IPC handles
+        expected_src = storage(128, 5)
+        local = storage(256, 6)
+        rows = [[(0, 50 + i, 1, 0, i, 100 + i) for i in range(64)]]
+
+        async def run():
+            eng = GPUTransfer(0, SlabConfig(32, 8, 2))
+            await eng.set_local_caches({0: local})
+            await eng.map_storage(1, Tier.GPU, {0: peer})
+            await eng.load_gpu_requests_v1(loads(rows))
+            await eng.close()
+            return eng.counters
+
+        c = asyncio.run(run())
+        for a, b in zip(local, expected_src):
+            assert torch.equal(bits(a[100:164]), bits(b[:64]))
+        assert c.transfers == 2 and c.blocks_written == 64
+    finally:
+        done.set()
+        proc.join(60)

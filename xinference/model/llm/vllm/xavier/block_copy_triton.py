@@ -1,0 +1,77 @@
+"""Fused gather-scatter of KV blocks over all layers of a group, one Triton launch.
+
+For same-device transfers on CUDA (GPU tier through CUDA IPC, or this rank's
+own storage): destination block ``dst_blocks[i]`` of every layer receives
+source slot ``src_slots[i]`` of the same layer, read straight from the source
+(no slab staging: half the bytes of gather-then-scatter).  Layers are
+addressed through int64 pointer tables, so one launch covers every layer.
+
+Requires block views that are 2-D ``int64`` ``[blocks, row_words]`` with rows
+contiguous (:func:`.block_copy.block_view` of a contiguous block-first
+layer); :func:`supports` says whether a transfer qualifies.  Importing this
+module never fails: without a working Triton, :data:`AVAILABLE` is False.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+try:  # pragma: no cover - exercised on the GPU machine
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather_scatter(src_ptrs, dst_ptrs, src_idx, dst_idx, row_words,
+                        src_row_stride, dst_row_stride, BLOCK: tl.constexpr):
+        w = tl.program_id(0)
+        layer = tl.program_id(1)
+        chunk = tl.program_id(2)
+        s = tl.load(src_idx + w)
+        d = tl.load(dst_idx + w)
+        sp = tl.load(src_ptrs + layer).to(tl.pointer_type(tl.int64))
+        dp = tl.load(dst_ptrs + layer).to(tl.pointer_type(tl.int64))
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_words
+        v = tl.load(sp + s * src_row_stride + offs, mask=mask)
+        tl.store(dp + d * dst_row_stride + offs, v, mask=mask)
+
+    AVAILABLE = torch.cuda.is_available()
+except Exception:  # no triton, or no driver
+    AVAILABLE = False
+
+
+def supports(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tensor]) -> bool:
+    """True when the fused kernel can copy between these block views."""
+    if not AVAILABLE or not src_layers or len(src_layers) != len(dst_layers):
+        return False
+    words = src_layers[0].shape[1] if src_layers[0].dim() == 2 else -1
+    s_stride, d_stride = src_layers[0].stride(0), dst_layers[0].stride(0)
+    dev = dst_layers[0].device
+    for s, d in zip(src_layers, dst_layers):
+        if (s.dtype != torch.int64 or d.dtype != torch.int64 or s.dim() != 2 or d.dim() != 2
+                or s.shape[1] != words or d.shape[1] != words or s.stride(1) != 1
+                or d.stride(1) != 1 or s.stride(0) != s_stride or d.stride(0) != d_stride
+                or s.device != dev or d.device != dev or dev.type != "cuda"):
+            return False
+    return True
+
+
+def pointer_table(layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 device tensor of the layers' base addresses (build once per mapping)."""
+    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64,
+                        device=layers[0].device)
+
+
+def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: int,
+                   row_words: int, src_row_stride: int, dst_row_stride: int,
+                   src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """Launch on the current stream: for every layer and i, dst[dst_idx[i]] = src[src_idx[i]]."""
+    n = int(dst_idx.shape[0])
+    if n == 0:
+        return
+    block = min(1024, triton.next_power_of_2(row_words))
+    grid = (n, n_layers, triton.cdiv(row_words, block))
+    _gather_scatter[grid](src_table, dst_table, src_idx, dst_idx, row_words,
+                          src_row_stride, dst_row_stride, BLOCK=block, num_warps=4)
