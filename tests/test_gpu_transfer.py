@@ -47,8 +47,8 @@ def assert_equal_bits(got, exp):
             assert torch.equal(bits(a.cpu()), bits(b.cpu())), f"group {g} differs"
 
 
-async def engine_with(world, local, releaser=None, cfg=CFG):
-    eng = GPUTransfer(rank=0, slab_config=cfg, release_lease=releaser)
+async def engine_with(world, local, releaser=None, cfg=CFG, kernel=None):
+    eng = GPUTransfer(rank=0, slab_config=cfg, release_lease=releaser, copy_kernel=kernel)
     await eng.set_local_caches(local, BLOCK_DIM)
     for (rank, tier), caches in world.storages.items():
         await eng.map_storage(rank, Tier(tier), caches, BLOCK_DIM)
@@ -131,7 +131,7 @@ def test_negative_control_skipped_copy_is_caught(monkeypatch):
     monkeypatch.setattr(gpu_transfer, "copy_transfer", lambda *a, **k: None)
 
     async def run():
-        eng = await engine_with(world, local)
+        eng = await engine_with(world, local, kernel="torch")
         return await eng.load_gpu_requests_v1(loads(rows))
 
     res = asyncio.run(run())
@@ -206,7 +206,7 @@ def test_repeated_cancellation_waits_for_copy_and_releases():
     releaser = Releaser()
 
     async def run():
-        eng = await engine_with(world, local, releaser)
+        eng = await engine_with(world, local, releaser, kernel="torch")
         gpu_transfer.copy_transfer = gated_copy
         try:
             task = asyncio.ensure_future(eng.load_gpu_requests_v1(loads(rows), [Lease(7, 1)]))
@@ -264,7 +264,7 @@ def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
     releaser = Releaser()
 
     async def run():
-        eng = await engine_with(world, local, releaser)
+        eng = await engine_with(world, local, releaser, kernel="torch")
         with pytest.raises(LoadError) as ei:
             await eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
         return eng, ei.value

@@ -60,6 +60,40 @@ def test_fused_kernel_bit_exact(kernel, fused):
     assert c.blocks_written == 151
 
 
+def test_negative_control_fused_copy_skipped_is_caught(monkeypatch):
+    from xinference.model.llm.vllm.xavier import block_copy_triton
+
+    monkeypatch.setattr(block_copy_triton, "gather_scatter", lambda *a, **k: None)
+    local, peer = storage(64, 3), storage(64, 4)
+    before = [t.clone() for t in local]
+
+    async def run():
+        eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
+        await eng.set_local_caches({0: local})
+        await eng.map_storage(1, Tier.GPU, {0: peer})
+        res = await eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]]))
+        return res
+
+    assert asyncio.run(run()).blocks_written == 1  # claimed, but:
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(local, before))
+
+
+def test_triton_kernel_refused_before_copy_when_layout_does_not_fit():
+    from xinference.model.llm.vllm.xavier.gpu_transfer import LoadRejected
+
+    local = [t.movedim(0, 1).contiguous().movedim(1, 0) for t in storage(32, 1)]  # not block-first
+    peer = storage(32, 2)
+
+    async def run():
+        eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
+        await eng.set_local_caches({0: local})
+        await eng.map_storage(1, Tier.GPU, {0: peer})
+        with pytest.raises(LoadRejected, match="^copy_kernel: "):
+            await eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]]))
+
+    asyncio.run(run())
+
+
 def test_cuda_ipc_storage_from_another_process():
     ctx = torch.multiprocessing.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()

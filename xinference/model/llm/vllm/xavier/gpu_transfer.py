@@ -38,6 +38,7 @@ import torch
 from . import block_copy_triton
 from .block_copy import block_view, copy_transfer
 from .counters import TransferCounters
+from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
 from .load_batch import LoadBatch, LoadBatchError, Tier
 from .plan import ConflictingWriteError, LoadPlan, SlabConfig, SlabState, Transfer, plan_step
@@ -121,6 +122,8 @@ class GPUTransfer:
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
         self._local_pointer_tables: Dict[int, torch.Tensor] = {}
+        self._fused_cache: Dict[Tuple[int, Tier, int], bool] = {}
+        self._indices = IndexUploader(torch.device("cpu"))
         self._local_release: Optional[Callable[[], None]] = None
         self._slabs: Optional[SlabPool] = None
         self._device: Optional[torch.device] = None
@@ -157,6 +160,8 @@ class GPUTransfer:
             self._device = devices.pop()
             self._local_layers = _block_views(caches, layout)
             self._local_pointer_tables = {}
+            self._fused_cache.clear()
+            self._indices = IndexUploader(self._device)
             self._local_layout = layout
             self._local_release = release
             self._slabs = SlabPool(layout, self.slab_config.full_rows,
@@ -182,6 +187,7 @@ class GPUTransfer:
                     "map_storage: local KV caches are not registered yet (set_local_caches)")
             layout = layout_of(caches, block_dim)
             self._local_layout.check_compatible(layout, f"rank {rank} {tier.name} storage")
+            self._fused_cache.clear()
             old = self._storages.get((rank, tier))
             self._storages[(rank, tier)] = _MappedStorage(
                 rank, tier, layout, _block_views(caches, layout), release)
@@ -195,6 +201,7 @@ class GPUTransfer:
         """Drop the mappings of ``rank`` (one tier or all); returns how many."""
         async with self._mapping_lock:
             keys = [k for k in self._storages if k[0] == rank and (tier is None or k[1] == tier)]
+            self._fused_cache.clear()
             for k in keys:
                 st = self._storages.pop(k)
                 if st.release is not None:
@@ -279,6 +286,7 @@ class GPUTransfer:
                 raise LoadRejected(
                     f"dest: block id {int(t.dst_blocks.max())} out of range [0, {blocks}) "
                     f"for KV-cache group {t.group}")
+            self._fused_ok(st, t.group)  # copy_kernel="triton" refuses here, before any copy
 
     async def _execute(self, plan: LoadPlan) -> Tuple[int, int]:
         layout = self._local_layout
@@ -303,38 +311,56 @@ class GPUTransfer:
         return useful, padded
 
     def _run_transfers(self, plan: LoadPlan) -> None:
-        """Runs in a worker thread; returns only when every write is complete."""
+        """Runs in a worker thread; returns only when every write is complete.
+
+        All index arrays of the step go to the device in one copy; same-device
+        CUDA transfers use the fused kernel when it applies, the others the
+        slab-staged torch copy.
+        """
         assert self._slabs is not None and self._device is not None
-        device = self._device
+        jobs = []
+        arrays: List[np.ndarray] = []
+        for t in plan.transfers:
+            st = self._storages[(t.source_rank, t.tier)]
+            fused = self._fused_ok(st, t.group)
+            jobs.append((t, st, fused))
+            if fused:
+                arrays += [t.src_slots[t.dst_rows], t.dst_blocks]
+            else:
+                arrays += [t.dst_blocks, t.dst_rows]
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
         with ctx:
-            for t in plan.transfers:
-                st = self._storages[(t.source_rank, t.tier)]
+            indices = iter(self._indices.upload(arrays))
+            for t, st, fused in jobs:
                 src, dst = st.layers[t.group], self._local_layers[t.group]
-                if self._fused(src, dst):
-                    self._run_fused(st, t, device)
+                if fused:
+                    self._run_fused(st, t, next(indices), next(indices))
                     continue
+                dst_blocks, dst_rows = next(indices), next(indices)
                 n_dst = int(t.dst_blocks.shape[0])
                 identity = n_dst == t.rows and bool(np.all(t.dst_rows == np.arange(n_dst)))
                 copy_transfer(
                     src, dst, self._slabs.get(t.group, t.slab_rows),
                     torch.from_numpy(t.src_slots).to(src[0].device, non_blocking=True),
-                    torch.from_numpy(t.dst_blocks).to(device, non_blocking=True),
-                    torch.from_numpy(t.dst_rows).to(device, non_blocking=True),
-                    identity)
+                    dst_blocks, dst_rows, identity)
             if self._stream is not None:
                 self._stream.synchronize()
 
-    def _fused(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool:
-        if self.copy_kernel == "torch":
-            return False
-        ok = block_copy_triton.supports(src, dst)
+    def _fused_ok(self, st: _MappedStorage, group: int) -> bool:
+        key = (st.rank, st.tier, group)
+        ok = self._fused_cache.get(key)
+        if ok is None:
+            ok = self.copy_kernel != "torch" and block_copy_triton.supports(
+                st.layers[group], self._local_layers[group])
+            self._fused_cache[key] = ok
         if not ok and self.copy_kernel == "triton":
-            raise LoadRejected("copy_kernel: the fused Triton kernel does not apply to this "
-                               "transfer (needs contiguous block-first CUDA layers)")
+            raise LoadRejected("copy_kernel: the fused Triton kernel does not apply to rank "
+                               f"{st.rank} {st.tier.name} group {group} (needs contiguous "
+                               "block-first CUDA layers)")
         return ok
 
-    def _run_fused(self, st: _MappedStorage, t: Transfer, device: torch.device) -> None:
+    def _run_fused(self, st: _MappedStorage, t: Transfer, src_idx: torch.Tensor,
+                   dst_idx: torch.Tensor) -> None:
         src, dst = st.layers[t.group], self._local_layers[t.group]
         src_table = st.pointer_tables.get(t.group)
         if src_table is None:
@@ -344,9 +370,7 @@ class GPUTransfer:
             dst_table = self._local_pointer_tables[t.group] = block_copy_triton.pointer_table(dst)
         block_copy_triton.gather_scatter(
             src_table, dst_table, len(dst), int(dst[0].shape[1]), src[0].stride(0),
-            dst[0].stride(0),
-            torch.from_numpy(t.src_slots[t.dst_rows]).to(device, non_blocking=True),
-            torch.from_numpy(t.dst_blocks).to(device, non_blocking=True))
+            dst[0].stride(0), src_idx, dst_idx)
         self.counters.fused_transfers += 1
 
     async def _release_all(self, leases: Sequence[Lease]) -> List[str]:
@@ -404,6 +428,8 @@ class GPUTransfer:
                 logger.error("rank %d: close incomplete: %s", self.rank, "; ".join(errors))
                 raise CloseError("close incomplete, call close() again: " + "; ".join(errors))
             self._local_layers.clear()
+            self._local_pointer_tables.clear()
+            self._indices.close()
             self._stream = None
             self._closed = True
             logger.info("rank %d: transfer engine closed", self.rank)
