@@ -78,9 +78,9 @@ def main() -> None:
     di = torch.from_numpy(t.dst_blocks).cuda()
     words = int(dst_v[0].shape[1])
 
-    def launch() -> None:
+    def launch(num_warps: int = 4) -> None:
         block_copy_triton.gather_scatter(st, dt, len(dst_v), words, src_v[0].stride(0),
-                                         dst_v[0].stride(0), si, di)
+                                         dst_v[0].stride(0), si, di, num_warps=num_warps)
 
     moved = 2 * n * shape.block_bytes()
     a_ = torch.empty(n * shape.block_bytes() // 8, dtype=torch.int64, device="cuda").random_()
@@ -88,6 +88,8 @@ def main() -> None:
     rows = {
         "plain copy of the same bytes (device)": events_median(lambda: b_.copy_(a_)),
         "fused kernel only (device)": events_median(launch),
+        **{f"fused kernel only, num_warps={w} (device)": events_median(lambda w=w: launch(w))
+           for w in (2, 8, 16)},
         "fused kernel launch (host)": host_median(launch),
         "index upload, one pinned copy (host)": host_median(
             lambda: eng._indices.upload([t.src_slots[t.dst_rows], t.dst_blocks])),

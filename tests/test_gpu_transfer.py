@@ -355,7 +355,7 @@ def test_slabs_are_bounded_and_full_slab_released_on_close():
     rows = [[(0, k, 1, 0, s[(1, 0, 0, k)], 10 + i) for i, k in enumerate((5, 6, 7))]]
 
     async def run():
-        eng = await engine_with(world, local)
+        eng = await engine_with(world, local, kernel="torch")  # the slab-staged path
         await eng.load_gpu_requests_v1(loads(rows))
         slabs = eng._slabs
         per_block = sum(t.numel() * t.element_size() for t in local[0]) // N_BLOCKS

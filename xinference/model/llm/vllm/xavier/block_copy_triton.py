@@ -66,7 +66,7 @@ def pointer_table(layers: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: int,
                    row_words: int, src_row_stride: int, dst_row_stride: int,
-                   src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+                   src_idx: torch.Tensor, dst_idx: torch.Tensor, num_warps: int = 4) -> None:
     """Launch on the current stream: for every layer and i, dst[dst_idx[i]] = src[src_idx[i]]."""
     n = int(dst_idx.shape[0])
     if n == 0:
@@ -74,4 +74,4 @@ def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: i
     block = min(1024, triton.next_power_of_2(row_words))
     grid = (n, n_layers, triton.cdiv(row_words, block))
     _gather_scatter[grid](src_table, dst_table, src_idx, dst_idx, row_words,
-                          src_row_stride, dst_row_stride, BLOCK=block, num_warps=4)
+                          src_row_stride, dst_row_stride, BLOCK=block, num_warps=num_warps)

@@ -1,0 +1,29 @@
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError, layout_of
+
+
+def test_layout_of_and_block_bytes():
+    caches = {0: [("l0", torch.empty(10, 2, 16, 8, dtype=torch.bfloat16))],
+              1: [torch.empty(2, 7, 16, 8, dtype=torch.float32)]}
+    layout = layout_of(caches, {0: 0, 1: 1})
+    g0, g1 = layout.group(0), layout.group(1)
+    assert g0.layers[0].name == "l0" and g0.num_blocks == 10 and g0.block_bytes == 2 * 16 * 8 * 2
+    assert g1.layers[0].block_shape == (2, 16, 8) and g1.num_blocks == 7
+    assert g1.block_bytes == 2 * 16 * 8 * 4
+
+
+def test_fingerprint_ignores_block_counts_and_names():
+    a = layout_of({0: [("a", torch.empty(10, 4, dtype=torch.bfloat16))]})
+    b = layout_of({0: [("b", torch.empty(99, 4, dtype=torch.bfloat16))]})
+    c = layout_of({0: [("a", torch.empty(10, 4, dtype=torch.float16))]})
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    a.check_compatible(b)
+    with pytest.raises(SchemaMismatchError, match="layer a: dtype torch.float16"):
+        a.check_compatible(c)
+
+
+def test_bad_block_dim_named():
+    with pytest.raises(SchemaMismatchError, match="^block_dim: 3 out of range"):
+        layout_of({0: [torch.empty(2, 2)]}, 3)
