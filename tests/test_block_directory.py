@@ -1,0 +1,154 @@
+"""The block directory: prefixes, tiers, leases, claims, stale entries, purges."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from xinference.model.llm.vllm.xavier.block_directory import (
+    BlockDirectory,
+    DirectoryError,
+    Location,
+)
+
+GPU, CPU = 0, 1
+
+
+def test_longest_prefix_from_other_ranks_with_leases():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1), (0, 13, GPU, 3, 1)])
+    d.register(2, [(0, 10, GPU, 5, 1), (0, 12, CPU, 0, 1)])
+    r = d.query(0, [10, 11, 12, 13, 14], exclude_rank=2)
+    assert r.keys == (10, 11)  # 12 only on the asking rank: the prefix stops
+    assert [loc.rank for loc in r.locations] == [1, 1]
+    assert d.outstanding_leases == 2 and d.leased(1, GPU, 0, 0) == 1
+    r2 = d.query(0, [10, 11, 12, 13], exclude_rank=3)
+    assert r2.keys == (10, 11, 12, 13)
+    assert r2.locations[0].rank == 2  # GPU tier on both: the less leased one
+    assert r2.locations[2] == Location(2, CPU, 0, 0, 1)
+    assert d.release(r.lease_ids + r2.lease_ids) == 6 and d.outstanding_leases == 0
+
+
+def test_gpu_tier_preferred():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, CPU, 0, 1)])
+    d.register(2, [(0, 10, GPU, 0, 1)])
+    assert d.query(0, [10], exclude_rank=0).locations[0].rank == 2
+
+
+def test_claim_refuses_leased_slots_and_unregisters_granted_ones():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1)])
+    r = d.query(0, [10], exclude_rank=2)
+    assert d.claim(1, GPU, 0, [0, 1]) == [1]  # slot 0 is leased
+    assert d.stats.claims_refused == 1
+    assert d.query(0, [11], exclude_rank=2).num_hits == 0  # claimed: never returned again
+    with pytest.raises(DirectoryError, match="^slot: rank 1 tier 0 slot 0 is leased"):
+        d.register(1, [(0, 99, GPU, 0, 2)])  # reuse without claim while leased
+    d.release(r.lease_ids)
+    assert d.claim(1, GPU, 0, [0]) == [0]
+    d.register(1, [(0, 99, GPU, 0, 2)])
+    assert d.query(0, [10], exclude_rank=2).num_hits == 0
+    assert d.query(0, [99], exclude_rank=2).locations[0] == Location(1, GPU, 0, 0, 2)
+
+
+def test_stale_generation_ignored():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 5)])
+    assert d.register(1, [(0, 11, GPU, 0, 4)]) == 0  # late message about an older use
+    assert d.stats.stale_registrations == 1
+    assert d.query(0, [10], exclude_rank=2).locations[0].generation == 5
+
+
+def test_unregister_rank_purges_blocks_and_leases():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, CPU, 0, 1)])
+    d.register(2, [(0, 11, GPU, 3, 1)])
+    r = d.query(0, [10, 11], exclude_rank=3)
+    assert d.unregister_rank(1) == 2
+    assert d.query(0, [10], exclude_rank=3).num_hits == 0  # a miss, not an error
+    assert d.query(0, [11], exclude_rank=3).locations[0].rank == 2
+    assert d.release(r.lease_ids) == 1 and d.stats.unknown_releases == 1
+    assert d.outstanding_leases == 1
+
+
+def test_one_location_per_key_and_rank_newest_wins():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1)])
+    d.register(1, [(0, 10, CPU, 4, 1)])  # demoted before the GPU slot is claimed
+    assert d.num_blocks == 1
+    assert d.query(0, [10], exclude_rank=2).locations[0] == Location(1, CPU, 0, 4, 1)
+
+
+def test_lease_bound_refuses_with_a_miss():
+    d = BlockDirectory(max_leases=2)
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1), (0, 12, GPU, 2, 1)])
+    assert d.query(0, [10, 11, 12], exclude_rank=2).num_hits == 0
+    assert d.query(0, [10, 11], exclude_rank=2).num_hits == 2
+
+
+@pytest.mark.parametrize("entry, field", [((0, -1, 0, 0, 0), "key"), ((0, 1, 7, 0, 0), "Tier"),
+                                          ((0, 1, 0, "x", 0), "slot"), ((0, 1, 0, 0, None), "gen")])
+def test_bad_entries_named(entry, field):
+    with pytest.raises(ValueError, match=field):
+        BlockDirectory().register(1, [entry])
+
+
+class DirectoryMachine(RuleBasedStateMachine):
+    """Random registrations, queries, releases, claims and purges keep the invariants:
+    a leased slot is never reused, no query returns a claimed or stale slot, lease counts
+    balance, memory stays within the registered slots."""
+
+    SLOTS = 4
+
+    def __init__(self):
+        super().__init__()
+        self.d = BlockDirectory()
+        self.gen = {}  # (rank, tier, slot) -> generation of the storage
+        self.content = {}  # (rank, tier, slot) -> key the storage holds there
+        self.leases = {}  # lease id -> (rank, tier, slot, generation)
+
+    @rule(rank=st.integers(1, 3), tier=st.integers(0, 1), slot=st.integers(0, SLOTS - 1),
+          key=st.integers(1, 8))
+    def write(self, rank, tier, slot, key):
+        sid = (rank, tier, slot)
+        if sid in self.content:
+            if not self.d.claim(rank, tier, 0, [slot]):
+                assert any(v[:3] == sid for v in self.leases.values())
+                return
+        self.gen[sid] = self.gen.get(sid, 0) + 1
+        self.content[sid] = key
+        self.d.register(rank, [(0, key, tier, slot, self.gen[sid])])
+
+    @rule(keys=st.lists(st.integers(1, 8), max_size=5), asking=st.integers(0, 3))
+    def query(self, keys, asking):
+        r = self.d.query(0, keys, exclude_rank=asking)
+        assert list(r.keys) == keys[:len(r.keys)]
+        for key, loc, lease in zip(r.keys, r.locations, r.lease_ids):
+            sid = (loc.rank, loc.tier, loc.slot)
+            assert loc.rank != asking
+            assert self.content.get(sid) == key and self.gen[sid] == loc.generation
+            self.leases[lease] = (*sid, loc.generation)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def release(self, data):
+        lease = data.draw(st.sampled_from(sorted(self.leases)))
+        del self.leases[lease]
+        self.d.release([lease])
+
+    @rule(rank=st.integers(1, 3))
+    def purge(self, rank):
+        self.d.unregister_rank(rank)
+        for sid in [s for s in self.content if s[0] == rank]:
+            del self.content[sid]
+        self.leases = {k: v for k, v in self.leases.items() if v[0] != rank}
+
+    @invariant()
+    def balanced(self):
+        assert self.d.outstanding_leases == len(self.leases)
+        assert self.d.num_blocks <= 3 * 2 * self.SLOTS
+
+
+TestDirectoryMachine = DirectoryMachine.TestCase
+TestDirectoryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

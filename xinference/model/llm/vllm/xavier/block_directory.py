@@ -1,0 +1,250 @@
+"""The block directory (pure): where each KV block lives, and leases on it.
+
+Hosted by ``VLLMBlockTracker`` in the supervisor pool; one instance per model.
+Every operation is synchronous and runs to completion inside the actor, so
+each one is atomic with respect to the others.
+
+* Blocks are named by ``(group, key)``: the KV-cache group and the block hash
+  (hybrid models hash the same tokens alike in every group).
+* A **location** is ``(rank, tier, group, slot, generation)``: the slot of a
+  rank's tier storage for that group that holds the block.  ``generation`` changes whenever the
+  storage reuses a slot, so an entry for an older generation is never
+  returned or leased (a stale entry).
+* :meth:`BlockDirectory.register` records blocks a rank has written and fenced.
+* :meth:`BlockDirectory.query` returns the longest prefix of a request's keys
+  that OTHER ranks hold, choosing one source per key (GPU tier first, then the
+  least-leased), and takes a lease on every returned slot.
+* :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to
+  reuse, the directory removes the unleased ones (so they can no longer be
+  returned) and refuses the leased ones.  So a slot under lease is never
+  reused, and a query never returns a slot being reused.
+* :meth:`BlockDirectory.unregister_rank` purges a rank (its leases die too:
+  a load from a dead rank fails and vLLM recomputes).
+
+Memory is bounded by the number of registered slots (one key per slot, one
+location per (key, rank)); ``max_leases`` bounds outstanding leases.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .load_batch import Tier
+
+SlotId = Tuple[int, int, int, int]  # (rank, tier, group, slot)
+BlockId = Tuple[int, int]  # (group, key)
+
+
+class DirectoryError(ValueError):
+    """Bad input to the directory; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Location:
+    rank: int
+    tier: int
+    group: int
+    slot: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """Hits of one query, in key order (a prefix of the asked keys), and their leases."""
+
+    keys: Tuple[int, ...]
+    locations: Tuple[Location, ...]
+    lease_ids: Tuple[int, ...]
+
+    @property
+    def num_hits(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class DirectoryStats:
+    registered: int = 0
+    queries: int = 0
+    hit_blocks: int = 0
+    missed_queries: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    unknown_releases: int = 0
+    claims_refused: int = 0
+    stale_registrations: int = 0
+
+
+@dataclass
+class BlockDirectory:
+    max_leases: int = 1_000_000
+    _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
+    _by_slot: Dict[SlotId, Tuple[int, int]] = field(default_factory=dict)  # -> (key, gen)
+    _leases: Dict[int, SlotId] = field(default_factory=dict)
+    _lease_count: Dict[SlotId, int] = field(default_factory=dict)
+    _ranks: Set[int] = field(default_factory=set)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    stats: DirectoryStats = field(default_factory=DirectoryStats)
+
+    # ---------------------------------------------------------------- ranks
+    def register_rank(self, rank: int) -> None:
+        self._ranks.add(_check_int("rank", rank))
+
+    def unregister_rank(self, rank: int) -> int:
+        """Forget every block and lease of ``rank``; returns the blocks dropped."""
+        self._ranks.discard(rank)
+        slots = [s for s in self._by_slot if s[0] == rank]
+        for s in slots:
+            key, _ = self._by_slot.pop(s)
+            self._unlink((s[2], key), rank, s)
+        for lease_id in [i for i, s in self._leases.items() if s[0] == rank]:
+            del self._leases[lease_id]
+        for s in [s for s in self._lease_count if s[0] == rank]:
+            del self._lease_count[s]
+        return len(slots)
+
+    # -------------------------------------------------------------- blocks
+    def register(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]]) -> int:
+        """Record ``(group, key, tier, slot, generation)`` blocks written and fenced on ``rank``.
+
+        A slot's newer generation replaces the older entry; an older one is
+        ignored (counted as stale).  Returns how many entries were recorded.
+        """
+        _check_int("rank", rank)
+        self._ranks.add(rank)
+        recorded = 0
+        for group, key, tier, slot, gen in entries:
+            _check_int("group", group)
+            _check_int("key", key)
+            Tier(_check_int("tier", tier))
+            _check_int("slot", slot)
+            _check_int("generation", gen)
+            sid = (rank, tier, group, slot)
+            prev = self._by_slot.get(sid)
+            if prev is not None:
+                prev_key, prev_gen = prev
+                if gen < prev_gen or (gen == prev_gen and prev_key != key):
+                    self.stats.stale_registrations += 1
+                    continue
+                if (prev_key, prev_gen) != (key, gen):
+                    if self._lease_count.get(sid):
+                        raise DirectoryError(
+                            f"slot: rank {rank} tier {tier} slot {slot} is leased; it was "
+                            "reused without claim()")
+                    self._unlink((group, prev_key), rank, sid)
+            old = self._by_key.get((group, key), {}).get(rank)
+            if old is not None and _sid(old) != sid:
+                # one location per (key, rank): the newest registration wins (a block
+                # demoted to the CPU tier is registered there before its GPU slot is claimed)
+                self._by_slot.pop(_sid(old), None)
+            self._by_slot[sid] = (key, gen)
+            self._by_key.setdefault((group, key), {})[rank] = Location(rank, tier, group, slot, gen)
+            recorded += 1
+        self.stats.registered += recorded
+        return recorded
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        """The storage of ``rank``/``tier``/``group`` wants to reuse ``slots``: returns those
+        it may reuse (now unregistered); leased slots are refused and stay registered."""
+        granted = []
+        for slot in slots:
+            sid = (rank, tier, group, slot)
+            if self._lease_count.get(sid):
+                self.stats.claims_refused += 1
+                continue
+            prev = self._by_slot.pop(sid, None)
+            if prev is not None:
+                self._unlink((group, prev[0]), rank, sid)
+            granted.append(slot)
+        return granted
+
+    def query(self, group: int, keys: Sequence[int],
+              exclude_rank: Optional[int] = None) -> QueryResult:
+        """Longest prefix of ``keys`` of ``group`` held by ranks other than ``exclude_rank``,
+        leased."""
+        self.stats.queries += 1
+        hit_keys: List[int] = []
+        locs: List[Location] = []
+        for key in keys:
+            best: Optional[Location] = None
+            for loc in self._by_key.get((group, key), {}).values():
+                if loc.rank == exclude_rank or loc.rank not in self._ranks:
+                    continue
+                if best is None or (loc.tier, self._lease_count.get(_sid(loc), 0)) < (
+                        best.tier, self._lease_count.get(_sid(best), 0)):
+                    best = loc
+            if best is None:
+                break
+            hit_keys.append(key)
+            locs.append(best)
+        if len(self._leases) + len(locs) > self.max_leases:
+            # refuse rather than grow without bound: a miss is always safe
+            hit_keys, locs = [], []
+        lease_ids = []
+        for loc in locs:
+            lease_id = next(self._ids)
+            sid = _sid(loc)
+            self._leases[lease_id] = sid
+            self._lease_count[sid] = self._lease_count.get(sid, 0) + 1
+            lease_ids.append(lease_id)
+        if not locs:
+            self.stats.missed_queries += 1
+        self.stats.hit_blocks += len(locs)
+        self.stats.leases_granted += len(locs)
+        return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        """Release leases; unknown ids (already released, purged rank) are counted, not errors.
+        Returns how many were released."""
+        released = 0
+        for lease_id in lease_ids:
+            sid = self._leases.pop(lease_id, None)
+            if sid is None:
+                self.stats.unknown_releases += 1
+                continue
+            left = self._lease_count[sid] - 1
+            if left:
+                self._lease_count[sid] = left
+            else:
+                del self._lease_count[sid]
+            released += 1
+        self.stats.leases_released += released
+        return released
+
+    # --------------------------------------------------------------- views
+    @property
+    def num_blocks(self) -> int:
+        return len(self._by_slot)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._by_key)
+
+    @property
+    def outstanding_leases(self) -> int:
+        return len(self._leases)
+
+    def leased(self, rank: int, tier: int, group: int, slot: int) -> int:
+        return self._lease_count.get((rank, tier, group, slot), 0)
+
+    def _unlink(self, key: BlockId, rank: int, sid: SlotId) -> None:
+        """Forget block ``key`` on ``rank`` if its location is ``sid``."""
+        locs = self._by_key.get(key)
+        if locs is None:
+            return
+        loc = locs.get(rank)
+        if loc is not None and _sid(loc) == sid:
+            del locs[rank]
+            if not locs:
+                del self._by_key[key]
+
+
+def _sid(loc: Location) -> SlotId:
+    return (loc.rank, loc.tier, loc.group, loc.slot)
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DirectoryError(f"{name}: expected a non-negative int, got {value!r}")
+    return value

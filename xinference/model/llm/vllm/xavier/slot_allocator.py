@@ -1,0 +1,78 @@
+"""LRU slot bookkeeping of one storage tier of one KV-cache group (pure).
+
+The allocator knows which key each slot holds, the slot's generation (bumped
+on every reuse) and the LRU order.  It does not know about leases: eviction
+candidates are proposed to the block directory (``claim``), which refuses
+leased slots; the storage then calls :meth:`SlotAllocator.assign` only for
+granted slots.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: List[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._lru: OrderedDict[int, int] = OrderedDict()  # key -> slot, oldest first
+        self._key_of: Dict[int, int] = {}  # slot -> key
+        self._gen: List[int] = [0] * num_slots
+
+    def lookup(self, key: int, touch: bool = True) -> Optional[Tuple[int, int]]:
+        """``(slot, generation)`` holding ``key``, or None."""
+        slot = self._lru.get(key)
+        if slot is None:
+            return None
+        if touch:
+            self._lru.move_to_end(key)
+        return slot, self._gen[slot]
+
+    def take_free(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def victims(self, count: int, exclude: Tuple[int, ...] = ()) -> List[int]:
+        """Up to ``count`` occupied slots, least recently used first."""
+        out: List[int] = []
+        for key, slot in self._lru.items():
+            if len(out) >= count:
+                break
+            if key not in exclude:
+                out.append(slot)
+        return out
+
+    def release(self, slot: int) -> Optional[int]:
+        """Empty ``slot`` (evicted); returns the key it held."""
+        key = self._key_of.pop(slot, None)
+        if key is not None:
+            del self._lru[key]
+            self._free.append(slot)
+        return key
+
+    def assign(self, key: int, slot: int) -> int:
+        """Put ``key`` into ``slot`` (free or just released); returns the new generation."""
+        if slot in self._key_of:
+            raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; release it")
+        if key in self._lru:
+            raise ValueError(f"key: {key} is already stored in slot {self._lru[key]}")
+        if slot in self._free:
+            self._free.remove(slot)
+        self._gen[slot] += 1
+        self._key_of[slot] = key
+        self._lru[key] = slot
+        return self._gen[slot]
+
+    def key_of(self, slot: int) -> Optional[int]:
+        return self._key_of.get(slot)
+
+    @property
+    def used(self) -> int:
+        return len(self._key_of)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)

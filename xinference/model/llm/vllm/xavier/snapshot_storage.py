@@ -1,0 +1,312 @@
+"""A rank's snapshot storage: a GPU tier under a byte budget, a CPU tier behind it.
+
+Storage holds whole KV blocks in slots, per tier and KV-cache group (one
+tensor per layer, ``[slots, *block_shape]``, block-first).  Peers read it
+through :meth:`GPUTransfer.map_storage` with :meth:`SnapshotStorage.caches`.
+
+:meth:`SnapshotStorage.export` copies newly computed full blocks of this
+rank's engine into the top tier, batched per step:
+
+1. blocks already stored are only touched (LRU);
+2. slots come from the free list, else from LRU victims that the block
+   directory grants (``claim``: a slot under lease is refused, so it is never
+   reused while a peer reads it);
+3. before a victim of the GPU tier is given up, its block is demoted into
+   the CPU tier (when there is one) and registered there;
+4. the copies are fenced (CUDA: synchronized) and only then the blocks are
+   registered with the directory: a block is never published before its
+   bytes are written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from .block_copy import block_view
+from .block_directory import BlockDirectory
+from .kv_schema import KVLayout
+from .load_batch import Tier
+from .slot_allocator import SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+#: (group, key, tier, slot, generation), as the block directory records it
+Entry = Tuple[int, int, int, int, int]
+ShmHandles = Dict[int, List[Tuple[str, str, Tuple[int, ...]]]]
+
+_TORCH_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32,
+                                     torch.float64, torch.uint8, torch.int8)}
+
+
+class DirectoryClient(Protocol):
+    """What storage needs of the block directory (the tracker actor ref fits)."""
+
+    async def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        ...
+
+    async def register(self, rank: int, entries: Sequence[Entry]) -> int: ...
+
+
+class LocalDirectory:
+    """In-process :class:`DirectoryClient` over a :class:`BlockDirectory`."""
+
+    def __init__(self, directory: Optional[BlockDirectory] = None) -> None:
+        self.directory = directory or BlockDirectory()
+
+    async def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return self.directory.claim(rank, tier, group, list(slots))
+
+    async def register(self, rank: int, entries: Sequence[Entry]) -> int:
+        return self.directory.register(rank, list(entries))
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    tier: Tier
+    budget_bytes: int
+    device: str = "cpu"
+    #: CPU tier only: back the slots with files in /dev/shm so other processes of
+    #: this host can map them (:meth:`SnapshotStorage.shm_handles`)
+    shared_memory: bool = False
+
+
+@dataclass
+class ExportResult:
+    exported: int = 0
+    already_stored: int = 0
+    skipped_no_slot: int = 0
+    demoted: int = 0
+    evicted: int = 0
+    claims_refused: int = 0
+
+
+@dataclass
+class _Tier:
+    config: TierConfig
+    layers: Dict[int, List[torch.Tensor]]  # group -> per-layer tensors (layer dtype)
+    views: Dict[int, List[torch.Tensor]]  # group -> block views
+    allocators: Dict[int, SlotAllocator]
+    shm_files: List[str] = field(default_factory=list)
+
+
+class SnapshotStorage:
+    def __init__(self, rank: int, layout: KVLayout, tiers: Sequence[TierConfig],
+                 directory: DirectoryClient) -> None:
+        if not tiers:
+            raise ValueError("tiers: at least one storage tier is needed")
+        if [t.tier for t in tiers] != sorted(t.tier for t in tiers) or \
+                len({t.tier for t in tiers}) != len(tiers):
+            raise ValueError("tiers: give each tier once, GPU before CPU")
+        self.rank = rank
+        self.layout = layout
+        self._directory = directory
+        self._tiers: Dict[Tier, _Tier] = {}
+        self._lock = asyncio.Lock()
+        self._closed = False
+        for cfg in tiers:
+            self._tiers[Tier(cfg.tier)] = self._allocate(cfg)
+        logger.info("rank %d: snapshot storage %s", rank, ", ".join(
+            f"{t.name}: {self.slots(t)} slots/group" for t in self._tiers))
+
+    def _allocate(self, cfg: TierConfig) -> _Tier:
+        per_group = cfg.budget_bytes // max(1, len(self.layout.groups))
+        layers, views, allocs, files = {}, {}, {}, []
+        for g in self.layout.groups:
+            slots = per_group // g.block_bytes
+            if slots < 1:
+                raise ValueError(
+                    f"budget: {cfg.tier.name} tier budget {cfg.budget_bytes} bytes holds no "
+                    f"block of KV-cache group {g.group} ({g.block_bytes} bytes per block)")
+            tensors = []
+            for la in g.layers:
+                shape = (slots, *la.block_shape)
+                dtype = _TORCH_DTYPES[la.dtype]
+                if cfg.shared_memory:
+                    path = os.path.join(_shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+                    files.append(path)
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=cfg.device)
+                tensors.append(t)
+            layers[g.group] = tensors
+            views[g.group] = [block_view(t, 0) for t in tensors]
+            allocs[g.group] = SlotAllocator(slots)
+        return _Tier(cfg, layers, views, allocs, files)
+
+    # ------------------------------------------------------------------ views
+    def slots(self, tier: Tier) -> int:
+        return min(a.num_slots for a in self._tiers[Tier(tier)].allocators.values())
+
+    def caches(self, tier: Tier) -> Dict[int, List[torch.Tensor]]:
+        """Per-group layer tensors of ``tier`` (block dim 0), for ``map_storage``."""
+        return self._tiers[Tier(tier)].layers
+
+    def shm_handles(self, tier: Tier = Tier.CPU) -> ShmHandles:
+        """``(path, dtype, shape)`` per layer of a shared-memory tier, for :func:`open_shm`."""
+        t = self._tiers[Tier(tier)]
+        if not t.config.shared_memory:
+            raise ValueError(f"shm_handles: the {Tier(tier).name} tier is not in shared memory")
+        out, files = {}, iter(t.shm_files)
+        for g, tensors in t.layers.items():
+            out[g] = [(next(files), str(x.dtype), tuple(x.shape)) for x in tensors]
+        return out
+
+    def used(self, tier: Tier) -> int:
+        return sum(a.used for a in self._tiers[Tier(tier)].allocators.values())
+
+    def lookup(self, group: int, key: int) -> Optional[Tuple[Tier, int, int]]:
+        for tier, t in self._tiers.items():
+            hit = t.allocators[group].lookup(key, touch=False)
+            if hit is not None:
+                return tier, hit[0], hit[1]
+        return None
+
+    # ----------------------------------------------------------------- export
+    async def export(self, kv_views: Dict[int, List[torch.Tensor]],
+                     blocks: Sequence[Tuple[int, int, int]]) -> ExportResult:
+        """Store ``(group, key, block_id)`` blocks of this rank's KV caches (block views,
+        as :func:`~.block_copy.block_view` gives) and publish them once fenced."""
+        if self._closed:
+            raise RuntimeError(f"export: the snapshot storage of rank {self.rank} is closed")
+        async with self._lock:
+            res = ExportResult()
+            top_tier = min(self._tiers)
+            top = self._tiers[top_tier]
+            by_group: Dict[int, List[Tuple[int, int]]] = {}
+            for group, key, block_id in blocks:
+                if group not in top.allocators:
+                    raise ValueError(f"group: KV-cache group {group} is not stored")
+                if any(t.allocators[group].lookup(key) is not None for t in self._tiers.values()):
+                    res.already_stored += 1
+                    continue
+                pending = by_group.setdefault(group, [])
+                if all(k != key for k, _ in pending):
+                    pending.append((key, block_id))
+            entries: List[Entry] = []
+            for group, pending in by_group.items():
+                slots = await self._slots_for(top_tier, group, len(pending), res)
+                if len(slots) < len(pending):
+                    res.skipped_no_slot += len(pending) - len(slots)
+                    pending = pending[:len(slots)]
+                if not pending:
+                    continue
+                alloc = top.allocators[group]
+                gens = [alloc.assign(key, slot) for (key, _), slot in zip(pending, slots)]
+                _copy_rows(kv_views[group], top.views[group],
+                           [b for _, b in pending], slots)
+                entries += [(group, key, int(top_tier), slot, gen)
+                            for (key, _), slot, gen in zip(pending, slots, gens)]
+            _fence(self._tiers)
+            if entries:
+                await self._directory.register(self.rank, entries)
+            res.exported = len(entries)
+            return res
+
+    async def _slots_for(self, tier: Tier, group: int, count: int,
+                         res: ExportResult) -> List[int]:
+        """Up to ``count`` slots of ``tier`` ready to be written (free or granted victims)."""
+        t = self._tiers[tier]
+        alloc = t.allocators[group]
+        slots: List[int] = []
+        while len(slots) < count:
+            free = alloc.take_free()
+            if free is None:
+                break
+            slots.append(free)
+        need = count - len(slots)
+        if need <= 0:
+            return slots
+        victims = alloc.victims(need)
+        if not victims:
+            return slots
+        lower = [x for x in self._tiers if x > tier]
+        if lower:  # keep victims' blocks in the next tier down before giving slots up
+            await self._demote(tier, lower[0], group, victims, res)
+        granted = await self._directory.claim(self.rank, int(tier), group, victims)
+        res.claims_refused += len(victims) - len(granted)
+        for slot in granted:
+            alloc.release(slot)
+            res.evicted += 1
+        return slots + list(granted)
+
+    async def _demote(self, src_tier: Tier, dst_tier: Tier, group: int,
+                      victims: Sequence[int], res: ExportResult) -> None:
+        src, dst = self._tiers[src_tier], self._tiers[dst_tier]
+        keys = [src.allocators[group].key_of(s) for s in victims]
+        todo = [(k, s) for k, s in zip(keys, victims)
+                if k is not None and dst.allocators[group].lookup(k, touch=False) is None]
+        if not todo:
+            return
+        slots = await self._slots_for(dst_tier, group, len(todo), res)
+        todo = todo[:len(slots)]
+        gens = [dst.allocators[group].assign(k, slot) for (k, _), slot in zip(todo, slots)]
+        _copy_rows(src.views[group], dst.views[group], [s for _, s in todo], slots)
+        _fence({dst_tier: dst, src_tier: src})
+        await self._directory.register(
+            self.rank, [(group, k, int(dst_tier), slot, gen)
+                        for (k, _), slot, gen in zip(todo, slots, gens)])
+        res.demoted += len(todo)
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Free the slots (and the shared-memory files). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in self._tiers.values():
+            t.layers.clear()
+            t.views.clear()
+            for path in t.shm_files:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            t.shm_files.clear()
+
+
+def open_shm(handles: ShmHandles) -> Dict[int, List[torch.Tensor]]:
+    """Map another process's shared-memory tier (same host) from :meth:`shm_handles`."""
+    out: Dict[int, List[torch.Tensor]] = {}
+    for g, layers in handles.items():
+        out[g] = []
+        for path, dtype, shape in layers:
+            numel = 1
+            for d in shape:
+                numel *= d
+            out[g].append(torch.from_file(path, shared=True, size=numel,
+                                          dtype=_TORCH_DTYPES[dtype]).view(shape))
+    return out
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _copy_rows(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+               src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every layer (block views, any layouts)."""
+    if not src_rows:
+        return
+    for s, d in zip(src, dst):
+        si = torch.tensor(list(src_rows), dtype=torch.int64, device=s.device)
+        di = torch.tensor(list(dst_rows), dtype=torch.int64, device=d.device)
+        vals = s.index_select(0, si).contiguous()
+        n = vals.shape[0]
+        vals = vals.view(torch.uint8).reshape(n, -1).view(d.dtype).view(n, *d.shape[1:])
+        d.index_copy_(0, di, vals.to(d.device))
+
+
+def _fence(tiers: Dict[Tier, _Tier]) -> None:
+    if any(t.config.device != "cpu" for t in tiers.values()) and torch.cuda.is_available():
+        torch.cuda.synchronize()
