@@ -1,19 +1,28 @@
-"""The block directory actor (supervisor pool).
+"""The block directory actor (supervisor pool): ``VLLMBlockTracker``.
 
-Imported by Xinference's supervisor at every start: xoscar only, no torch,
-no vLLM.  This module currently fixes the contract surface that Xinference
-3.5.0 core relies on (class name, ``default_uid()``, no-argument constructor);
-the directory itself (register / query with leases / purge a rank) is issue
-#4 and is not implemented yet.
+Imported by Xinference's supervisor at every start: xoscar and numpy only, no
+torch, no vLLM.  A thin adapter over :class:`~.block_directory.BlockDirectory`;
+every method is synchronous, so each runs atomically in the actor.  Its
+``register`` and ``claim`` match :class:`~.snapshot_storage.DirectoryClient`,
+so a storage can use the actor ref directly.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 import xoscar as xo
+
+from .block_directory import BlockDirectory, QueryResult
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMBlockTracker(xo.StatelessActor):
-    """Block hash -> (rank, tier, slot) directory of one Xavier model.
+    """Block directory of one Xavier model.
 
     Created by the supervisor with uid ``f"{default_uid()}-{model_uid}"`` and
     no constructor arguments.
@@ -23,5 +32,35 @@ class VLLMBlockTracker(xo.StatelessActor):
     def default_uid(cls) -> str:
         return "vllm-block-tracker-actor"
 
-    def __init__(self) -> None:
+    def __init__(self, max_leases: int = 1_000_000) -> None:
         super().__init__()
+        self._directory = BlockDirectory(max_leases=max_leases)
+
+    def register_rank(self, rank: int) -> None:
+        self._directory.register_rank(rank)
+
+    def unregister_rank(self, rank: int) -> int:
+        dropped = self._directory.unregister_rank(rank)
+        logger.info("block tracker: rank %d unregistered, %d blocks dropped", rank, dropped)
+        return dropped
+
+    def register(self, rank: int, entries: Any) -> int:
+        """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)."""
+        rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
+        return self._directory.register(rank, [tuple(int(v) for v in r) for r in rows])
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return self._directory.claim(rank, tier, group, [int(s) for s in slots])
+
+    def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
+        keys = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
+        return self._directory.query(group, keys, exclude_rank)
+
+    def release(self, lease_ids: Sequence[int]) -> int:
+        return self._directory.release(lease_ids)
+
+    def stats(self) -> Dict[str, int]:
+        d = self._directory
+        out = asdict(d.stats)
+        out.update(blocks=d.num_blocks, keys=d.num_keys, outstanding_leases=d.outstanding_leases)
+        return out

@@ -73,8 +73,8 @@ class TierConfig:
     tier: Tier
     budget_bytes: int
     device: str = "cpu"
-    #: CPU tier only: back the slots with files in /dev/shm so other processes of
-    #: this host can map them (:meth:`SnapshotStorage.shm_handles`)
+    #: CPU tensors only: back the slots with files in /dev/shm so other processes
+    #: of this host can map them (:meth:`SnapshotStorage.shm_handles`)
     shared_memory: bool = False
 
 
@@ -119,6 +119,8 @@ class SnapshotStorage:
     def _allocate(self, cfg: TierConfig) -> _Tier:
         per_group = cfg.budget_bytes // max(1, len(self.layout.groups))
         layers, views, allocs, files = {}, {}, {}, []
+        if cfg.shared_memory and cfg.device != "cpu":
+            raise ValueError(f"shared_memory: only for CPU tensors, not device {cfg.device!r}")
         for g in self.layout.groups:
             slots = per_group // g.block_bytes
             if slots < 1:

@@ -1,0 +1,110 @@
+"""Replica-side actors for the multi-process storage tests: a rank that owns an
+engine KV cache and a snapshot storage in shared memory, and a rank that loads."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.block_copy import block_view
+from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
+from xinference.model.llm.vllm.xavier.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
+from xinference.model.llm.vllm.xavier.plan import SlabConfig
+from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig, open_shm
+
+LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
+
+
+def engine_cache(seed: int) -> Dict[int, List[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {0: [torch.randint(-2**15, 2**15 - 1, (N_BLOCKS, *BLOCK), dtype=torch.int16,
+                              generator=gen).view(torch.bfloat16) for _ in range(LAYERS)]}
+
+
+def digest(layers: Sequence[torch.Tensor], block: int) -> str:
+    h = hashlib.sha256()
+    for t in layers:
+        h.update(t[block].contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
+
+
+class StorageRankActor(xo.StatelessActor):
+    def __init__(self, rank: int, tracker_address: str, tracker_uid: str, gpu_blocks: int,
+                 cpu_blocks: int, seed: int) -> None:
+        super().__init__()
+        self._rank, self._seed = rank, seed
+        self._tracker = (tracker_address, tracker_uid)
+        self._tiers = (gpu_blocks, cpu_blocks)
+
+    async def __post_create__(self) -> None:
+        tracker = await xo.actor_ref(address=self._tracker[0], uid=self._tracker[1])
+        self.cache = engine_cache(self._seed)
+        layout = layout_of(self.cache)
+        per_block = layout.groups[0].block_bytes
+        tiers = [TierConfig(Tier.GPU, self._tiers[0] * per_block, shared_memory=True)]
+        if self._tiers[1]:
+            tiers.append(TierConfig(Tier.CPU, self._tiers[1] * per_block, shared_memory=True))
+        self.storage = SnapshotStorage(self._rank, layout, tiers, tracker)
+        self.views = {0: [block_view(t, 0) for t in self.cache[0]]}
+
+    async def export(self, blocks: List[Tuple[int, int, int]]) -> Dict[str, int]:
+        return vars(await self.storage.export(self.views, blocks))
+
+    def handles(self) -> Dict[int, Any]:
+        return {int(t): self.storage.shm_handles(t) for t in (Tier.GPU, Tier.CPU)
+                if t in self.storage._tiers}
+
+    def block_digests(self, blocks: List[int]) -> List[str]:
+        return [digest(self.cache[0], b) for b in blocks]
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+class LoaderRankActor(xo.StatelessActor):
+    def __init__(self, rank: int, tracker_address: str, tracker_uid: str) -> None:
+        super().__init__()
+        self._rank = rank
+        self._tracker_addr = (tracker_address, tracker_uid)
+
+    async def __post_create__(self) -> None:
+        self.tracker = await xo.actor_ref(address=self._tracker_addr[0], uid=self._tracker_addr[1])
+        self.cache = engine_cache(1000 + self._rank)
+        self.engine = GPUTransfer(self._rank, SlabConfig(16, 4, 2),
+                                  release_lease=self._release)
+        await self.engine.set_local_caches(self.cache)
+
+    async def _release(self, lease: Lease) -> None:
+        await self.tracker.release([lease.lease_id])
+
+    async def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
+        for tier, h in handles.items():
+            await self.engine.map_storage(rank, Tier(tier), open_shm(h))
+
+    async def unmap_peer(self, rank: int) -> int:
+        return await self.engine.unmap_storage(rank)
+
+    async def query(self, keys: List[int]) -> Any:
+        return await self.tracker.query(0, keys, self._rank)
+
+    async def load(self, result: Any, dests: List[int]) -> Dict[str, Any]:
+        """Load a query result (as the connector will) and report the destinations' bytes."""
+        loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d)
+                 for k, loc, d in zip(result.keys, result.locations, dests)]
+        leases = [Lease(i, loc.rank) for i, loc in zip(result.lease_ids, result.locations)]
+        try:
+            res = await self.engine.load_gpu_requests_v1(
+                LoadBatch.from_requests([("req", loads)]), leases)
+            error = None
+        except Exception as exc:  # reported to the test, like the connector would
+            res, error = None, f"{type(exc).__name__}: {exc}"
+        return {"written": res.blocks_written if res else 0, "error": error,
+                "tiers": [int(loc.tier) for loc in result.locations],
+                "digests": [digest(self.cache[0], d) for d in dests[:len(result.keys)]]}
+
+    async def close(self) -> None:
+        await self.engine.close()

@@ -1,0 +1,68 @@
+"""Storage, directory and loads across real processes: the tracker, the exporting rank
+and the loading rank each live in their own xoscar sub pool (spawned processes)."""
+
+import asyncio
+
+import pytest
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+
+from .support.pools import actor_pool, sub_pool_addresses
+from .support.replica_actors import LoaderRankActor, StorageRankActor
+
+pytestmark = pytest.mark.slow
+
+
+async def world(gpu_blocks, cpu_blocks):
+    pool_cm = actor_pool(n_process=3)
+    pool = await pool_cm.__aenter__()
+    t_addr, a_addr, b_addr = sub_pool_addresses(pool)
+    uid = f"{VLLMBlockTracker.default_uid()}-model"
+    tracker = await xo.create_actor(VLLMBlockTracker, address=t_addr, uid=uid)
+    a = await xo.create_actor(StorageRankActor, 1, t_addr, uid, gpu_blocks, cpu_blocks, 7,
+                              address=a_addr, uid="rank-1")
+    b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, address=b_addr, uid="rank-2")
+    await b.map_peer(1, await a.handles())
+    return pool_cm, tracker, a, b
+
+
+def test_export_query_load_across_processes_with_eviction_and_overflow():
+    async def run():
+        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4)
+        try:
+            # rank 1 exports 4 blocks in two steps: the tiny GPU tier overflows to CPU
+            await a.export([(0, 100, 10), (0, 101, 11)])
+            r = await a.export([(0, 102, 12), (0, 103, 13)])
+            assert r["demoted"] == 2 and r["exported"] == 2
+            q = await b.query([100, 101, 102, 103, 555])
+            assert q.keys == (100, 101, 102, 103)
+            out = await b.load(q, [40, 41, 42, 43])
+            assert out["error"] is None and out["written"] == 4
+            assert sorted(out["tiers"]) == [0, 0, 1, 1]
+            assert out["digests"] == await a.block_digests([10, 11, 12, 13])
+            assert (await tracker.stats())["outstanding_leases"] == 0
+
+            # a peer holds leases on two GPU-tier blocks while rank 1 exports more
+            held = await b.query([102, 103])
+            r = await a.export([(0, 104, 14), (0, 105, 15)])
+            assert r["claims_refused"] == 2  # the leased GPU slots were not reused
+            out = await b.load(held, [50, 51])
+            assert out["error"] is None
+            assert out["digests"] == await a.block_digests([12, 13])
+
+            # rank 1 goes away between query and load: a miss / a reported failure
+            q = await b.query([100])
+            assert await tracker.unregister_rank(1) > 0
+            assert (await b.query([100, 101])).keys == ()
+            await b.unmap_peer(1)
+            out = await b.load(q, [60])
+            assert out["written"] == 0 and "rank" in out["error"]
+            stats = await tracker.stats()
+            assert stats["outstanding_leases"] == 0 and stats["blocks"] == 0
+            await a.close()
+            await b.close()
+        finally:
+            await pool_cm.__aexit__(None, None, None)
+
+    asyncio.run(run())
