@@ -47,7 +47,8 @@ class VLLMBlockTracker(xo.StatelessActor):
     def register(self, rank: int, entries: Any) -> int:
         """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)."""
         rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
-        return self._directory.register(rank, [tuple(int(v) for v in r) for r in rows])
+        return self._directory.register(
+            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows])
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._directory.claim(rank, tier, group, [int(s) for s in slots])
