@@ -4,6 +4,7 @@
 """
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -25,12 +26,13 @@ from xinference.model.llm.vllm.xavier.snapshot_storage import (
 from .kvfixtures import BLOCK_DIM, bits, loads, make_caches
 
 N_BLOCKS = 32
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")  # engine caches and the GPU tier
 
 
 def world(seed=0):
     gen = torch.Generator().manual_seed(seed)
-    a_cache = make_caches(N_BLOCKS, torch.bfloat16, gen)  # replica A's engine KV cache
-    b_cache = make_caches(N_BLOCKS, torch.bfloat16, gen)  # replica B's
+    a_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)  # replica A's engine KV cache
+    b_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)  # replica B's
     layout = layout_of(a_cache, BLOCK_DIM)
     views = {g: [block_view(t, BLOCK_DIM[g]) for t in ts] for g, ts in a_cache.items()}
     return a_cache, b_cache, layout, views
@@ -42,7 +44,7 @@ def block_of(cache, g, i):
 
 def storage(layout, directory, gpu_blocks, cpu_blocks=0, shared=False):
     per_block = max(g.block_bytes for g in layout.groups) * len(layout.groups)
-    tiers = [TierConfig(Tier.GPU, gpu_blocks * per_block)]  # "GPU" tier on CPU tensors here
+    tiers = [TierConfig(Tier.GPU, gpu_blocks * per_block, device=DEVICE)]
     if cpu_blocks:
         tiers.append(TierConfig(Tier.CPU, cpu_blocks * per_block, shared_memory=shared))
     return SnapshotStorage(1, layout, tiers, directory)
@@ -73,7 +75,7 @@ async def _release(d, lease):
 
 def assert_block_equal(got, want):
     for a, b in zip(got, want):
-        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(bits(a.cpu()), bits(b.cpu()))
 
 
 def test_export_then_query_then_load_bit_exact():
@@ -154,8 +156,6 @@ def test_shared_memory_tier_maps_elsewhere_and_files_go_on_close():
         return st, handles
 
     st, handles = asyncio.run(run())
-    import os
-
     paths = [p for layers in handles.values() for p, _, _ in layers]
     assert all(os.path.exists(p) for p in paths)
     st.close()
