@@ -94,6 +94,56 @@ def test_triton_kernel_refused_before_copy_when_layout_does_not_fit():
     asyncio.run(run())
 
 
+def export_gpu_tier(queue, done):
+    """Child process: a snapshot storage with a CUDA tier exports blocks, shares IPC handles."""
+    from xinference.model.llm.vllm.xavier.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.snapshot_storage import (
+        LocalDirectory,
+        SnapshotStorage,
+        TierConfig,
+    )
+
+    cache = {0: storage(32, 11)}
+    layout = layout_of(cache)
+    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 8 * layout.groups[0].block_bytes,
+                                                device="cuda")], LocalDirectory())
+    asyncio.run(st.export({0: [block_view(t, 0) for t in cache[0]]},
+                          [(0, 500 + i, 3 + i) for i in range(4)]))
+    slots = [st.lookup(0, 500 + i)[1] for i in range(4)]
+    queue.put((st.ipc_handles(Tier.GPU), slots))
+    done.wait(120)
+
+
+def test_snapshot_storage_gpu_tier_over_cuda_ipc():
+    from xinference.model.llm.vllm.xavier.snapshot_storage import open_ipc
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=export_gpu_tier, args=(queue, done))
+    proc.start()
+    try:
+        handles, slots = queue.get(timeout=120)
+        peer = open_ipc(handles)
+        source = storage(32, 11)  # the child's engine cache, recreated from its seed
+        local = storage(64, 12)
+        rows = [[(0, 500 + i, 1, 0, slots[i], 40 + i) for i in range(4)]]
+
+        async def run():
+            eng = GPUTransfer(0, SlabConfig(8, 2, 2))
+            await eng.set_local_caches({0: local})
+            await eng.map_storage(1, Tier.GPU, peer)
+            await eng.load_gpu_requests_v1(loads(rows))
+            await eng.close()
+
+        asyncio.run(run())
+        for a, b in zip(local, source):
+            assert torch.equal(bits(a[40:44]), bits(b[3:7]))
+    finally:
+        done.set()
+        proc.join(60)
+
+
 def test_cuda_ipc_storage_from_another_process():
     ctx = torch.multiprocessing.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()

@@ -15,7 +15,8 @@ class TransferCounters:
     * ``batch_calls``: ``load_gpu_requests_v1`` calls that were executed;
     * ``transfers``: slab-bounded copies issued;
     * ``fused_transfers``: of those, copies done by the fused Triton kernel;
-    * ``useful_bytes``: bytes of source blocks read into slabs;
+    * ``useful_bytes``: bytes of source blocks read (into a slab, or straight to the
+      destination by the fused kernel);
     * ``padded_bytes``: slab capacity of those transfers left unfilled
       (bytes a fixed-shape wire transfer would carry in vain);
     * ``blocks_written``: destination blocks written (one read may feed several);

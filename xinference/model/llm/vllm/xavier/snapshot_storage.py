@@ -26,7 +26,7 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -164,6 +164,16 @@ class SnapshotStorage:
             out[g] = [(next(files), str(x.dtype), tuple(x.shape)) for x in tensors]
         return out
 
+    def ipc_handles(self, tier: Tier = Tier.GPU) -> Dict[int, List[Any]]:
+        """CUDA IPC handles of a CUDA tier, per group and layer, for :func:`open_ipc` in
+        another process of this host (torch's own CUDA tensor sharing)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        t = self._tiers[Tier(tier)]
+        if t.config.device == "cpu":
+            raise ValueError(f"ipc_handles: the {Tier(tier).name} tier is not on a CUDA device")
+        return {g: [reduce_tensor(x) for x in tensors] for g, tensors in t.layers.items()}
+
     def used(self, tier: Tier) -> int:
         return sum(a.used for a in self._tiers[Tier(tier)].allocators.values())
 
@@ -289,6 +299,11 @@ def open_shm(handles: ShmHandles) -> Dict[int, List[torch.Tensor]]:
             out[g].append(torch.from_file(path, shared=True, size=numel,
                                           dtype=_TORCH_DTYPES[dtype]).view(shape))
     return out
+
+
+def open_ipc(handles: Dict[int, List[Any]]) -> Dict[int, List[torch.Tensor]]:
+    """Map another process's CUDA tier from :meth:`SnapshotStorage.ipc_handles`."""
+    return {g: [rebuild(*args) for rebuild, args in layers] for g, layers in handles.items()}
 
 
 def _shm_dir() -> str:
