@@ -26,6 +26,23 @@ def storage(n, seed, device="cuda"):
     return [random_bits((n, *BLOCK), torch.bfloat16, gen, device) for _ in range(LAYERS)]
 
 
+SLAB = SlabConfig(32, 8, 2)
+
+
+def load_from_peer(local, peer, rows, slab=SLAB, kernel=None):
+    """Map ``peer`` as rank 1's GPU tier, load ``rows`` into ``local``, close; counters."""
+
+    async def run():
+        eng = GPUTransfer(0, slab, copy_kernel=kernel)
+        await eng.set_local_caches({0: local})
+        await eng.map_storage(1, Tier.GPU, peer)
+        await eng.load_gpu_requests_v1(loads(rows))
+        await eng.close()
+        return eng.counters
+
+    return asyncio.run(run())
+
+
 def produce(queue, done, n, seed):
     """Child process: owns a CUDA storage, shares it through CUDA IPC, waits."""
     layers = storage(n, seed)
@@ -45,15 +62,7 @@ def test_fused_kernel_bit_exact(kernel, fused):
     for e, p in zip(expected, peer):
         e[290] = p[0]
 
-    async def run():
-        eng = GPUTransfer(0, SlabConfig(64, 8, 2), copy_kernel=kernel)
-        await eng.set_local_caches({0: local})
-        await eng.map_storage(1, Tier.GPU, {0: peer})
-        await eng.load_gpu_requests_v1(loads(rows))
-        await eng.close()
-        return eng.counters
-
-    c = asyncio.run(run())
+    c = load_from_peer(local, {0: peer}, rows, SlabConfig(64, 8, 2), kernel)
     for a, b in zip(local, expected):
         assert torch.equal(bits(a), bits(b))
     assert c.transfers == 3 and c.fused_transfers == (3 if fused else 0)
@@ -129,14 +138,7 @@ def test_snapshot_storage_gpu_tier_over_cuda_ipc():
         local = storage(64, 12)
         rows = [[(0, 500 + i, 1, 0, slots[i], 40 + i) for i in range(4)]]
 
-        async def run():
-            eng = GPUTransfer(0, SlabConfig(8, 2, 2))
-            await eng.set_local_caches({0: local})
-            await eng.map_storage(1, Tier.GPU, peer)
-            await eng.load_gpu_requests_v1(loads(rows))
-            await eng.close()
-
-        asyncio.run(run())
+        load_from_peer(local, peer, rows, SlabConfig(8, 2, 2))
         for a, b in zip(local, source):
             assert torch.equal(bits(a[40:44]), bits(b[3:7]))
     finally:
@@ -155,15 +157,7 @@ def test_cuda_ipc_storage_from_another_process():
         local = storage(256, 6)
         rows = [[(0, 50 + i, 1, 0, i, 100 + i) for i in range(64)]]
 
-        async def run():
-            eng = GPUTransfer(0, SlabConfig(32, 8, 2))
-            await eng.set_local_caches({0: local})
-            await eng.map_storage(1, Tier.GPU, {0: peer})
-            await eng.load_gpu_requests_v1(loads(rows))
-            await eng.close()
-            return eng.counters
-
-        c = asyncio.run(run())
+        c = load_from_peer(local, {0: peer}, rows)
         for a, b in zip(local, expected_src):
             assert torch.equal(bits(a[100:164]), bits(b[:64]))
         assert c.transfers == 2 and c.blocks_written == 64

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import tempfile
 import uuid
@@ -133,10 +134,8 @@ class SnapshotStorage:
                 dtype = _TORCH_DTYPES[la.dtype]
                 if cfg.shared_memory:
                     path = os.path.join(_shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    t = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+                    t = torch.from_file(path, shared=True, size=math.prod(shape),
+                                        dtype=dtype).view(shape)
                     files.append(path)
                 else:
                     t = torch.empty(shape, dtype=dtype, device=cfg.device)
@@ -293,10 +292,7 @@ def open_shm(handles: ShmHandles) -> Dict[int, List[torch.Tensor]]:
     for g, layers in handles.items():
         out[g] = []
         for path, dtype, shape in layers:
-            numel = 1
-            for d in shape:
-                numel *= d
-            out[g].append(torch.from_file(path, shared=True, size=numel,
+            out[g].append(torch.from_file(path, shared=True, size=math.prod(shape),
                                           dtype=_TORCH_DTYPES[dtype]).view(shape))
     return out
 
