@@ -14,7 +14,7 @@ from .support.replica_actors import LoaderRankActor, StorageRankActor
 pytestmark = pytest.mark.slow
 
 
-async def world(gpu_blocks, cpu_blocks):
+async def world(gpu_blocks, cpu_blocks, remote=False):
     pool_cm = actor_pool(n_process=3)
     pool = await pool_cm.__aenter__()
     t_addr, a_addr, b_addr = sub_pool_addresses(pool)
@@ -23,7 +23,10 @@ async def world(gpu_blocks, cpu_blocks):
     a = await xo.create_actor(StorageRankActor, 1, t_addr, uid, gpu_blocks, cpu_blocks, 7,
                               address=a_addr, uid="rank-1")
     b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, address=b_addr, uid="rank-2")
-    await b.map_peer(1, await a.handles())
+    if remote:
+        await b.map_remote_peer(1, a_addr, "rank-1", await a.storage_layouts())
+    else:
+        await b.map_peer(1, await a.handles())
     return pool_cm, tracker, a, b
 
 
@@ -60,6 +63,33 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             assert out["written"] == 0 and "rank" in out["error"]
             stats = await tracker.stats()
             assert stats["outstanding_leases"] == 0 and stats["blocks"] == 0
+            await a.close()
+            await b.close()
+        finally:
+            await pool_cm.__aexit__(None, None, None)
+
+    asyncio.run(run())
+
+
+def test_remote_storage_through_xoscar_copy_to():
+    """The cross-host path: rank 2 does not map rank 1's memory; blocks travel through
+    xoscar copy_to (sockets here, NIXL with xoscar's nixl channel)."""
+
+    async def run():
+        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4, remote=True)
+        try:
+            await a.export([(0, 100, 10), (0, 101, 11)])
+            await a.export([(0, 102, 12), (0, 103, 13)])
+            await a.export([(0, 104, 14)])  # GPU tier: 103, 104; CPU tier: 100-102
+            q = await b.query([100, 101, 102, 103, 104])
+            assert q.num_hits == 5 and sorted(set(q.locations[i].tier for i in range(5))) == [0, 1]
+            out = await b.load(q, [40, 41, 42, 43, 44])
+            assert out["error"] is None and out["written"] == 5
+            assert out["digests"] == await a.block_digests([10, 11, 12, 13, 14])
+            c = await b.counters()
+            assert c["transfers"] == 2 and c["batch_calls"] == 1  # one per tier
+            assert c["useful_bytes"] == 5 * 3 * 2 * 16 * 8 * 2  # 5 blocks x 3 layers, bf16
+            assert (await tracker.stats())["outstanding_leases"] == 0
             await a.close()
             await b.close()
         finally:

@@ -14,6 +14,7 @@ from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
 from xinference.model.llm.vllm.xavier.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.plan import SlabConfig
+from xinference.model.llm.vllm.xavier.remote_fetch import serve_blocks, xoscar_fetch
 from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig, open_shm
 
 LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
@@ -58,6 +59,12 @@ class StorageRankActor(xo.StatelessActor):
         return {int(t): self.storage.shm_handles(t) for t in (Tier.GPU, Tier.CPU)
                 if t in self.storage._tiers}
 
+    def storage_layouts(self) -> Dict[int, Any]:
+        return {int(t): layout_of(self.storage.caches(t)) for t in self.storage._tiers}
+
+    async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any]) -> int:
+        return await serve_blocks(self.storage, tier, group, slots, refs)
+
     def block_digests(self, blocks: List[int]) -> List[str]:
         return [digest(self.cache[0], b) for b in blocks]
 
@@ -84,6 +91,17 @@ class LoaderRankActor(xo.StatelessActor):
     async def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
         for tier, h in handles.items():
             await self.engine.map_storage(rank, Tier(tier), open_shm(h))
+
+    async def map_remote_peer(self, rank: int, address: str, uid: str,
+                              layouts: Dict[int, Any]) -> None:
+        """Map ``rank``'s tiers as another host's: blocks come through xoscar copy_to."""
+        source = await xo.actor_ref(address=address, uid=uid)
+        for tier, layout in layouts.items():
+            await self.engine.map_remote_storage(
+                rank, Tier(tier), layout, xoscar_fetch(source, self.address, Tier(tier)))
+
+    def counters(self) -> Dict[str, int]:
+        return self.engine.counters.snapshot()
 
     async def unmap_peer(self, rank: int) -> int:
         return await self.engine.unmap_storage(rank)

@@ -27,6 +27,7 @@ idempotent and retryable; afterwards loads and mappings are refused.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from . import block_copy_triton
-from .block_copy import block_view, copy_transfer
+from .block_copy import block_view, copy_transfer, slab_as
 from .counters import TransferCounters
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
@@ -78,6 +79,11 @@ class Lease:
 
 ReleaseLease = Callable[[Lease], Awaitable[None]]
 
+#: Fills per-layer ``uint8`` staging rows ``[transfer.rows, block_bytes]`` with the blocks
+#: ``transfer.src_slots`` of a storage that is not mapped into this process (another host):
+#: see :mod:`.remote_fetch`.
+RemoteFetch = Callable[["Transfer", List[torch.Tensor]], Awaitable[None]]
+
 
 @dataclass(frozen=True)
 class LoadResult:
@@ -99,6 +105,8 @@ class _MappedStorage:
     layers: Dict[int, List[torch.Tensor]]  # block-first views
     release: Optional[Callable[[], None]]
     pointer_tables: Dict[int, torch.Tensor] = field(default_factory=dict)
+    #: set for a remote storage (no local tensors): how to fetch its blocks
+    fetch: Optional[RemoteFetch] = None
 
 
 class GPUTransfer:
@@ -123,6 +131,7 @@ class GPUTransfer:
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
         self._local_pointer_tables: Dict[int, torch.Tensor] = {}
         self._fused_cache: Dict[Tuple[int, Tier, int], bool] = {}
+        self._staging: Dict[int, List[torch.Tensor]] = {}  # remote fetches, per group
         self._indices = IndexUploader(torch.device("cpu"))
         self._local_release: Optional[Callable[[], None]] = None
         self._slabs: Optional[SlabPool] = None
@@ -196,6 +205,26 @@ class GPUTransfer:
             logger.info("rank %d: mapped rank %d %s storage (%s)", self.rank, rank, tier.name,
                         ", ".join(f"group {g.group}: {g.num_blocks} slots" for g in layout.groups))
             return layout
+
+    async def map_remote_storage(self, rank: int, tier: Tier, layout: KVLayout,
+                                 fetch: RemoteFetch,
+                                 release: Optional[Callable[[], None]] = None) -> None:
+        """Map a storage of another host: its blocks arrive through ``fetch`` into CPU
+        staging rows (bounded by the slab) and are then written like local ones."""
+        tier = Tier(tier)
+        async with self._mapping_lock:
+            self._check_open("map_remote_storage")
+            if self._local_layout is None:
+                raise TransferClosedError(
+                    "map_remote_storage: local KV caches are not registered yet")
+            self._local_layout.check_compatible(layout, f"rank {rank} {tier.name} storage")
+            self._fused_cache.clear()
+            old = self._storages.get((rank, tier))
+            self._storages[(rank, tier)] = _MappedStorage(rank, tier, layout, {}, release,
+                                                          fetch=fetch)
+            if old is not None and old.release is not None:
+                old.release()
+            logger.info("rank %d: mapped remote rank %d %s storage", self.rank, rank, tier.name)
 
     async def unmap_storage(self, rank: int, tier: Optional[Tier] = None) -> int:
         """Drop the mappings of ``rank`` (one tier or all); returns how many."""
@@ -293,9 +322,17 @@ class GPUTransfer:
         assert layout is not None and self._slabs is not None
         useful = sum(t.rows * layout.group(t.group).block_bytes for t in plan.transfers)
         padded = sum(t.padded_rows * layout.group(t.group).block_bytes for t in plan.transfers)
+        remote = [t for t in plan.transfers
+                  if self._storages[(t.source_rank, t.tier)].fetch is not None]
+        remote_ids = {id(t) for t in remote}
+        local = dataclasses.replace(
+            plan, transfers=tuple(t for t in plan.transfers if id(t) not in remote_ids))
         async with self._copy_lock:
             try:
-                await asyncio.to_thread(self._run_transfers, plan)
+                if local.transfers:
+                    await asyncio.to_thread(self._run_transfers, local)
+                for t in remote:
+                    await self._run_remote(t)
             except BaseException as exc:
                 self.counters.load_failures += 1
                 logger.error("rank %d: load of %d requests failed during copy: %r", self.rank,
@@ -346,11 +383,41 @@ class GPUTransfer:
             if self._stream is not None:
                 self._stream.synchronize()
 
+    async def _run_remote(self, t: Transfer) -> None:
+        """Fetch one transfer from a remote storage into CPU staging, then write it."""
+        st = self._storages[(t.source_rank, t.tier)]
+        assert st.fetch is not None and self._local_layout is not None
+        staging = self._staging.get(t.group)
+        if staging is None:
+            pin = self._device is not None and self._device.type == "cuda"
+            staging = self._staging[t.group] = [
+                torch.empty((self.slab_config.full_rows, la.block_bytes), dtype=torch.uint8,
+                            pin_memory=pin)
+                for la in self._local_layout.group(t.group).layers]
+        await st.fetch(t, [s[:t.rows] for s in staging])
+        await asyncio.to_thread(self._write_staged, t, staging)
+
+    def _write_staged(self, t: Transfer, staging: List[torch.Tensor]) -> None:
+        device = self._device
+        assert device is not None
+        n_dst = int(t.dst_blocks.shape[0])
+        identity = n_dst == t.rows and bool(np.all(t.dst_rows == np.arange(n_dst)))
+        dst_blocks = torch.from_numpy(t.dst_blocks).to(device)
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
+        with ctx:
+            for s, d in zip(staging, self._local_layers[t.group]):
+                values = slab_as(s, t.rows, d)
+                if not identity:
+                    values = values.index_select(0, torch.from_numpy(t.dst_rows))
+                d.index_copy_(0, dst_blocks, values.to(device, non_blocking=True))
+            if self._stream is not None:
+                self._stream.synchronize()
+
     def _fused_ok(self, st: _MappedStorage, group: int) -> bool:
         key = (st.rank, st.tier, group)
         ok = self._fused_cache.get(key)
         if ok is None:
-            ok = self.copy_kernel != "torch" and block_copy_triton.supports(
+            ok = st.fetch is None and self.copy_kernel != "torch" and block_copy_triton.supports(
                 st.layers[group], self._local_layers[group])
             self._fused_cache[key] = ok
         if not ok and self.copy_kernel == "triton":
@@ -429,6 +496,7 @@ class GPUTransfer:
                 raise CloseError("close incomplete, call close() again: " + "; ".join(errors))
             self._local_layers.clear()
             self._local_pointer_tables.clear()
+            self._staging.clear()
             self._indices.close()
             self._stream = None
             self._closed = True

@@ -173,6 +173,20 @@ class SnapshotStorage:
             raise ValueError(f"ipc_handles: the {Tier(tier).name} tier is not on a CUDA device")
         return {g: [reduce_tensor(x) for x in tensors] for g, tensors in t.layers.items()}
 
+    def gather_rows(self, tier: Tier, group: int, slots: Sequence[int]) -> List[torch.Tensor]:
+        """Per layer, the blocks in ``slots`` as CPU ``uint8`` rows ``[len(slots), bytes]``
+        (what a remote loader's staging expects; see :mod:`.remote_fetch`)."""
+        if self._closed:
+            raise RuntimeError(f"gather_rows: the snapshot storage of rank {self.rank} is closed")
+        views = self._tiers[Tier(tier)].views[group]
+        n = len(slots)
+        out = []
+        for v in views:
+            idx = torch.as_tensor(list(slots), dtype=torch.int64, device=v.device)
+            rows = v.index_select(0, idx).contiguous().cpu()
+            out.append(rows.view(torch.uint8).reshape(n, -1))
+        return out
+
     def used(self, tier: Tier) -> int:
         return sum(a.used for a in self._tiers[Tier(tier)].allocators.values())
 
