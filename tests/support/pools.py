@@ -19,15 +19,27 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def actor_pool(n_process: int = 1) -> AsyncIterator[xo.MainActorPoolType]:
-    """A main pool on loopback with ``n_process`` spawned sub pools."""
+async def actor_pool(n_process: int = 1,
+                     scheme: str = "") -> AsyncIterator[xo.MainActorPoolType]:
+    """A main pool on loopback with ``n_process`` spawned sub pools; ``scheme="nixl"``
+    makes every pool use xoscar's NIXL channel (``copy_to`` then moves bytes with NIXL)."""
     os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
-    pool = await xo.create_actor_pool(f"127.0.0.1:{free_port()}", n_process=n_process,
+    prefix = f"{scheme}://" if scheme else ""
+    pool = await xo.create_actor_pool(f"{prefix}127.0.0.1:{free_port()}", n_process=n_process,
                                       subprocess_start_method="spawn")
     try:
         yield pool
     finally:
         await pool.stop()
+
+
+def nixl_available() -> bool:
+    """NIXL's Python API importable (xoscar's nixl channel needs it)."""
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def sub_pool_addresses(pool: xo.MainActorPoolType) -> List[str]:
