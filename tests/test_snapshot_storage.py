@@ -143,6 +143,25 @@ def test_cpu_tier_takes_overflow_from_a_tiny_gpu_tier():
     assert d.outstanding_leases == 0
 
 
+def test_a_step_larger_than_the_gpu_tier_spills_to_the_cpu_tier():
+    a_cache, b_cache, layout, views = world(4)
+    d = BlockDirectory()
+
+    async def run():
+        st = storage(layout, LocalDirectory(d), gpu_blocks=2, cpu_blocks=8)
+        r = await st.export(views, [(0, 30 + i, 1 + i) for i in range(5)])
+        assert (r.exported, r.skipped_no_slot) == (5, 0)
+        assert st.used(Tier.GPU) == 2 and st.used(Tier.CPU) == 3
+        assert [st.lookup(0, 30 + i)[0] for i in range(5)] == [Tier.GPU] * 2 + [Tier.CPU] * 3
+        await load_on_b(d, st, b_cache, [30 + i for i in range(5)], [10 + i for i in range(5)])
+        return st
+
+    asyncio.run(run()).close()
+    for i in range(5):
+        assert_block_equal(block_of(b_cache, 0, 10 + i), block_of(a_cache, 0, 1 + i))
+    assert d.outstanding_leases == 0
+
+
 def test_shared_memory_tier_maps_elsewhere_and_files_go_on_close():
     _, _, layout, views = world(3)
 

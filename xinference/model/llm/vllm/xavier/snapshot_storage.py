@@ -12,7 +12,8 @@ rank's engine into the top tier, batched per step:
    directory grants (``claim``: a slot under lease is refused, so it is never
    reused while a peer reads it);
 3. before a victim of the GPU tier is given up, its block is demoted into
-   the CPU tier (when there is one) and registered there;
+   the CPU tier (when there is one) and registered there; blocks the top tier
+   cannot take in this step go straight to the next tier down;
 4. the copies are fenced (CUDA: synchronized) and only then the blocks are
    registered with the directory: a block is never published before its
    bytes are written.
@@ -206,8 +207,7 @@ class SnapshotStorage:
             raise RuntimeError(f"export: the snapshot storage of rank {self.rank} is closed")
         async with self._lock:
             res = ExportResult()
-            top_tier = min(self._tiers)
-            top = self._tiers[top_tier]
+            top = self._tiers[min(self._tiers)]
             by_group: Dict[int, List[Tuple[int, int]]] = {}
             for group, key, block_id in blocks:
                 if group not in top.allocators:
@@ -220,18 +220,22 @@ class SnapshotStorage:
                     pending.append((key, block_id))
             entries: List[Entry] = []
             for group, pending in by_group.items():
-                slots = await self._slots_for(top_tier, group, len(pending), res)
-                if len(slots) < len(pending):
-                    res.skipped_no_slot += len(pending) - len(slots)
-                    pending = pending[:len(slots)]
-                if not pending:
-                    continue
-                alloc = top.allocators[group]
-                gens = [alloc.assign(key, slot) for (key, _), slot in zip(pending, slots)]
-                _copy_rows(kv_views[group], top.views[group],
-                           [b for _, b in pending], slots)
-                entries += [(group, key, int(top_tier), slot, gen)
-                            for (key, _), slot, gen in zip(pending, slots, gens)]
+                # earlier blocks of a prefix are shared more: they go to the top tier,
+                # what it cannot take goes one tier down
+                for tier in sorted(self._tiers):
+                    if not pending:
+                        break
+                    t = self._tiers[tier]
+                    slots = await self._slots_for(tier, group, len(pending), res)
+                    placed, pending = pending[:len(slots)], pending[len(slots):]
+                    if not placed:
+                        continue
+                    gens = [t.allocators[group].assign(key, slot)
+                            for (key, _), slot in zip(placed, slots)]
+                    _copy_rows(kv_views[group], t.views[group], [b for _, b in placed], slots)
+                    entries += [(group, key, int(tier), slot, gen)
+                                for (key, _), slot, gen in zip(placed, slots, gens)]
+                res.skipped_no_slot += len(pending)
             _fence(self._tiers)
             if entries:
                 await self._directory.register(self.rank, entries)
