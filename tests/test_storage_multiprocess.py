@@ -49,13 +49,15 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             # a peer holds leases on two GPU-tier blocks while rank 1 exports more
             held = await b.query([102, 103])
             r = await a.export([(0, 104, 14), (0, 105, 15)])
-            assert r["claims_refused"] == 2  # the leased GPU slots were not reused
+            assert r["claims_refused"] == 2  # the leased GPU slots were not reused ...
+            assert r["exported"] == 2 and r["skipped_no_slot"] == 0  # ... the CPU tier took them
             out = await b.load(held, [50, 51])
             assert out["error"] is None
             assert out["digests"] == await a.block_digests([12, 13])
 
             # rank 1 goes away between query and load: a miss / a reported failure
-            q = await b.query([100])
+            q = await b.query([104])
+            assert q.num_hits == 1
             assert await tracker.unregister_rank(1) > 0
             assert (await b.query([100, 101])).keys == ()
             await b.unmap_peer(1)
