@@ -188,43 +188,38 @@ class GPUTransfer:
         """Map the snapshot storage of ``rank``'s ``tier`` (tensors already opened,
         e.g. from CUDA IPC or shared memory).  Validated against the local layout;
         on mismatch nothing is mapped (and ``release`` is not called)."""
-        tier = Tier(tier)
-        async with self._mapping_lock:
-            self._check_open("map_storage")
-            if self._local_layout is None:
-                raise TransferClosedError(
-                    "map_storage: local KV caches are not registered yet (set_local_caches)")
-            layout = layout_of(caches, block_dim)
-            self._local_layout.check_compatible(layout, f"rank {rank} {tier.name} storage")
-            self._fused_cache.clear()
-            old = self._storages.get((rank, tier))
-            self._storages[(rank, tier)] = _MappedStorage(
-                rank, tier, layout, _block_views(caches, layout), release)
-            if old is not None and old.release is not None:
-                old.release()
-            logger.info("rank %d: mapped rank %d %s storage (%s)", self.rank, rank, tier.name,
-                        ", ".join(f"group {g.group}: {g.num_blocks} slots" for g in layout.groups))
-            return layout
+        layout = layout_of(caches, block_dim)
+        await self._install_storage(_MappedStorage(
+            rank, Tier(tier), layout, _block_views(caches, layout), release), "map_storage")
+        return layout
 
     async def map_remote_storage(self, rank: int, tier: Tier, layout: KVLayout,
                                  fetch: RemoteFetch,
                                  release: Optional[Callable[[], None]] = None) -> None:
         """Map a storage of another host: its blocks arrive through ``fetch`` into CPU
         staging rows (bounded by the slab) and are then written like local ones."""
-        tier = Tier(tier)
+        await self._install_storage(
+            _MappedStorage(rank, Tier(tier), layout, {}, release, fetch=fetch),
+            "map_remote_storage")
+
+    async def _install_storage(self, st: _MappedStorage, what: str) -> None:
+        """Validate ``st`` against the local layout and put it in place (under the lock)."""
         async with self._mapping_lock:
-            self._check_open("map_remote_storage")
+            self._check_open(what)
             if self._local_layout is None:
                 raise TransferClosedError(
-                    "map_remote_storage: local KV caches are not registered yet")
-            self._local_layout.check_compatible(layout, f"rank {rank} {tier.name} storage")
+                    f"{what}: local KV caches are not registered yet (set_local_caches)")
+            self._local_layout.check_compatible(st.layout,
+                                                f"rank {st.rank} {st.tier.name} storage")
             self._fused_cache.clear()
-            old = self._storages.get((rank, tier))
-            self._storages[(rank, tier)] = _MappedStorage(rank, tier, layout, {}, release,
-                                                          fetch=fetch)
+            old = self._storages.get((st.rank, st.tier))
+            self._storages[(st.rank, st.tier)] = st
             if old is not None and old.release is not None:
                 old.release()
-            logger.info("rank %d: mapped remote rank %d %s storage", self.rank, rank, tier.name)
+            logger.info("rank %d: mapped %s rank %d %s storage (%s)", self.rank,
+                        "remote" if st.fetch is not None else "local", st.rank, st.tier.name,
+                        ", ".join(f"group {g.group}: {g.num_blocks} slots"
+                                  for g in st.layout.groups))
 
     async def unmap_storage(self, rank: int, tier: Optional[Tier] = None) -> int:
         """Drop the mappings of ``rank`` (one tier or all); returns how many."""
