@@ -35,6 +35,12 @@ def block_view(t: torch.Tensor, block_dim: int) -> torch.Tensor:
     return v.view(_INT_OF_SIZE[itemsize])
 
 
+def as_byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``[n, ...]`` as contiguous ``uint8`` rows ``[n, bytes per row]`` (copies only if
+    ``t`` is not contiguous)."""
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], -1)
+
+
 def slab_as(slab: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
     """The first ``rows`` rows of a ``uint8`` slab viewed with ``like``'s dtype and
     per-block shape (the slab is contiguous, so any such view exists)."""

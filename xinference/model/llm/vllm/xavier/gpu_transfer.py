@@ -369,12 +369,10 @@ class GPUTransfer:
                     self._run_fused(st, t, next(indices), next(indices))
                     continue
                 dst_blocks, dst_rows = next(indices), next(indices)
-                n_dst = int(t.dst_blocks.shape[0])
-                identity = n_dst == t.rows and bool(np.all(t.dst_rows == np.arange(n_dst)))
                 copy_transfer(
                     src, dst, self._slabs.get(t.group, t.slab_rows),
                     torch.from_numpy(t.src_slots).to(src[0].device, non_blocking=True),
-                    dst_blocks, dst_rows, identity)
+                    dst_blocks, dst_rows, t.identity_rows)
             if self._stream is not None:
                 self._stream.synchronize()
 
@@ -395,14 +393,12 @@ class GPUTransfer:
     def _write_staged(self, t: Transfer, staging: List[torch.Tensor]) -> None:
         device = self._device
         assert device is not None
-        n_dst = int(t.dst_blocks.shape[0])
-        identity = n_dst == t.rows and bool(np.all(t.dst_rows == np.arange(n_dst)))
         dst_blocks = torch.from_numpy(t.dst_blocks).to(device)
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else _nullcontext()
         with ctx:
             for s, d in zip(staging, self._local_layers[t.group]):
                 values = slab_as(s, t.rows, d)
-                if not identity:
+                if not t.identity_rows:
                     values = values.index_select(0, torch.from_numpy(t.dst_rows))
                 d.index_copy_(0, dst_blocks, values.to(device, non_blocking=True))
             if self._stream is not None:

@@ -110,6 +110,12 @@ class Transfer:
     def padded_rows(self) -> int:
         return self.slab_rows - self.rows
 
+    @property
+    def identity_rows(self) -> bool:
+        """Each read has exactly one destination, in order (``dst_rows == arange``)."""
+        n = int(self.dst_rows.shape[0])
+        return n == self.rows and bool(np.all(self.dst_rows == np.arange(n)))
+
 
 @dataclass(frozen=True)
 class LoadPlan:

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .block_copy import block_view
+from .block_copy import as_byte_rows, block_view, slab_as
 from .block_directory import BlockDirectory
 from .kv_schema import KVLayout
 from .load_batch import Tier
@@ -180,13 +180,8 @@ class SnapshotStorage:
         if self._closed:
             raise RuntimeError(f"gather_rows: the snapshot storage of rank {self.rank} is closed")
         views = self._tiers[Tier(tier)].views[group]
-        n = len(slots)
-        out = []
-        for v in views:
-            idx = torch.as_tensor(list(slots), dtype=torch.int64, device=v.device)
-            rows = v.index_select(0, idx).contiguous().cpu()
-            out.append(rows.view(torch.uint8).reshape(n, -1))
-        return out
+        idx = torch.as_tensor(list(slots), dtype=torch.int64)
+        return [as_byte_rows(v.index_select(0, idx.to(v.device)).cpu()) for v in views]
 
     def used(self, tier: Tier) -> int:
         return sum(a.used for a in self._tiers[Tier(tier)].allocators.values())
@@ -329,13 +324,11 @@ def _copy_rows(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     """dst[dst_rows[i]] = src[src_rows[i]] for every layer (block views, any layouts)."""
     if not src_rows:
         return
+    si = torch.tensor(list(src_rows), dtype=torch.int64)
+    di = torch.tensor(list(dst_rows), dtype=torch.int64)
     for s, d in zip(src, dst):
-        si = torch.tensor(list(src_rows), dtype=torch.int64, device=s.device)
-        di = torch.tensor(list(dst_rows), dtype=torch.int64, device=d.device)
-        vals = s.index_select(0, si).contiguous()
-        n = vals.shape[0]
-        vals = vals.view(torch.uint8).reshape(n, -1).view(d.dtype).view(n, *d.shape[1:])
-        d.index_copy_(0, di, vals.to(d.device))
+        rows = as_byte_rows(s.index_select(0, si.to(s.device)))
+        d.index_copy_(0, di.to(d.device), slab_as(rows, len(src_rows), d).to(d.device))
 
 
 def _fence(tiers: Dict[Tier, _Tier]) -> None:
