@@ -18,7 +18,8 @@ Parts:
 * ``copy_ceiling``: a plain device-to-device copy measured in the same run, to
   compare the achieved copy rate against.
 
-Prints tables and writes JSON to ``doc/results/transfer_bench-<device>.json``.
+Prints tables and writes JSON to ``doc/results/transfer_bench-<device>.json``
+(``...-quick.json`` with ``--quick``).
 """
 
 from __future__ import annotations
@@ -363,7 +364,9 @@ def main() -> None:
             print(f"  {k:<32} {rpc[k] * 1e3:9.3f} ms")
         print(f"  batched metadata / empty call     {rpc['batched_metadata_over_empty']:9.2f}x")
         print(f"  load batched / per-request        {rpc['load_ratio']:9.2f}")
-    out = args.out or os.path.join(REPO, "doc", "results", f"transfer_bench-{args.device}.json")
+    suffix = "-quick" if args.quick else ""  # keep the full sweep's results apart
+    out = args.out or os.path.join(REPO, "doc", "results",
+                                   f"transfer_bench-{args.device}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1, default=float)
