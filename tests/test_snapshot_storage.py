@@ -88,6 +88,8 @@ def test_export_then_query_then_load_bit_exact():
         assert r.exported == 6 and d.num_blocks == 6
         again = await st.export(views, [(0, 100, 3)])
         assert again.already_stored == 1 and again.exported == 0
+        twice = await st.export(views, [(0, 200, 1), (0, 200, 1)])  # one block named twice
+        assert twice.exported == 1 and st.used(Tier.GPU) == 7
         res = await load_on_b(d, st, b_cache, [100, 101, 102, 103, 104, 999], [20, 21, 22, 23, 24])
         assert res.num_hits == 5
         return st

@@ -204,15 +204,16 @@ class SnapshotStorage:
             res = ExportResult()
             top = self._tiers[min(self._tiers)]
             by_group: Dict[int, List[Tuple[int, int]]] = {}
+            seen = set()
             for group, key, block_id in blocks:
                 if group not in top.allocators:
                     raise ValueError(f"group: KV-cache group {group} is not stored")
                 if any(t.allocators[group].lookup(key) is not None for t in self._tiers.values()):
                     res.already_stored += 1
                     continue
-                pending = by_group.setdefault(group, [])
-                if all(k != key for k, _ in pending):
-                    pending.append((key, block_id))
+                if (group, key) not in seen:  # a step may name one block twice
+                    seen.add((group, key))
+                    by_group.setdefault(group, []).append((key, block_id))
             entries: List[Entry] = []
             for group, pending in by_group.items():
                 # earlier blocks of a prefix are shared more: they go to the top tier,
