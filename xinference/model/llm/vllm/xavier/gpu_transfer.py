@@ -153,6 +153,12 @@ class GPUTransfer:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def local_block_views(self) -> Dict[int, List[torch.Tensor]]:
+        """Block-first views of the local KV caches per group (empty before
+        :meth:`set_local_caches`): what exports read from."""
+        return self._local_layers
+
     async def set_local_caches(self, caches: Mapping[int, LayerTensors],
                                block_dim: Union[int, Mapping[int, int]] = 0,
                                release: Optional[Callable[[], None]] = None) -> KVLayout:

@@ -1,0 +1,139 @@
+"""Two (or more) real vLLM replicas with Xavier, each in its own xoscar sub pool.
+
+Mirrors what Xinference 3.5.0 does for a replica (see the contract note):
+:class:`ReplicaActor` plays ``ModelActor`` (builds the engine with
+``XavierEngine.from_engine_args`` in its sub pool, later creates the
+``TransferActor`` next to itself and awaits ``init_xavier()``); the test process
+plays the supervisor and hosts the ``VLLMBlockTracker``.  vLLM spawns its own
+engine-core process under each sub pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+
+from .engines import EngineOptions, cpu_engine_env
+from .pools import actor_pool, sub_pool_addresses
+
+MODEL_UID = "xavier-test"
+
+
+class ReplicaActor(xo.StatelessActor):
+    """One replica: vLLM engine with Xavier + its transfer actor (same pool)."""
+
+    def __init__(self, rank: int, opts: Dict[str, Any], xavier_config: Dict[str, Any],
+                 env: Dict[str, str]) -> None:
+        super().__init__()
+        self.rank = rank
+        self._opts = opts
+        self._xavier_config = xavier_config
+        self._env = env
+        self.engine: Any = None
+        self._transfer: Any = None
+
+    async def __post_create__(self) -> None:
+        os.environ.update(self._env)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from xinference.model.llm.vllm.xavier.engine import XavierEngine
+
+        args = AsyncEngineArgs(**self._opts)
+        self.engine = XavierEngine.from_engine_args(args, xavier_config=self._xavier_config)
+
+    async def start_transfer(self, world_addresses: List[str]) -> bool:
+        from xinference.model.llm.vllm.xavier.transfer import TransferActor
+
+        self._transfer = await xo.create_actor(
+            TransferActor, address=self.address, uid=f"{TransferActor.default_uid()}-{self.rank}",
+            rank=self.rank, world_size=len(world_addresses),
+            rank_address=self._xavier_config["rank_address"], store_address="127.0.0.1",
+            store_port=0, world_addresses=world_addresses)
+        return await self.engine.init_xavier()
+
+    async def generate(self, prompts: Sequence[List[int]], max_tokens: int = 16,
+                       xavier: bool = True) -> List[Dict[str, Any]]:
+        """Greedy generation of all ``prompts`` concurrently; token ids and the prompt
+        tokens vLLM did not compute (local prefix cache + external loads) per request."""
+        from vllm import SamplingParams
+
+        extra = None if xavier else {"kv_transfer_params": {"xavier": False}}
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                extra_args=extra)
+
+        async def one(i: int, ids: List[int]) -> Dict[str, Any]:
+            last = None
+            rid = f"r{self.rank}-{os.urandom(4).hex()}-{i}"
+            async for out in self.engine.generate({"prompt_token_ids": list(ids)}, params, rid):
+                last = out
+            assert last is not None
+            return {"ids": list(last.outputs[0].token_ids),
+                    "cached": int(last.num_cached_tokens or 0)}
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def reset_prefix_cache(self) -> None:
+        await self.engine.reset_prefix_cache()
+
+    async def counters(self) -> Dict[str, int]:
+        return await self._transfer.counters() if self._transfer is not None else {}
+
+    async def metrics_text(self) -> str:
+        return await self._transfer.metrics_text()
+
+    async def inject_fault(self, mode: str, count: int = 1) -> None:
+        await self._transfer.inject_fault(mode, count)
+
+    async def __pre_destroy__(self) -> None:
+        if self._transfer is not None:
+            await xo.destroy_actor(self._transfer)
+            self._transfer = None
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+@dataclass
+class Replicas:
+    tracker: Any
+    replicas: List[Any]
+    addresses: List[str]
+
+
+@contextlib.asynccontextmanager
+async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
+                          engine: Optional[EngineOptions] = None) -> AsyncIterator[Replicas]:
+    """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine)."""
+    opts = engine or EngineOptions(model=model_dir)
+    kwargs = opts.llm_kwargs()
+    env = cpu_engine_env()
+    async with actor_pool(n_process=n) as pool:
+        tracker = await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
+                                        uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
+        subs = sub_pool_addresses(pool)
+        world = [pool.external_address] + subs[:n]
+        replicas = []
+        try:
+            for rank in range(1, n + 1):
+                cfg = {"block_tracker_uid": tracker.uid, "block_tracker_address": tracker.address,
+                       "rank": rank, "world_size": n + 1, "rank_address": subs[rank - 1],
+                       "store_address": "127.0.0.1", "store_port": 0, "transfer_block_num": 512,
+                       "role": "hybrid", "vllm_transfer_backend_type": None,
+                       "xavier_gpu_budget": 0, "xavier_cpu_budget": cpu_budget}
+                replicas.append(xo.create_actor(ReplicaActor, address=subs[rank - 1],
+                                                uid=f"replica-{rank}", rank=rank, opts=kwargs,
+                                                xavier_config=cfg, env=env))
+            replicas = list(await asyncio.gather(*replicas))
+            await asyncio.gather(*(r.start_transfer(world) for r in replicas))
+            yield Replicas(tracker, replicas, world)
+        finally:
+            for r in replicas:
+                with contextlib.suppress(Exception):
+                    await xo.destroy_actor(r)

@@ -1,0 +1,104 @@
+"""Calling xoscar actors from vLLM's synchronous engine-core and worker code.
+
+vLLM's connector methods are synchronous and run outside any event loop that
+xoscar owns.  :class:`ActorBridge` runs one asyncio loop in a daemon thread
+per process and submits coroutines to it:
+
+* :meth:`ActorBridge.call` blocks the caller until the coroutine finishes
+  (or ``timeout`` passes: then the coroutine is cancelled and ``TimeoutError``
+  raised);
+* :meth:`ActorBridge.submit` does not wait (used for lease releases);
+* :class:`LazyActor` resolves an actor ref on first use and at most once per
+  ``retry_seconds`` while the actor does not exist yet (vLLM V1 starts the
+  engine before Xinference creates the transfer actor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any, Awaitable, Callable, Optional, TypeVar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_bridge: Optional[ActorBridge] = None
+
+
+class ActorBridge:
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="xavier-actor-bridge", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> ActorBridge:
+        """The process's bridge (created on first use)."""
+        global _bridge
+        with _lock:
+            if _bridge is None or not _bridge._thread.is_alive():
+                _bridge = cls()
+            return _bridge
+
+    def call(self, make: Callable[[], Awaitable[T]], timeout: Optional[float] = 60.0) -> T:
+        fut = asyncio.run_coroutine_threadsafe(_wrap(make), self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"actor call did not finish within {timeout} s") from None
+
+    def submit(self, make: Callable[[], Awaitable[Any]], what: str) -> None:
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                logger.warning("xavier: %s failed: %s", what, f.exception())
+
+        asyncio.run_coroutine_threadsafe(_wrap(make), self._loop).add_done_callback(done)
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+
+
+async def _wrap(make: Callable[[], Awaitable[T]]) -> T:
+    return await make()
+
+
+class LazyActor:
+    """An actor ref found on first use; ``None`` while the actor does not exist."""
+
+    def __init__(self, bridge: ActorBridge, address: str, uid: str,
+                 retry_seconds: float = 1.0) -> None:
+        self.bridge, self.address, self.uid = bridge, address, uid
+        self.retry_seconds = retry_seconds
+        self._ref: Any = None
+        self._next_try = 0.0
+
+    def get(self, timeout: float = 10.0) -> Any:
+        if self._ref is not None:
+            return self._ref
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.retry_seconds
+        try:
+            import xoscar as xo
+
+            self._ref = self.bridge.call(lambda: xo.actor_ref(self.address, self.uid),
+                                         timeout=timeout)
+            logger.info("xavier: found actor %s at %s", self.uid, self.address)
+        except Exception as exc:
+            logger.debug("xavier: actor %s at %s not there yet: %s", self.uid, self.address, exc)
+            self._ref = None
+        return self._ref
+
+    def forget(self) -> None:
+        """Drop the ref (its actor went away); the next ``get`` looks it up again."""
+        self._ref = None
+        self._next_try = 0.0

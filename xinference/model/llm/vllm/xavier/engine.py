@@ -1,0 +1,96 @@
+"""``XavierEngine``: vLLM's ``AsyncLLM`` with the Xavier connector configured.
+
+Xinference 3.5.0's ``VLLMModel.load`` calls
+``XavierEngine.from_engine_args(engine_args, xavier_config=...)`` synchronously
+and uses the result exactly like vLLM's async engine; after every rank is up,
+the model actor awaits :meth:`XavierEngine.init_xavier`.
+
+``from_engine_args``
+
+1. validates the options (:class:`~.options.XavierOptions`; errors name the option);
+2. fixes ``PYTHONHASHSEED`` so every replica hashes blocks alike
+   (:func:`~.hash_seed.ensure_shared_hash_seed`) and makes vLLM spawn its workers;
+3. sets ``engine_args.kv_transfer_config`` to the Xavier connector
+   (``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``, options in
+   ``kv_connector_extra_config``) and keeps prefix caching on;
+4. builds vLLM's engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+from vllm.config import KVTransferConfig
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from .hash_seed import ensure_shared_hash_seed
+from .options import XavierOptions
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "XavierConnector"
+CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.connector"
+WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
+
+
+def xavier_kv_transfer_config(options: XavierOptions) -> KVTransferConfig:
+    return KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
+                            kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=options.to_extra_config())
+
+
+def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
+                        environ: Optional[Dict[str, str]] = None) -> XavierOptions:
+    """Validate and apply Xavier's settings to ``engine_args`` (in place)."""
+    env = os.environ if environ is None else environ
+    options = XavierOptions.from_xavier_config(xavier_config, env)
+    if getattr(engine_args, "kv_transfer_config", None) is not None:
+        raise ValueError("kv_transfer_config: Xavier configures vLLM's KV connector itself; "
+                         "do not pass kv_transfer_config together with enable_xavier")
+    if getattr(engine_args, "enable_prefix_caching", None) is False:
+        raise ValueError("enable_prefix_caching: Xavier shares prefix-cache blocks; it cannot "
+                         "run with enable_prefix_caching=False")
+    engine_args.enable_prefix_caching = True
+    ensure_shared_hash_seed(env)
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    engine_args.kv_transfer_config = xavier_kv_transfer_config(options)
+    if not getattr(engine_args, "worker_extension_cls", ""):
+        engine_args.worker_extension_cls = WORKER_EXTENSION
+    else:  # the user's extension stays; workers then attach at their next step instead
+        logger.info("xavier: worker_extension_cls %r kept; init_xavier will not force the "
+                    "attach", engine_args.worker_extension_cls)
+    return options
+
+
+class XavierEngine(AsyncLLM):
+    xavier_options: XavierOptions
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, *args: Any,  # type: ignore[override]
+                         xavier_config: Optional[Dict[str, Any]] = None,
+                         **kwargs: Any) -> XavierEngine:
+        if xavier_config is None:
+            raise ValueError("xavier_config: required (Xinference passes it with enable_xavier)")
+        options = prepare_engine_args(engine_args, xavier_config)
+        logger.info("xavier: starting vLLM engine for rank %d (GPU tier %d B, CPU tier %d B, "
+                    "transport %s)", options.rank, options.gpu_budget_bytes,
+                    options.cpu_budget_bytes, options.transport)
+        engine = super().from_engine_args(engine_args, *args, **kwargs)
+        assert isinstance(engine, XavierEngine)
+        engine.xavier_options = options
+        return engine
+
+    async def init_xavier(self) -> bool:
+        """Attach the workers' KV caches to the rank's transfer actor now (otherwise they
+        attach on their own within a second of the next step)."""
+        try:
+            results = await self.collective_rpc("xavier_attach")
+        except Exception as exc:  # e.g. a user worker extension without xavier_attach
+            logger.info("xavier: init_xavier: workers attach at their next step (%s)", exc)
+            return False
+        attached = all(bool(r) for r in (results or [False]))
+        logger.info("xavier: rank %d init_xavier: workers attached=%s",
+                    self.xavier_options.rank, attached)
+        return attached

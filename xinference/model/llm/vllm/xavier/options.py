@@ -1,0 +1,86 @@
+"""Xavier's options for one replica, validated, and their trip through vLLM's config (pure).
+
+Sources, later ones winning: defaults, launch environment variables
+(``XAVIER_GPU_BUDGET``, ``XAVIER_CPU_BUDGET``), then the keys of Xinference's
+``xavier_config`` (``xavier_gpu_budget``, ``xavier_cpu_budget``).  The options
+reach vLLM's engine-core and worker processes inside
+``KVTransferConfig.kv_connector_extra_config["xavier"]`` as a plain dict
+(:meth:`XavierOptions.to_extra_config` / :meth:`XavierOptions.from_extra_config`).
+
+Every error is a ``ValueError`` whose message starts with the option's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Mapping, Optional
+
+from .budget import parse_bytes
+from .transport import normalize_xavier_transport_backend
+
+DEFAULT_GPU_BUDGET = "1GiB"
+DEFAULT_CPU_BUDGET = "1GiB"
+ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
+ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
+EXTRA_KEY = "xavier"
+TRANSFER_ACTOR_UID = "vllm-transfer-actor"
+
+
+@dataclass(frozen=True)
+class XavierOptions:
+    rank: int
+    rank_address: str
+    block_tracker_address: str
+    block_tracker_uid: str
+    gpu_budget_bytes: int
+    cpu_budget_bytes: int
+    transport: str = "xavier"
+    world_size: int = 0
+
+    @property
+    def transfer_actor_uid(self) -> str:
+        """uid Xinference gives the rank's transfer actor (``TransferActor.default_uid()``)."""
+        return f"{TRANSFER_ACTOR_UID}-{self.rank}"
+
+    @classmethod
+    def from_xavier_config(cls, xavier_config: Mapping[str, Any],
+                           environ: Optional[Mapping[str, str]] = None) -> XavierOptions:
+        """From Xinference's ``xavier_config`` (see the 3.5.0 contract) and the environment."""
+        env = environ or {}
+        cfg = dict(xavier_config or {})
+        for key in ("rank", "rank_address", "block_tracker_address", "block_tracker_uid"):
+            if cfg.get(key) in (None, ""):
+                raise ValueError(f"xavier_config: missing {key!r}")
+        rank = cfg["rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"xavier_config: rank must be a non-negative int, got {rank!r}")
+        uid = cfg["block_tracker_uid"]
+        if isinstance(uid, bytes):
+            uid = uid.decode()
+        gpu = cfg.get("xavier_gpu_budget", env.get(ENV_GPU_BUDGET, DEFAULT_GPU_BUDGET))
+        cpu = cfg.get("xavier_cpu_budget", env.get(ENV_CPU_BUDGET, DEFAULT_CPU_BUDGET))
+        gpu_bytes = parse_bytes("xavier_gpu_budget", gpu)
+        cpu_bytes = parse_bytes("xavier_cpu_budget", cpu)
+        if gpu_bytes == 0 and cpu_bytes == 0:
+            raise ValueError("xavier_gpu_budget: both storage tiers are 0 bytes: nothing could "
+                             "be shared (set xavier_gpu_budget or xavier_cpu_budget)")
+        transport = normalize_xavier_transport_backend(cfg.get("vllm_transfer_backend_type"))
+        return cls(rank=rank, rank_address=str(cfg["rank_address"]),
+                   block_tracker_address=str(cfg["block_tracker_address"]),
+                   block_tracker_uid=str(uid), gpu_budget_bytes=gpu_bytes,
+                   cpu_budget_bytes=cpu_bytes, transport=transport,
+                   world_size=int(cfg.get("world_size") or 0))
+
+    def to_extra_config(self) -> Dict[str, Any]:
+        return {EXTRA_KEY: asdict(self)}
+
+    @classmethod
+    def from_extra_config(cls, extra: Optional[Mapping[str, Any]]) -> XavierOptions:
+        data = (extra or {}).get(EXTRA_KEY)
+        if not isinstance(data, Mapping):
+            raise ValueError(f"kv_connector_extra_config: missing the {EXTRA_KEY!r} entry "
+                             "(build the engine with XavierEngine.from_engine_args)")
+        try:
+            return cls(**dict(data))
+        except TypeError as exc:
+            raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None

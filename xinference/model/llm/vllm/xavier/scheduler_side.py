@@ -1,0 +1,272 @@
+"""The scheduler half of the connector, without vLLM: queries, leases, destinations, exports.
+
+:class:`SchedulerSide` is driven by :class:`~.connector.XavierConnector` (scheduler
+role), which translates vLLM's objects into plain values.  Contract:
+
+* :meth:`SchedulerSide.match` asks the directory for blocks beyond the local hit
+  (never the block holding the prompt's last token: vLLM must compute at least one
+  token) and holds the leases of the hit until the request is allocated; asking again
+  for the same request first releases what the previous answer held.
+* :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
+  rows for the destination blocks vLLM allocated (null blocks skipped, their leases
+  still carried so they are released after the step's load); with no external tokens
+  the leases are released at once.
+* :meth:`SchedulerSide.build_step` returns everything of one step in a
+  :class:`StepMeta`: ONE load batch carrying every request's loads, the newly full
+  blocks to export after the forward, and the step's query statistics.
+* :meth:`SchedulerSide.finished` drops a request and releases any lease it still holds.
+
+Leases put into a :class:`StepMeta` are owned by the worker from then on (the transfer
+actor releases them after the copy, on every path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .block_directory import QueryResult
+from .load_batch import COLUMNS, BlockLoad, LoadBatch
+
+logger = logging.getLogger(__name__)
+
+#: (group, keys, exclude_rank) -> QueryResult; blocking (the directory actor, or a local one)
+QueryFn = Callable[[int, Sequence[int], int], QueryResult]
+#: release lease ids (fire and forget is fine: a late release only delays eviction)
+ReleaseFn = Callable[[Sequence[int]], None]
+#: (lease_id, source rank)
+LeaseRef = Tuple[int, int]
+#: (group, key, block_id) of a newly computed full block
+ExportRow = Tuple[int, int, int]
+
+
+@dataclass
+class StepStats:
+    """Scheduler-side figures of one step (summed by the transfer actor)."""
+
+    queries: int = 0
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+    requests_with_hits: int = 0
+    steps_with_loads: int = 0
+
+    def as_dict(self) -> Dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
+class StepMeta:
+    """One step's work for the worker, in plain picklable values."""
+
+    request_ids: Tuple[str, ...] = ()
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    table: np.ndarray = field(default_factory=lambda: np.zeros((0, len(COLUMNS)), np.int64))
+    leases: Tuple[LeaseRef, ...] = ()
+    exports: Tuple[ExportRow, ...] = ()
+    stats: StepStats = field(default_factory=StepStats)
+
+    @property
+    def has_loads(self) -> bool:
+        return len(self.request_ids) > 0
+
+    def load_batch(self) -> LoadBatch:
+        return LoadBatch(self.request_ids, self.offsets, self.table)
+
+
+@dataclass
+class _Hit:
+    first_block: int
+    keys: Tuple[int, ...]
+    result: QueryResult
+
+
+@dataclass
+class _Tracked:
+    """What the scheduler side knows of a live request."""
+
+    keys: Callable[[], Sequence[int]]
+    block_ids: List[List[int]] = field(default_factory=list)  # per group
+    null: List[List[bool]] = field(default_factory=list)
+    sharing: bool = True
+
+
+class SchedulerSide:
+    def __init__(self, rank: int, block_size: int, num_groups: int, query: QueryFn,
+                 release: ReleaseFn) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size: must be positive, got {block_size}")
+        self.rank = rank
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self._query = query
+        self._release = release
+        self._hits: Dict[str, _Hit] = {}
+        self._tracked: Dict[str, _Tracked] = {}
+        self._step_loads: List[Tuple[str, List[BlockLoad], List[LeaseRef]]] = []
+        self._stats = StepStats()
+
+    # ------------------------------------------------------------------ query
+    def track(self, request_id: str, keys: Callable[[], Sequence[int]],
+              sharing: bool = True) -> None:
+        """Start (or keep) tracking a request; ``keys`` gives its full blocks' keys so far."""
+        if request_id not in self._tracked:
+            self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing)
+
+    def match(self, request_id: str, num_tokens: int, num_computed_tokens: int,
+              ready: bool = True) -> int:
+        """External tokens loadable beyond ``num_computed_tokens`` (block aligned)."""
+        self._drop_hit(request_id)
+        tracked = self._tracked.get(request_id)
+        if tracked is None or not tracked.sharing or not ready:
+            return 0
+        first = num_computed_tokens // self.block_size
+        keys = tracked.keys()
+        # blocks entirely within the first num_tokens - 1 tokens: vLLM computes >= 1 token
+        last = min(len(keys), max(0, num_tokens - 1) // self.block_size)
+        if last <= first:
+            return 0
+        asked = tuple(int(k) for k in keys[first:last])
+        self._stats.queries += 1
+        self._stats.queried_blocks += len(asked)
+        try:
+            result = self._query(0, asked, self.rank)
+        except Exception as exc:  # a directory that cannot answer is a miss, never an error
+            logger.warning("xavier: directory query failed (%s); treating as a miss", exc)
+            return 0
+        if self.num_groups > 1:  # every group must hold the same prefix
+            result = self._intersect_groups(asked, result)
+        if result.num_hits == 0:
+            return 0
+        self._hits[request_id] = _Hit(first, asked[:result.num_hits], result)
+        return result.num_hits * self.block_size
+
+    def _intersect_groups(self, asked: Tuple[int, ...], first: QueryResult) -> QueryResult:
+        results = [first]
+        for g in range(1, self.num_groups):
+            try:
+                results.append(self._query(g, asked[:first.num_hits], self.rank))
+            except Exception as exc:
+                logger.warning("xavier: directory query (group %d) failed: %s", g, exc)
+                results.append(QueryResult((), (), ()))
+        n = min(r.num_hits for r in results)
+        extra = [lid for r in results for lid in r.lease_ids[n:]]
+        if extra:
+            self._release(extra)
+        return QueryResult(first.keys[:n],
+                           tuple(loc for r in results for loc in r.locations[:n]),
+                           tuple(lid for r in results for lid in r.lease_ids[:n]))
+
+    # ------------------------------------------------------------ allocation
+    def allocated(self, request_id: str, block_ids: Sequence[Sequence[int]],
+                  null: Sequence[Sequence[bool]], num_external_tokens: int) -> int:
+        """Record the request's blocks; returns the number of block loads queued."""
+        tracked = self._tracked.get(request_id)
+        if tracked is not None:
+            tracked.block_ids = [list(b) for b in block_ids]
+            tracked.null = [list(n) for n in null]
+        hit = self._hits.pop(request_id, None)
+        if hit is None:
+            return 0
+        if num_external_tokens <= 0:
+            self._release(hit.result.lease_ids)
+            return 0
+        n = num_external_tokens // self.block_size
+        if n > len(hit.keys) or num_external_tokens % self.block_size:
+            self._release(hit.result.lease_ids)
+            raise ValueError(f"num_external_tokens: {num_external_tokens} is not a block "
+                             f"multiple of at most {len(hit.keys)} offered blocks")
+        rows: List[BlockLoad] = []
+        leases: List[LeaseRef] = []
+        per_group = len(hit.result.locations) // max(1, len(hit.keys))
+        drop: List[int] = []
+        for g in range(per_group):
+            for j in range(len(hit.keys)):
+                i = g * len(hit.keys) + j
+                loc, lease = hit.result.locations[i], hit.result.lease_ids[i]
+                if j >= n:
+                    drop.append(lease)
+                    continue
+                pos = hit.first_block + j
+                leases.append((lease, loc.rank))
+                if pos >= len(block_ids[loc.group]) or null[loc.group][pos]:
+                    continue  # null block (e.g. outside a sliding window): nothing to write
+                rows.append(BlockLoad(loc.group, hit.keys[j], loc.rank, loc.tier, loc.slot,
+                                      int(block_ids[loc.group][pos])))
+        if drop:
+            self._release(drop)
+        self._step_loads.append((request_id, rows, leases))
+        self._stats.hit_blocks += n
+        self._stats.hit_tokens += num_external_tokens
+        self._stats.requests_with_hits += 1
+        return len(rows)
+
+    # ------------------------------------------------------------------ steps
+    def build_step(self, scheduled: Sequence[Tuple[str, int, int]],
+                   new_blocks: Dict[str, Tuple[Optional[Sequence[Sequence[int]]], bool]],
+                   ) -> StepMeta:
+        """``scheduled``: ``(request_id, num_computed_tokens, num_scheduled_tokens)``;
+        ``new_blocks``: request_id -> (new block ids per group or None, replace) for
+        requests already running (``replace`` when resumed after preemption)."""
+        for rid, (blocks, replace) in new_blocks.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None or blocks is None:
+                continue
+            if replace or not tracked.block_ids:
+                tracked.block_ids = [list(b) for b in blocks]
+                tracked.null = [[False] * len(b) for b in blocks]
+            else:
+                for g, b in enumerate(blocks):
+                    tracked.block_ids[g].extend(b)
+                    tracked.null[g].extend([False] * len(b))
+        exports: List[ExportRow] = []
+        for rid, computed, num_new in scheduled:
+            tracked = self._tracked.get(rid)
+            if tracked is None or not tracked.sharing or not tracked.block_ids:
+                continue
+            keys = tracked.keys()
+            start = computed // self.block_size
+            end = min(len(keys), (computed + num_new) // self.block_size)
+            for g, ids in enumerate(tracked.block_ids):
+                for i in range(start, min(end, len(ids))):
+                    if not tracked.null[g][i]:
+                        exports.append((g, int(keys[i]), int(ids[i])))
+        meta = self._take_loads()
+        meta.exports = tuple(exports)
+        return meta
+
+    def _take_loads(self) -> StepMeta:
+        loads, self._step_loads = self._step_loads, []
+        stats, self._stats = self._stats, StepStats()
+        if not loads:
+            return StepMeta(stats=stats)
+        stats.steps_with_loads = 1
+        ids = tuple(rid for rid, _, _ in loads)
+        offsets = np.cumsum([0] + [len(rows) for _, rows, _ in loads], dtype=np.int64)
+        table = np.asarray([r.as_row() for _, rows, _ in loads for r in rows],
+                           dtype=np.int64).reshape(-1, len(COLUMNS))
+        leases = tuple(lease for _, _, ls in loads for lease in ls)
+        return StepMeta(ids, offsets, table, leases, (), stats)
+
+    # ----------------------------------------------------------------- finish
+    def finished(self, request_id: str) -> None:
+        self._drop_hit(request_id)
+        self._tracked.pop(request_id, None)
+
+    def _drop_hit(self, request_id: str) -> None:
+        hit = self._hits.pop(request_id, None)
+        if hit is not None and hit.result.lease_ids:
+            self._release(hit.result.lease_ids)
+
+    @property
+    def held_leases(self) -> int:
+        """Leases held by queried-but-not-allocated requests (not yet in a step)."""
+        return sum(len(h.result.lease_ids) for h in self._hits.values()) + sum(
+            len(ls) for _, _, ls in self._step_loads)
+
+    @property
+    def tracked(self) -> int:
+        return len(self._tracked)

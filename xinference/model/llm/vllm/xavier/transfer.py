@@ -1,0 +1,352 @@
+"""``TransferActor``: one replica's transfer runtime (lives in the replica's subpool).
+
+Created by Xinference's ``ModelActor.start_transfer_for_vllm`` with uid
+``f"{TransferActor.default_uid()}-{rank}"`` in the model actor's pool, after the
+engine is up.  The engine's worker-side connector finds it lazily and hands it the
+KV caches (:meth:`TransferActor.register_engine`); from then on the actor
+
+* owns the rank's :class:`~.snapshot_storage.SnapshotStorage` (GPU tier on the
+  engine's device, CPU tier in shared memory) and exports blocks into it;
+* runs the batched load engine (:class:`~.gpu_transfer.GPUTransfer`): ONE
+  :meth:`load_gpu_requests_v1` per scheduler step with loads;
+* maps peers' storages on first use: CUDA IPC / shared memory on this host,
+  xoscar ``copy_to`` (NIXL on ``nixl://`` pools) from another host;
+* keeps the counters and exports them as Prometheus text.
+
+Every load releases its leases (through :class:`~.gpu_transfer.GPUTransfer`) and
+reports the destination blocks that were not written, so vLLM recomputes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+import xoscar as xo
+
+from .counters import prometheus_text
+from .gpu_transfer import GPUTransfer, Lease, LoadError, LoadRejected, TransferClosedError
+from .kv_handles import CacheHandles, open_handles
+from .kv_schema import KVLayout, layout_of
+from .load_batch import DEST, GROUP, RANK, TIER, LoadBatch, LoadBatchError, Tier
+from .options import TRANSFER_ACTOR_UID, XavierOptions
+from .remote_fetch import serve_blocks, xoscar_fetch
+from .scheduler_side import ExportRow, StepMeta
+from .snapshot_storage import SnapshotStorage, TierConfig, open_ipc, open_shm
+
+logger = logging.getLogger(__name__)
+
+#: test-only fault modes (:meth:`TransferActor.inject_fault`)
+FAULTS = ("skip_copy", "fail_one_block")
+
+
+def host_id() -> str:
+    """Same value in every process of one booted host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class TransferActor(xo.StatelessActor):
+    @classmethod
+    def default_uid(cls) -> str:
+        return TRANSFER_ACTOR_UID
+
+    def __init__(self, rank: int, world_size: int, rank_address: str, store_address: str,
+                 store_port: int, world_addresses: List[str]) -> None:
+        super().__init__()
+        self.rank = rank
+        self.world_size = world_size
+        self.rank_address = rank_address
+        self.world_addresses = list(world_addresses or [])
+        self._transfer: Optional[GPUTransfer] = None
+        self._storage: Optional[SnapshotStorage] = None
+        self._tracker: Any = None
+        self._options: Optional[XavierOptions] = None
+        self._device: Optional[torch.device] = None
+        self._engine_views: Dict[int, List[torch.Tensor]] = {}
+        self._layout: Optional[KVLayout] = None
+        self._peers_failed: Set[int] = set()
+        self._peer_lock = asyncio.Lock()
+        self._stats: Dict[str, int] = {}
+        self._faults: Dict[str, int] = {}
+
+    # --------------------------------------------------------------- lifecycle
+    async def register_engine(self, handles: CacheHandles, options: Dict[str, Any]) -> str:
+        """Map the engine's KV caches, create the storage, join the directory.
+        Returns the KV layout fingerprint.  A second call (engine restarted) replaces
+        everything of the previous engine."""
+        opts = XavierOptions(**options)
+        if opts.rank != self.rank:
+            raise ValueError(f"rank: engine of rank {opts.rank} registered with the transfer "
+                             f"actor of rank {self.rank}")
+        await self._close_runtime()
+        caches = open_handles(handles)
+        layout = layout_of(caches, handles.block_dims)
+        device = next(t for layers in caches.values() for _, t in layers).device
+        tracker = await xo.actor_ref(opts.block_tracker_address, opts.block_tracker_uid)
+        tiers = self._tier_configs(opts, layout, device)
+        storage = SnapshotStorage(self.rank, layout, tiers, tracker)
+        transfer = GPUTransfer(self.rank, release_lease=self._release_lease)
+        await transfer.set_local_caches(caches, handles.block_dims)
+        await tracker.unregister_rank(self.rank)  # blocks of a previous engine are gone
+        await tracker.register_rank(self.rank)
+        self._tracker, self._storage, self._transfer = tracker, storage, transfer
+        self._options, self._device, self._layout = opts, device, layout
+        self._engine_views = transfer.local_block_views
+        self._peers_failed.clear()
+        logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
+                    device, layout.fingerprint(),
+                    ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
+        return layout.fingerprint()
+
+    @staticmethod
+    def _tier_configs(opts: XavierOptions, layout: KVLayout,
+                      device: torch.device) -> List[TierConfig]:
+        tiers = []
+        if device.type == "cuda" and opts.gpu_budget_bytes > 0:
+            tiers.append(TierConfig(Tier.GPU, opts.gpu_budget_bytes, device=str(device)))
+        cpu_bytes = opts.cpu_budget_bytes
+        if device.type == "cpu":  # no GPU: one tier in shared memory holds both budgets
+            cpu_bytes += opts.gpu_budget_bytes
+        if cpu_bytes > 0:
+            free = _shm_free_bytes()
+            if free is not None and cpu_bytes > free:
+                raise ValueError(f"xavier_cpu_budget: {cpu_bytes} bytes exceed the {free} "
+                                 "bytes free in /dev/shm")
+            tiers.append(TierConfig(Tier.CPU, cpu_bytes, shared_memory=True))
+        return tiers
+
+    def is_ready(self) -> bool:
+        return self._transfer is not None
+
+    def update_world(self, world_addresses: List[str]) -> None:
+        """New rank addresses (recovery): peers are mapped again on next use."""
+        self.world_addresses = list(world_addresses)
+        self._peers_failed.clear()
+        if self._transfer is not None:
+            for rank in range(len(world_addresses)):
+                if rank != self.rank:
+                    asyncio.ensure_future(self._transfer.unmap_storage(rank))
+
+    async def __pre_destroy__(self) -> None:
+        await self._close_runtime()
+
+    async def _close_runtime(self) -> None:
+        transfer, storage = self._transfer, self._storage
+        self._transfer = self._storage = None
+        if transfer is not None:
+            await transfer.close()
+        if storage is not None:
+            storage.close()
+        if self._tracker is not None:
+            try:
+                await self._tracker.unregister_rank(self.rank)
+            except Exception as exc:  # the directory may be gone first at termination
+                logger.info("transfer actor rank %d: unregister: %s", self.rank, exc)
+
+    # -------------------------------------------------------------- peer view
+    def storage_descriptor(self) -> Dict[str, Any]:
+        """How peers map this rank's storage."""
+        if self._storage is None:
+            raise TransferClosedError(f"rank {self.rank}: no storage (engine not registered)")
+        tiers: Dict[int, Tuple[str, Any]] = {}
+        for tier in (Tier.GPU, Tier.CPU):
+            t = self._storage._tiers.get(tier)
+            if t is None:
+                continue
+            if t.config.shared_memory:
+                tiers[int(tier)] = ("shm", self._storage.shm_handles(tier))
+            else:
+                tiers[int(tier)] = ("ipc", self._storage.ipc_handles(tier))
+        return {"host": host_id(), "layout": self._storage.layout, "tiers": tiers}
+
+    async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
+                           refs: Sequence[Any]) -> int:
+        if self._storage is None:
+            raise TransferClosedError(f"rank {self.rank}: no storage")
+        return await serve_blocks(self._storage, tier, group, slots, refs)
+
+    async def _map_peer(self, rank: int) -> None:
+        assert self._transfer is not None
+        if rank >= len(self.world_addresses) or not self.world_addresses[rank]:
+            raise LookupError(f"rank {rank}: no address known (world {self.world_addresses})")
+        peer = await xo.actor_ref(self.world_addresses[rank], f"{TRANSFER_ACTOR_UID}-{rank}")
+        desc = await peer.storage_descriptor()
+        same_host = desc["host"] == host_id()
+        for tier, (kind, handles) in desc["tiers"].items():
+            if same_host:
+                caches = open_shm(handles) if kind == "shm" else open_ipc(handles)
+                await self._transfer.map_storage(rank, Tier(tier), caches)
+            else:
+                await self._transfer.map_remote_storage(
+                    rank, Tier(tier), desc["layout"], xoscar_fetch(peer, self.address, tier))
+        logger.info("transfer actor rank %d: mapped rank %d (%s)", self.rank, rank,
+                    "same host" if same_host else "remote")
+
+    async def _ensure_mapped(self, pairs: Set[Tuple[int, int]]) -> Set[int]:
+        """Map every source rank of ``pairs``; returns the ranks that could not be mapped."""
+        assert self._transfer is not None
+        failed: Set[int] = set()
+        async with self._peer_lock:
+            mapped = set(self._transfer.mapped())
+            for rank in sorted({r for r, _ in pairs}):
+                if all((r, Tier(t)) in mapped for r, t in pairs if r == rank):
+                    continue
+                try:
+                    await self._map_peer(rank)
+                except Exception as exc:
+                    logger.warning("transfer actor rank %d: cannot map rank %d: %s",
+                                   self.rank, rank, exc)
+                    failed.add(rank)
+        return failed
+
+    # ------------------------------------------------------------------ loads
+    async def load_gpu_requests_v1(self, meta: StepMeta) -> Dict[str, Any]:
+        """Execute one step's loads.  Returns ``failed``: destination block ids (all groups)
+        that were not written and must be recomputed, and the step's figures."""
+        self._add_stats(meta.stats.as_dict())
+        leases = [Lease(int(lid), int(rank)) for lid, rank in meta.leases]
+        transfer = self._transfer
+        if transfer is None:
+            await self._release_all(leases)
+            return {"failed": _dests(meta.table), "written": 0,
+                    "error": "transfer actor has no engine registered"}
+        try:
+            batch: Optional[LoadBatch] = meta.load_batch()
+        except LoadBatchError as exc:
+            await self._release_all(leases)
+            self._add_stats({"rejected_metadata": 1})
+            logger.warning("transfer actor rank %d: malformed step metadata: %s", self.rank, exc)
+            return {"failed": _dests(meta.table), "written": 0, "error": str(exc)}
+        assert batch is not None
+        failed: Set[int] = set()
+        unreachable = await self._ensure_mapped(
+            {(int(r), int(t)) for r, t in batch.table[:, [RANK, TIER]]})
+        if unreachable:
+            drop = np.isin(batch.table[:, RANK], list(unreachable))
+            failed.update(int(x) for x in batch.table[drop, DEST])
+            batch = _without_rows(batch, drop)
+        if batch is not None:
+            batch, faulted = await self._apply_faults(batch)
+            failed.update(faulted)
+        if batch is None:
+            await self._release_all(leases)
+            return {"failed": sorted(failed), "written": 0}
+        try:
+            result = await transfer.load_gpu_requests_v1(batch, leases)
+        except (LoadRejected, LoadBatchError, TransferClosedError) as exc:
+            failed.update(int(x) for x in batch.table[:, DEST])
+            return {"failed": sorted(failed), "written": 0, "error": str(exc)}
+        except LoadError as exc:
+            failed.update(int(x) for ids in exc.planned.values() for x in ids)
+            return {"failed": sorted(failed), "written": 0, "error": str(exc)}
+        return {"failed": sorted(failed), "written": result.blocks_written}
+
+    async def _apply_faults(self, batch: LoadBatch) -> Tuple[Optional[LoadBatch], Set[int]]:
+        """Test-only faults (a fault vLLM cannot be made to produce on demand)."""
+        if self._faults.get("skip_copy", 0) > 0 and batch.num_rows:
+            self._faults["skip_copy"] -= 1
+            for g in set(int(x) for x in batch.table[:, GROUP]):
+                rows = batch.table[batch.table[:, GROUP] == g]
+                self._zero_blocks(g, rows[:, DEST])
+            self._add_stats({"faults_skip_copy": 1})
+            return None, set()  # claims success: nothing reported failed
+        if self._faults.get("fail_one_block", 0) > 0 and batch.num_rows:
+            self._faults["fail_one_block"] -= 1
+            victim = batch.num_rows // 2
+            row = batch.table[victim]
+            self._zero_blocks(int(row[GROUP]), [int(row[DEST])])  # garbage stays if not redone
+            drop = np.zeros(batch.num_rows, bool)
+            drop[victim] = True
+            self._add_stats({"faults_fail_one_block": 1})
+            return _without_rows(batch, drop), {int(row[DEST])}
+        return batch, set()
+
+    def _zero_blocks(self, group: int, block_ids: Any) -> None:
+        idx = torch.as_tensor(np.asarray(block_ids, np.int64))
+        for v in self._engine_views.get(group, []):
+            v.index_fill_(0, idx.to(v.device), 0)
+
+    async def _release_all(self, leases: Sequence[Lease]) -> None:
+        if leases and self._tracker is not None:
+            try:
+                await self._tracker.release([lease.lease_id for lease in leases])
+            except Exception as exc:
+                logger.warning("transfer actor rank %d: lease release failed: %s", self.rank, exc)
+
+    async def _release_lease(self, lease: Lease) -> None:
+        await self._tracker.release([lease.lease_id])
+
+    # ---------------------------------------------------------------- exports
+    async def export_blocks(self, rows: Sequence[ExportRow]) -> Dict[str, int]:
+        """Store newly computed full blocks ``(group, key, block_id)`` and publish them."""
+        if self._storage is None or not rows:
+            return {}
+        res = await self._storage.export(self._engine_views, list(rows))
+        out = {f"export_{k}": v for k, v in vars(res).items()}
+        self._add_stats(out)
+        return out
+
+    # --------------------------------------------------------------- counters
+    def _add_stats(self, stats: Dict[str, int]) -> None:
+        for k, v in stats.items():
+            self._stats[k] = self._stats.get(k, 0) + int(v)
+
+    def counters(self) -> Dict[str, int]:
+        out = dict(self._stats)
+        if self._transfer is not None:
+            out.update(self._transfer.counters.snapshot())
+        if self._storage is not None:
+            for tier in self._storage._tiers:
+                out[f"storage_{tier.name.lower()}_used_blocks"] = self._storage.used(tier)
+        return out
+
+    def metrics_text(self) -> str:
+        return prometheus_text(self.counters(), {"rank": str(self.rank)})
+
+    def inject_fault(self, mode: str, count: int = 1) -> None:
+        if mode not in FAULTS:
+            raise ValueError(f"mode: expected one of {FAULTS}, got {mode!r}")
+        self._faults[mode] = int(count)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _without_rows(batch: LoadBatch, drop: np.ndarray) -> Optional[LoadBatch]:
+    """``batch`` minus the rows in ``drop`` (requests left without rows stay, empty)."""
+    if not drop.any():
+        return batch
+    keep = ~drop
+    if not keep.any():
+        return None
+    req = batch.row_request_index()[keep]
+    counts = np.bincount(req, minlength=batch.num_requests)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    return LoadBatch(batch.request_ids, offsets, batch.table[keep].copy())
+
+
+def _dests(table: Any) -> List[int]:
+    """Destination block ids of a (possibly malformed) load table; [] when unreadable."""
+    try:
+        arr = np.asarray(table)
+        return sorted({int(x) for x in arr[:, DEST]}) if arr.ndim == 2 and arr.size else []
+    except Exception:
+        return []
+
+
+def _shm_free_bytes() -> Optional[int]:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
