@@ -6,13 +6,18 @@ request (``kv_transfer_params={"xavier": False}``: no query, no export), after w
 local prefix cache is reset so that A's next request computes and exports every block.
 """
 
+import os
 import random
 from typing import Iterator, List
 
 import pytest
 
+from .support.engines import EngineOptions
 from .support.loop_thread import LoopThread, enter, leave
 from .support.xavier_replicas import Replicas, xavier_replicas
+
+#: "cuda" on the GPU machine: two engines share one GPU, storage GPU tiers, CUDA IPC loads
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +32,13 @@ def tokens(seed: int, n: int) -> List[int]:
 @pytest.fixture(scope="module")
 def world(tiny_model_dir: str) -> Iterator[tuple]:
     lt = LoopThread()
-    cm = xavier_replicas(tiny_model_dir, n=2)
+    if DEVICE == "cuda":
+        opts = EngineOptions(model=tiny_model_dir, extra={
+            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
+        cm = xavier_replicas(tiny_model_dir, n=2, gpu_budget="256MiB", cpu_budget="64MiB",
+                             engine=opts)
+    else:
+        cm = xavier_replicas(tiny_model_dir, n=2)
     replicas = lt.run(enter(cm))
     try:
         yield lt, replicas
@@ -63,6 +74,9 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert c["hit_blocks"] == PREFIX // 16 and c["blocks_written"] == PREFIX // 16
     assert c["batch_calls"] == 1 == c["steps_with_loads"]
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
+    # GPU machine: A's GPU tier, read over CUDA IPC; CPU machine: A's shared-memory tier
+    tier = "rows_from_gpu_tier" if DEVICE == "cuda" else "rows_from_cpu_tier"
+    assert c[tier] == PREFIX // 16
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
     metrics = lt.run(b.metrics_text())
     assert 'xavier_blocks_written_total{rank="2"}' in metrics

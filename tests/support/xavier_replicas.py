@@ -109,6 +109,7 @@ class Replicas:
 
 @contextlib.asynccontextmanager
 async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
+                          gpu_budget: object = 0,
                           engine: Optional[EngineOptions] = None) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine)."""
     opts = engine or EngineOptions(model=model_dir)
@@ -126,7 +127,7 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                        "rank": rank, "world_size": n + 1, "rank_address": subs[rank - 1],
                        "store_address": "127.0.0.1", "store_port": 0, "transfer_block_num": 512,
                        "role": "hybrid", "vllm_transfer_backend_type": None,
-                       "xavier_gpu_budget": 0, "xavier_cpu_budget": cpu_budget}
+                       "xavier_gpu_budget": gpu_budget, "xavier_cpu_budget": cpu_budget}
                 replicas.append(xo.create_actor(ReplicaActor, address=subs[rank - 1],
                                                 uid=f"replica-{rank}", rank=rank, opts=kwargs,
                                                 xavier_config=cfg, env=env))

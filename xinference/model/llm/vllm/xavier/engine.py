@@ -12,7 +12,8 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
    (:func:`~.hash_seed.ensure_shared_hash_seed`) and makes vLLM spawn its workers;
 3. sets ``engine_args.kv_transfer_config`` to the Xavier connector
    (``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``, options in
-   ``kv_connector_extra_config``) and keeps prefix caching on;
+   ``kv_connector_extra_config``), keeps prefix caching on, and turns async
+   scheduling off unless the user asked for it (see :func:`prepare_engine_args`);
 4. builds vLLM's engine.
 """
 
@@ -53,6 +54,14 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
         raise ValueError("enable_prefix_caching: Xavier shares prefix-cache blocks; it cannot "
                          "run with enable_prefix_caching=False")
     engine_args.enable_prefix_caching = True
+    if getattr(engine_args, "async_scheduling", None) is None:
+        # vLLM (seen on 0.26.0 / H200): with async scheduling, the recovery from a failed
+        # KV load keeps a stale output placeholder and the request's tokens shift by one
+        # (vllm-project/vllm#45138).  A failed load must only cost a recompute.
+        engine_args.async_scheduling = False
+    elif engine_args.async_scheduling:
+        logger.warning("xavier: async_scheduling=True kept as asked; a failed KV load may then "
+                       "produce wrong tokens in this vLLM version (vllm-project/vllm#45138)")
     ensure_shared_hash_seed(env)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)

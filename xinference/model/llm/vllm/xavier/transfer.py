@@ -30,7 +30,7 @@ import torch
 import xoscar as xo
 
 from .counters import prometheus_text
-from .gpu_transfer import GPUTransfer, Lease, LoadError, LoadRejected, TransferClosedError
+from .gpu_transfer import GPUTransfer, Lease, LoadError, TransferClosedError
 from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
 from .load_batch import DEST, GROUP, RANK, TIER, LoadBatch, LoadBatchError, Tier
@@ -228,6 +228,9 @@ class TransferActor(xo.StatelessActor):
             logger.warning("transfer actor rank %d: malformed step metadata: %s", self.rank, exc)
             return {"failed": _dests(meta.table), "written": 0, "error": str(exc)}
         assert batch is not None
+        tiers = batch.table[:, TIER]
+        self._add_stats({"rows_from_gpu_tier": int((tiers == Tier.GPU).sum()),
+                         "rows_from_cpu_tier": int((tiers == Tier.CPU).sum())})
         failed: Set[int] = set()
         unreachable = await self._ensure_mapped(
             {(int(r), int(t)) for r, t in batch.table[:, [RANK, TIER]]})
@@ -243,12 +246,12 @@ class TransferActor(xo.StatelessActor):
             return {"failed": sorted(failed), "written": 0}
         try:
             result = await transfer.load_gpu_requests_v1(batch, leases)
-        except (LoadRejected, LoadBatchError, TransferClosedError) as exc:
-            failed.update(int(x) for x in batch.table[:, DEST])
-            return {"failed": sorted(failed), "written": 0, "error": str(exc)}
-        except LoadError as exc:
+        except LoadError as exc:  # copies started: every planned destination is suspect
             failed.update(int(x) for ids in exc.planned.values() for x in ids)
             return {"failed": sorted(failed), "written": 0, "error": str(exc)}
+        except Exception as exc:  # rejected before any copy (conflict, bad ids, closed, ...)
+            failed.update(int(x) for x in batch.table[:, DEST])
+            return {"failed": sorted(failed), "written": 0, "error": f"{type(exc).__name__}: {exc}"}
         return {"failed": sorted(failed), "written": result.blocks_written}
 
     async def _apply_faults(self, batch: LoadBatch) -> Tuple[Optional[LoadBatch], Set[int]]:
