@@ -88,6 +88,12 @@ class ReplicaActor(xo.StatelessActor):
     async def metrics_text(self) -> str:
         return await self._transfer.metrics_text()
 
+    async def loaded_block_digests(self) -> Dict[Any, str]:
+        return await self._transfer.loaded_block_digests()
+
+    async def stored_block_digests(self, keys: List[Any]) -> Dict[Any, str]:
+        return await self._transfer.stored_block_digests(keys)
+
     async def inject_fault(self, mode: str, count: int = 1) -> None:
         await self._transfer.inject_fault(mode, count)
 

@@ -20,9 +20,11 @@ reports the destination blocks that were not written, so vLLM recomputes them.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import socket
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -33,7 +35,7 @@ from .counters import prometheus_text
 from .gpu_transfer import GPUTransfer, Lease, LoadError, TransferClosedError
 from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
-from .load_batch import DEST, GROUP, RANK, TIER, LoadBatch, LoadBatchError, Tier
+from .load_batch import DEST, GROUP, KEY, RANK, TIER, LoadBatch, LoadBatchError, Tier
 from .options import TRANSFER_ACTOR_UID, XavierOptions
 from .remote_fetch import serve_blocks, xoscar_fetch
 from .scheduler_side import ExportRow, StepMeta
@@ -41,6 +43,7 @@ from .snapshot_storage import SnapshotStorage, TierConfig, open_ipc, open_shm
 
 logger = logging.getLogger(__name__)
 
+RECENT_LOADS = 4096
 #: test-only fault modes (:meth:`TransferActor.inject_fault`)
 FAULTS = ("skip_copy", "fail_one_block")
 
@@ -78,6 +81,8 @@ class TransferActor(xo.StatelessActor):
         self._peer_lock = asyncio.Lock()
         self._stats: Dict[str, int] = {}
         self._faults: Dict[str, int] = {}
+        #: (group, key) -> destination block of recent successful loads (for digests)
+        self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
 
     # --------------------------------------------------------------- lifecycle
     async def register_engine(self, handles: CacheHandles, options: Dict[str, Any]) -> str:
@@ -252,7 +257,16 @@ class TransferActor(xo.StatelessActor):
         except Exception as exc:  # rejected before any copy (conflict, bad ids, closed, ...)
             failed.update(int(x) for x in batch.table[:, DEST])
             return {"failed": sorted(failed), "written": 0, "error": f"{type(exc).__name__}: {exc}"}
+        self._remember_loads(batch, failed)
         return {"failed": sorted(failed), "written": result.blocks_written}
+
+    def _remember_loads(self, batch: LoadBatch, failed: Set[int]) -> None:
+        for row in batch.table:
+            if int(row[DEST]) not in failed:
+                self._recent_loads[(int(row[GROUP]), int(row[KEY]))] = int(row[DEST])
+                self._recent_loads.move_to_end((int(row[GROUP]), int(row[KEY])))
+        while len(self._recent_loads) > RECENT_LOADS:
+            self._recent_loads.popitem(last=False)
 
     async def _apply_faults(self, batch: LoadBatch) -> Tuple[Optional[LoadBatch], Set[int]]:
         """Test-only faults (a fault vLLM cannot be made to produce on demand)."""
@@ -316,6 +330,26 @@ class TransferActor(xo.StatelessActor):
     def metrics_text(self) -> str:
         return prometheus_text(self.counters(), {"rank": str(self.rank)})
 
+    # ------------------------------------------------------------ inspection
+    def loaded_block_digests(self) -> Dict[Tuple[int, int], str]:
+        """SHA-256 of the bytes now in the engine blocks that recent loads wrote, per
+        ``(group, key)`` (compare with the source's :meth:`stored_block_digests`)."""
+        return {gk: _digest(self._engine_views.get(gk[0], []), block)
+                for gk, block in self._recent_loads.items()}
+
+    def stored_block_digests(self, keys: Sequence[Tuple[int, int]]) -> Dict[Tuple[int, int], str]:
+        """SHA-256 of the stored bytes of ``(group, key)`` blocks this rank holds."""
+        out: Dict[Tuple[int, int], str] = {}
+        if self._storage is None:
+            return out
+        for group, key in keys:
+            hit = self._storage.lookup(int(group), int(key))
+            if hit is not None:
+                tier, slot, _ = hit
+                views = self._storage._tiers[tier].views[int(group)]
+                out[(int(group), int(key))] = _digest(views, slot)
+        return out
+
     def inject_fault(self, mode: str, count: int = 1) -> None:
         if mode not in FAULTS:
             raise ValueError(f"mode: expected one of {FAULTS}, got {mode!r}")
@@ -336,6 +370,13 @@ def _without_rows(batch: LoadBatch, drop: np.ndarray) -> Optional[LoadBatch]:
     counts = np.bincount(req, minlength=batch.num_requests)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return LoadBatch(batch.request_ids, offsets, batch.table[keep].copy())
+
+
+def _digest(views: Sequence[torch.Tensor], block: int) -> str:
+    h = hashlib.sha256()
+    for v in views:
+        h.update(v[block].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _dests(table: Any) -> List[int]:

@@ -1,0 +1,48 @@
+"""XavierEngine.from_engine_args' preparation of vLLM's engine arguments (no engine started)."""
+
+import pytest
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+from xinference.model.llm.vllm.xavier.engine import (
+    CONNECTOR_MODULE,
+    WORKER_EXTENSION,
+    prepare_engine_args,
+)
+from xinference.model.llm.vllm.xavier.options import XavierOptions
+
+CFG = {"rank": 2, "rank_address": "127.0.0.1:1", "block_tracker_address": "127.0.0.1:2",
+       "block_tracker_uid": "t", "world_size": 3, "vllm_transfer_backend_type": None}
+
+
+def test_kv_transfer_config_seed_and_scheduling():
+    args = AsyncEngineArgs(model="m")
+    env: dict = {}
+    opts = prepare_engine_args(args, dict(CFG, xavier_cpu_budget="64MiB"), env)
+    ktc = args.kv_transfer_config
+    assert ktc.kv_connector == "XavierConnector"
+    assert ktc.kv_connector_module_path == CONNECTOR_MODULE
+    assert ktc.kv_role == "kv_both" and ktc.kv_load_failure_policy == "recompute"
+    assert XavierOptions.from_extra_config(ktc.kv_connector_extra_config) == opts
+    assert opts.cpu_budget_bytes == 64 * 2**20
+    assert env["PYTHONHASHSEED"] == "0" and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert args.enable_prefix_caching is True and args.async_scheduling is False
+    assert args.worker_extension_cls == WORKER_EXTENSION
+
+
+def test_conflicting_or_bad_settings_fail_naming_the_option():
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        prepare_engine_args(AsyncEngineArgs(model="m", enable_prefix_caching=False), CFG, {})
+    args = AsyncEngineArgs(model="m", kv_transfer_config={"kv_connector": "NixlConnector",
+                                                          "kv_role": "kv_both"})
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        prepare_engine_args(args, CFG, {})
+    with pytest.raises(ValueError, match="xavier_gpu_budget"):
+        prepare_engine_args(AsyncEngineArgs(model="m"), dict(CFG, xavier_gpu_budget="x"), {})
+    with pytest.raises(ValueError, match="PYTHONHASHSEED"):
+        prepare_engine_args(AsyncEngineArgs(model="m"), CFG, {"PYTHONHASHSEED": "random"})
+
+
+def test_user_async_scheduling_and_worker_extension_are_kept():
+    args = AsyncEngineArgs(model="m", async_scheduling=True, worker_extension_cls="my.Ext")
+    prepare_engine_args(args, CFG, {})
+    assert args.async_scheduling is True and args.worker_extension_cls == "my.Ext"

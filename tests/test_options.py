@@ -1,0 +1,48 @@
+"""Xavier's options: sources, validation with the option's name, trip through vLLM's config."""
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.options import XavierOptions
+
+BASE = {"rank": 1, "rank_address": "127.0.0.1:1", "block_tracker_address": "127.0.0.1:2",
+        "block_tracker_uid": b"vllm-block-tracker-actor-m", "vllm_transfer_backend_type": None}
+
+
+def test_defaults_environment_and_config_in_that_order():
+    o = XavierOptions.from_xavier_config(BASE, {})
+    assert o.gpu_budget_bytes == 2**30 and o.cpu_budget_bytes == 2**30
+    assert o.block_tracker_uid == "vllm-block-tracker-actor-m"
+    assert o.transfer_actor_uid == "vllm-transfer-actor-1" and o.transport == "xavier"
+    o = XavierOptions.from_xavier_config(BASE, {"XAVIER_GPU_BUDGET": "256MiB"})
+    assert o.gpu_budget_bytes == 256 * 2**20
+    o = XavierOptions.from_xavier_config({**BASE, "xavier_gpu_budget": "1KiB"},
+                                         {"XAVIER_GPU_BUDGET": "256MiB"})
+    assert o.gpu_budget_bytes == 1024
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("xavier_gpu_budget", "lots", "xavier_gpu_budget: 'lots'"),
+    ("xavier_cpu_budget", "-1GiB", "xavier_cpu_budget"),
+    ("xavier_cpu_budget", "3 parsecs", "xavier_cpu_budget: unknown unit"),
+    ("rank", -1, "rank must be a non-negative int"),
+    ("rank_address", "", "missing 'rank_address'"),
+    ("vllm_transfer_backend_type", "carrier-pigeon", "transfer"),
+])
+def test_bad_values_name_the_option(key, value, message):
+    with pytest.raises(ValueError, match=message):
+        XavierOptions.from_xavier_config({**BASE, key: value}, {})
+
+
+def test_both_tiers_off_is_refused():
+    with pytest.raises(ValueError, match="both storage tiers"):
+        XavierOptions.from_xavier_config(
+            {**BASE, "xavier_gpu_budget": 0, "xavier_cpu_budget": "0"}, {})
+
+
+def test_round_trip_through_kv_connector_extra_config():
+    o = XavierOptions.from_xavier_config(BASE, {})
+    assert XavierOptions.from_extra_config(o.to_extra_config()) == o
+    with pytest.raises(ValueError, match="kv_connector_extra_config"):
+        XavierOptions.from_extra_config({})
+    with pytest.raises(ValueError, match="kv_connector_extra_config.xavier"):
+        XavierOptions.from_extra_config({"xavier": {"rank": 1}})

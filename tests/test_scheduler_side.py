@@ -1,0 +1,155 @@
+"""The connector's scheduler half without vLLM: queries beyond the local hit, leases,
+destinations (null blocks skipped), one load batch per step, exports of newly full blocks."""
+
+from typing import Dict, List, Sequence
+
+import numpy as np
+import pytest
+
+from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.load_batch import DEST, KEY, RANK, SLOT
+from xinference.model.llm.vllm.xavier.scheduler_side import SchedulerSide
+
+BS = 16
+
+
+class World:
+    """A real in-process directory where rank 1 holds some blocks; rank 2 asks."""
+
+    def __init__(self, held_keys: Sequence[int], num_groups: int = 1) -> None:
+        self.directory = BlockDirectory()
+        self.directory.register_rank(1)
+        self.directory.register_rank(2)
+        self.directory.register(1, [(g, k, 1, 100 + i, 1) for g in range(num_groups)
+                                    for i, k in enumerate(held_keys)])
+        self.side = SchedulerSide(2, BS, num_groups, self.directory.query, self.release)
+
+    def release(self, ids: Sequence[int]) -> None:
+        self.directory.release(list(ids))
+
+    @property
+    def leases(self) -> int:
+        return self.directory.outstanding_leases
+
+
+def keys_of(n: int, base: int = 1000) -> List[int]:
+    return [base + i for i in range(n)]
+
+
+def test_match_queries_beyond_local_hit_and_never_the_last_token_block():
+    w = World(held_keys=keys_of(8))
+    w.side.track("r", lambda: keys_of(8))
+    # 8 full blocks, 128 tokens: the block holding token 127 is never offered
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=32) == (7 - 2) * BS
+    assert w.leases == 5
+    # asking again (vLLM retries an unscheduled request) first drops the old leases
+    assert w.side.match("r", num_tokens=129, num_computed_tokens=0) == 8 * BS
+    assert w.leases == 8
+    w.side.finished("r")
+    assert w.leases == 0
+
+
+def test_sharing_off_or_not_ready_is_a_miss_without_leases():
+    w = World(held_keys=keys_of(4))
+    w.side.track("off", lambda: keys_of(4), sharing=False)
+    w.side.track("on", lambda: keys_of(4))
+    assert w.side.match("off", 100, 0) == 0
+    assert w.side.match("on", 100, 0, ready=False) == 0
+    assert w.leases == 0
+
+
+def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_step():
+    w = World(held_keys=keys_of(6))
+    w.side.track("r", lambda: keys_of(6))
+    assert w.side.match("r", 200, 0) == 6 * BS
+    block_ids = [[0, 0, 7, 8, 9, 10, 11]]  # two leading null blocks (sliding window)
+    null = [[True, True, False, False, False, False, False]]
+    assert w.side.allocated("r", block_ids, null, 6 * BS) == 4
+    meta = w.side.build_step([("r", 6 * BS, 10)], {})
+    assert meta.request_ids == ("r",)
+    assert meta.table[:, DEST].tolist() == [7, 8, 9, 10]
+    assert meta.table[:, KEY].tolist() == keys_of(6)[2:]
+    assert set(meta.table[:, RANK].tolist()) == {1}
+    assert meta.table[:, SLOT].tolist() == [102, 103, 104, 105]
+    assert len(meta.leases) == 6  # the null positions' leases travel too: released after the load
+    assert meta.stats.requests_with_hits == 1 and meta.stats.steps_with_loads == 1
+    assert w.leases == 6  # held until the worker's load releases them
+
+
+def test_fewer_external_tokens_than_offered_releases_the_rest():
+    w = World(held_keys=keys_of(6))
+    w.side.track("r", lambda: keys_of(6))
+    w.side.match("r", 200, 0)
+    w.side.allocated("r", [list(range(1, 13))], [[False] * 12], 2 * BS)
+    assert w.leases == 2
+    w.side.allocated("s", [[1]], [[False]], 0)  # unknown request: nothing happens
+    with pytest.raises(ValueError, match="num_external_tokens"):
+        w.side.track("t", lambda: keys_of(6))
+        w.side.match("t", 200, 0)
+        w.side.allocated("t", [list(range(1, 13))], [[False] * 12], BS + 3)
+    assert w.leases == 2  # the bad call released its own leases
+
+
+def test_zero_external_tokens_releases_everything():
+    w = World(held_keys=keys_of(3))
+    w.side.track("r", lambda: keys_of(3))
+    w.side.match("r", 100, 0)
+    w.side.allocated("r", [[1, 2, 3, 4]], [[False] * 4], 0)
+    assert w.leases == 0
+    assert not w.side.build_step([("r", 0, 64)], {}).has_loads
+
+
+def test_one_step_carries_every_request_and_exports_newly_full_blocks():
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000))
+    for rid, base in (("a", 1000), ("b", 2000)):
+        w.side.track(rid, (lambda b=base: keys_of(6, b)))
+        assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
+    w.side.allocated("a", [[11, 12, 13, 14, 15, 16, 17]], [[False] * 7], 4 * BS)
+    w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
+    # the step computes the rest of the prompts: blocks 4 and 5 become full (block 6 does not)
+    meta = w.side.build_step([("a", 4 * BS, 2 * BS + 5), ("b", 4 * BS, 2 * BS + 5)], {})
+    assert meta.request_ids == ("a", "b") and meta.offsets.tolist() == [0, 4, 8]
+    assert sorted(meta.exports) == sorted([(0, 1004, 15), (0, 1005, 16),
+                                           (0, 2004, 25), (0, 2005, 26)])
+    assert meta.stats.steps_with_loads == 1 and meta.stats.hit_blocks == 8
+    # next step: decode of "a" appends a block; nothing becomes full yet, nothing to load
+    meta2 = w.side.build_step([("a", 6 * BS + 5, 1)], {"a": ([[18]], False)})
+    assert not meta2.has_loads and meta2.exports == ()
+    assert meta2.stats.steps_with_loads == 0
+
+
+def test_multi_group_hits_are_the_common_prefix_of_all_groups():
+    w = World(held_keys=keys_of(5), num_groups=2)
+    w.directory.unregister_rank(1)
+    w.directory.register_rank(1)
+    w.directory.register(1, [(0, k, 1, i, 1) for i, k in enumerate(keys_of(5))])
+    w.directory.register(1, [(1, k, 1, 50 + i, 1) for i, k in enumerate(keys_of(3))])
+    w.side.track("r", lambda: keys_of(5))
+    assert w.side.match("r", 200, 0) == 3 * BS
+    assert w.leases == 6  # three per group; the two extra group-0 leases were released
+    w.side.allocated("r", [[1, 2, 3, 4], [5, 6, 7, 8]], [[False] * 4, [False] * 4], 3 * BS)
+    meta = w.side.build_step([("r", 3 * BS, 10)], {})
+    rows: Dict[int, List[int]] = {}
+    for g, _, _, _, _, dest in meta.table.tolist():
+        rows.setdefault(g, []).append(dest)
+    assert rows == {0: [1, 2, 3], 1: [5, 6, 7]}
+
+
+def test_a_failing_directory_is_a_miss():
+    def broken(*_):
+        raise ConnectionError("directory gone")
+
+    side = SchedulerSide(2, BS, 1, broken, lambda ids: None)
+    side.track("r", lambda: keys_of(4))
+    assert side.match("r", 100, 0) == 0
+    assert side.held_leases == 0
+
+
+def test_step_meta_table_is_int64_and_validates():
+    w = World(held_keys=keys_of(2))
+    w.side.track("r", lambda: keys_of(3))
+    w.side.match("r", 40, 0)
+    w.side.allocated("r", [[5, 6, 7]], [[False] * 3], 2 * BS)
+    meta = w.side.build_step([("r", 2 * BS, 8)], {})
+    assert meta.table.dtype == np.int64
+    assert meta.load_batch().num_rows == 2
