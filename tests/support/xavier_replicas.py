@@ -94,6 +94,15 @@ class ReplicaActor(xo.StatelessActor):
     async def stored_block_digests(self, keys: List[Any]) -> Dict[Any, str]:
         return await self._transfer.stored_block_digests(keys)
 
+    async def reset_recent_loads(self) -> None:
+        await self._transfer.reset_recent_loads()
+
+    async def recorded_faults(self) -> List[Any]:
+        return await self._transfer.recorded_faults()
+
+    async def engine_block_is_zero(self, group: int, block_id: int) -> bool:
+        return await self._transfer.engine_block_is_zero(group, block_id)
+
     async def inject_fault(self, mode: str, count: int = 1) -> None:
         await self._transfer.inject_fault(mode, count)
 

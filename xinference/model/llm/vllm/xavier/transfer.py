@@ -282,6 +282,7 @@ class TransferActor(xo.StatelessActor):
             victim = batch.num_rows // 2
             row = batch.table[victim]
             self._zero_blocks(int(row[GROUP]), [int(row[DEST])])  # garbage stays if not redone
+            self.fault_blocks.append((int(row[GROUP]), int(row[DEST])))
             drop = np.zeros(batch.num_rows, bool)
             drop[victim] = True
             self._add_stats({"faults_fail_one_block": 1})
@@ -292,6 +293,8 @@ class TransferActor(xo.StatelessActor):
         idx = torch.as_tensor(np.asarray(block_ids, np.int64))
         for v in self._engine_views.get(group, []):
             v.index_fill_(0, idx.to(v.device), 0)
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
 
     async def _release_all(self, leases: Sequence[Lease]) -> None:
         if leases and self._tracker is not None:
@@ -336,6 +339,18 @@ class TransferActor(xo.StatelessActor):
         ``(group, key)`` (compare with the source's :meth:`stored_block_digests`)."""
         return {gk: _digest(self._engine_views.get(gk[0], []), block)
                 for gk, block in self._recent_loads.items()}
+
+    def reset_recent_loads(self) -> None:
+        self._recent_loads.clear()
+        self.fault_blocks.clear()
+
+    def recorded_faults(self) -> List[Tuple[int, int]]:
+        return list(self.fault_blocks)
+
+    def engine_block_is_zero(self, group: int, block_id: int) -> bool:
+        """Whether every byte of engine block ``block_id`` of ``group`` is zero."""
+        views = self._engine_views.get(int(group), [])
+        return all(not bool(v[int(block_id)].any()) for v in views)
 
     def stored_block_digests(self, keys: Sequence[Tuple[int, int]]) -> Dict[Tuple[int, int], str]:
         """SHA-256 of the stored bytes of ``(group, key)`` blocks this rank holds."""
