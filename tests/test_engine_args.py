@@ -11,12 +11,18 @@ from xinference.model.llm.vllm.xavier.engine import (
 )
 from xinference.model.llm.vllm.xavier.options import XavierOptions
 
+
+@pytest.fixture
+def model(tiny_model_dir: str) -> str:
+    return tiny_model_dir
+
+
 CFG = {"rank": 2, "rank_address": "127.0.0.1:1", "block_tracker_address": "127.0.0.1:2",
        "block_tracker_uid": "t", "world_size": 3, "vllm_transfer_backend_type": None}
 
 
-def test_kv_transfer_config_seed_and_scheduling(tiny_model_dir):
-    args = AsyncEngineArgs(model=tiny_model_dir)
+def test_kv_transfer_config_seed_and_scheduling(model):
+    args = AsyncEngineArgs(model=model)
     env: dict = {}
     opts = prepare_engine_args(args, dict(CFG, xavier_cpu_budget="64MiB"), env)
     ktc = args.kv_transfer_config
@@ -30,20 +36,20 @@ def test_kv_transfer_config_seed_and_scheduling(tiny_model_dir):
     assert args.worker_extension_cls == WORKER_EXTENSION
 
 
-def test_conflicting_or_bad_settings_fail_naming_the_option(tiny_model_dir):
+def test_conflicting_or_bad_settings_fail_naming_the_option(model):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
-        prepare_engine_args(AsyncEngineArgs(model=tiny_model_dir, enable_prefix_caching=False), CFG, {})
-    args = AsyncEngineArgs(model=tiny_model_dir, kv_transfer_config={"kv_connector": "NixlConnector",
+        prepare_engine_args(AsyncEngineArgs(model=model, enable_prefix_caching=False), CFG, {})
+    args = AsyncEngineArgs(model=model, kv_transfer_config={"kv_connector": "NixlConnector",
                                                           "kv_role": "kv_both"})
     with pytest.raises(ValueError, match="kv_transfer_config"):
         prepare_engine_args(args, CFG, {})
     with pytest.raises(ValueError, match="xavier_gpu_budget"):
-        prepare_engine_args(AsyncEngineArgs(model=tiny_model_dir), dict(CFG, xavier_gpu_budget="x"), {})
+        prepare_engine_args(AsyncEngineArgs(model=model), dict(CFG, xavier_gpu_budget="x"), {})
     with pytest.raises(ValueError, match="PYTHONHASHSEED"):
-        prepare_engine_args(AsyncEngineArgs(model=tiny_model_dir), CFG, {"PYTHONHASHSEED": "random"})
+        prepare_engine_args(AsyncEngineArgs(model=model), CFG, {"PYTHONHASHSEED": "random"})
 
 
-def test_user_async_scheduling_and_worker_extension_are_kept(tiny_model_dir):
-    args = AsyncEngineArgs(model=tiny_model_dir, async_scheduling=True, worker_extension_cls="my.Ext")
+def test_user_async_scheduling_and_worker_extension_are_kept(model):
+    args = AsyncEngineArgs(model=model, async_scheduling=True, worker_extension_cls="my.Ext")
     prepare_engine_args(args, CFG, {})
     assert args.async_scheduling is True and args.worker_extension_cls == "my.Ext"

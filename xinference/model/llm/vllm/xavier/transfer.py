@@ -83,6 +83,8 @@ class TransferActor(xo.StatelessActor):
         self._faults: Dict[str, int] = {}
         #: (group, key) -> destination block of recent successful loads (for digests)
         self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
+        #: (group, block id) of blocks a ``fail_one_block`` fault zeroed and reported
+        self.fault_blocks: List[Tuple[int, int]] = []
 
     # --------------------------------------------------------------- lifecycle
     async def register_engine(self, handles: CacheHandles, options: Dict[str, Any]) -> str:
