@@ -42,7 +42,7 @@ def world(tiny_model_dir: str) -> Iterator[tuple]:
         opts = EngineOptions(model=tiny_model_dir, extra={
             "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
         cm = xavier_replicas(tiny_model_dir, n=2, gpu_budget="256MiB", cpu_budget="64MiB",
-                             engine=opts)
+                             engine=opts, sequential=True)
     else:
         cm = xavier_replicas(tiny_model_dir, n=2)
     replicas = lt.run(enter(cm))

@@ -125,8 +125,11 @@ class Replicas:
 @contextlib.asynccontextmanager
 async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           gpu_budget: object = 0,
-                          engine: Optional[EngineOptions] = None) -> AsyncIterator[Replicas]:
-    """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine)."""
+                          engine: Optional[EngineOptions] = None,
+                          sequential: bool = False) -> AsyncIterator[Replicas]:
+    """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
+    ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
+    memory profiling of one must not see the other still starting)."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env()
@@ -143,10 +146,12 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                        "store_address": "127.0.0.1", "store_port": 0, "transfer_block_num": 512,
                        "role": "hybrid", "vllm_transfer_backend_type": None,
                        "xavier_gpu_budget": gpu_budget, "xavier_cpu_budget": cpu_budget}
-                replicas.append(xo.create_actor(ReplicaActor, address=subs[rank - 1],
-                                                uid=f"replica-{rank}", rank=rank, opts=kwargs,
-                                                xavier_config=cfg, env=env))
-            replicas = list(await asyncio.gather(*replicas))
+                create = xo.create_actor(ReplicaActor, address=subs[rank - 1],
+                                         uid=f"replica-{rank}", rank=rank, opts=kwargs,
+                                         xavier_config=cfg, env=env)
+                replicas.append(await create if sequential else create)
+            if not sequential:
+                replicas = list(await asyncio.gather(*replicas))
             await asyncio.gather(*(r.start_transfer(world) for r in replicas))
             yield Replicas(tracker, replicas, world)
         finally:
