@@ -13,7 +13,8 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
 3. sets ``engine_args.kv_transfer_config`` to the Xavier connector
    (``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``, options in
    ``kv_connector_extra_config``), keeps prefix caching on, and turns async
-   scheduling off unless the user asked for it (see :func:`prepare_engine_args`);
+   scheduling and vLLM's Model Runner V2 off unless the user asked for them (both lose
+   the recovery from a failed load; see :func:`prepare_engine_args`);
 4. builds vLLM's engine.
 """
 
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "XavierConnector"
 CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.connector"
 WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
+ENV_MODEL_RUNNER_V2 = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def xavier_kv_transfer_config(options: XavierOptions) -> KVTransferConfig:
@@ -62,6 +64,16 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
     elif engine_args.async_scheduling:
         logger.warning("xavier: async_scheduling=True kept as asked; a failed KV load may then "
                        "produce wrong tokens in this vLLM version (vllm-project/vllm#45138)")
+    if env.get(ENV_MODEL_RUNNER_V2) in (None, ""):
+        # vLLM 0.26.0's experimental Model Runner V2 (its GPU default for Qwen2 and others)
+        # does not recompute blocks reported by get_block_ids_with_load_errors(): measured on
+        # the H200, the failed block kept the bytes the fault left and tokens went wrong.
+        # The V1 runner recomputes them (doc/connector.md).
+        env[ENV_MODEL_RUNNER_V2] = "0"
+    elif env.get(ENV_MODEL_RUNNER_V2) not in ("0", "false", "False"):
+        logger.warning("xavier: %s=%s kept as asked; a failed KV load may then leave wrong KV "
+                       "in place with this vLLM version", ENV_MODEL_RUNNER_V2,
+                       env[ENV_MODEL_RUNNER_V2])
     ensure_shared_hash_seed(env)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)
