@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The main job on its embedded default.  Until the vLLM connector lands (issue #5) this is
-# the batched-load benchmark: per-request vs batched loads of the same KV blocks, in process
-# and through a real xoscar actor in a separate process.  Extra arguments go to the benchmark.
+# The main job on its embedded default: two real vLLM replicas (CPU build) of a tiny local model,
+# each with Xavier in its own xoscar sub pool, behind a round-robin router; the same
+# shared-prefix workload without sharing and with Xavier's batched loads.  Prints the table
+# (tokens/s, TTFT, external hit rate, load calls per request) and every replica's counters, and
+# writes doc/results/serving_bench-cpu-quick.json.  Extra arguments go to the benchmark.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=/dev/null
 . "${VENV:-.venv}/bin/activate"
-export PYTHONUNBUFFERED=1
-python benchmarks/transfer_bench.py --quick "$@"
+export PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-ERROR}"
+python benchmarks/serving_bench.py --quick "$@"

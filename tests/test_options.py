@@ -46,3 +46,11 @@ def test_round_trip_through_kv_connector_extra_config():
         XavierOptions.from_extra_config({})
     with pytest.raises(ValueError, match="kv_connector_extra_config.xavier"):
         XavierOptions.from_extra_config({"xavier": {"rank": 1}})
+
+
+def test_batched_loads_switch():
+    assert XavierOptions.from_xavier_config(BASE, {}).batched_loads is True
+    assert XavierOptions.from_xavier_config(BASE, {"XAVIER_BATCHED_LOADS": "0"}).batched_loads \
+        is False
+    with pytest.raises(ValueError, match="xavier_batched_loads: expected true or false"):
+        XavierOptions.from_xavier_config({**BASE, "xavier_batched_loads": "sometimes"}, {})

@@ -153,3 +153,21 @@ def test_step_meta_table_is_int64_and_validates():
     meta = w.side.build_step([("r", 2 * BS, 8)], {})
     assert meta.table.dtype == np.int64
     assert meta.load_batch().num_rows == 2
+
+
+def test_per_request_split_keeps_rows_and_leases_together():
+    w = World(held_keys=keys_of(3, 1000) + keys_of(2, 2000))
+    w.side.track("a", lambda: keys_of(4, 1000))
+    w.side.track("b", lambda: keys_of(3, 2000))
+    w.side.match("a", 100, 0)
+    w.side.match("b", 100, 0)
+    w.side.allocated("a", [[1, 2, 3, 4]], [[False] * 4], 3 * BS)
+    w.side.allocated("b", [[5, 6, 7]], [[False] * 3], 2 * BS)
+    meta = w.side.build_step([("a", 3 * BS, 5), ("b", 2 * BS, 5)], {})
+    parts = meta.per_request()
+    assert [p.request_ids for p in parts] == [("a",), ("b",)]
+    assert [p.table[:, DEST].tolist() for p in parts] == [[1, 2, 3], [5, 6]]
+    assert [len(p.leases) for p in parts] == [3, 2]
+    assert sum((p.leases for p in parts), ()) == meta.leases
+    assert parts[0].stats.steps_with_loads == 1 and parts[1].stats.steps_with_loads == 0
+    assert all(p.load_batch().num_rows == len(p.leases) for p in parts)

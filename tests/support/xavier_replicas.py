@@ -60,8 +60,11 @@ class ReplicaActor(xo.StatelessActor):
 
     async def generate(self, prompts: Sequence[List[int]], max_tokens: int = 16,
                        xavier: bool = True) -> List[Dict[str, Any]]:
-        """Greedy generation of all ``prompts`` concurrently; token ids and the prompt
-        tokens vLLM did not compute (local prefix cache + external loads) per request."""
+        """Greedy generation of all ``prompts`` concurrently.  Per request: token ids, the
+        prompt tokens vLLM did not compute (local prefix cache + external loads), time to
+        first token and latency (seconds, measured here, next to the engine)."""
+        import time
+
         from vllm import SamplingParams
 
         extra = None if xavier else {"kv_transfer_params": {"xavier": False}}
@@ -70,12 +73,17 @@ class ReplicaActor(xo.StatelessActor):
 
         async def one(i: int, ids: List[int]) -> Dict[str, Any]:
             last = None
+            first = None
             rid = f"r{self.rank}-{os.urandom(4).hex()}-{i}"
+            t0 = time.perf_counter()
             async for out in self.engine.generate({"prompt_token_ids": list(ids)}, params, rid):
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter() - t0
                 last = out
             assert last is not None
             return {"ids": list(last.outputs[0].token_ids),
-                    "cached": int(last.num_cached_tokens or 0)}
+                    "cached": int(last.num_cached_tokens or 0),
+                    "ttft_s": first, "latency_s": time.perf_counter() - t0}
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
@@ -126,13 +134,14 @@ class Replicas:
 async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           gpu_budget: object = 0,
                           engine: Optional[EngineOptions] = None,
-                          sequential: bool = False) -> AsyncIterator[Replicas]:
+                          sequential: bool = False,
+                          extra_env: Optional[Dict[str, str]] = None) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
     ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
     memory profiling of one must not see the other still starting)."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
-    env = cpu_engine_env()
+    env = cpu_engine_env(extra_env)
     async with actor_pool(n_process=n) as pool:
         tracker = await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
                                         uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")

@@ -252,19 +252,24 @@ class XavierConnector(KVConnectorBase_V1):
             self._fail_step(step, "transfer actor not attached")
             return
         self._sync_device()  # blocks vLLM zeroed or wrote must be settled before the copy
-        try:
-            result = self._bridge.call(lambda: ref.load_gpu_requests_v1(step),
-                                       timeout=LOAD_TIMEOUT_S)
-        except Exception as exc:
-            self._attached = False
-            self._transfer.forget()
-            self._fail_step(step, f"load call failed: {exc}")
-            return
-        failed = result.get("failed", [])
-        if failed:
-            logger.warning("xavier: rank %d: %d loaded blocks to recompute (%s)",
-                           self.options.rank, len(failed), result.get("error", "partial"))
-            self._load_errors.update(int(b) for b in failed)
+        calls = [step] if self.options.batched_loads else step.per_request()
+        for i, call in enumerate(calls):
+            try:
+                result = self._load_call(ref, call)
+            except Exception as exc:
+                self._attached = False
+                self._transfer.forget()
+                for rest in calls[i:]:
+                    self._fail_step(rest, f"load call failed: {exc}")
+                return
+            failed = result.get("failed", [])
+            if failed:
+                logger.warning("xavier: rank %d: %d loaded blocks to recompute (%s)",
+                               self.options.rank, len(failed), result.get("error", "partial"))
+                self._load_errors.update(int(b) for b in failed)
+
+    def _load_call(self, ref: Any, step: StepMeta) -> Dict[str, Any]:
+        return self._bridge.call(lambda: ref.load_gpu_requests_v1(step), timeout=LOAD_TIMEOUT_S)
 
     def _fail_step(self, step: StepMeta, why: str) -> None:
         logger.warning("xavier: rank %d: step loads not done (%s): vLLM recomputes %d blocks",

@@ -22,6 +22,7 @@ DEFAULT_GPU_BUDGET = "1GiB"
 DEFAULT_CPU_BUDGET = "1GiB"
 ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
 ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
+ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 EXTRA_KEY = "xavier"
 TRANSFER_ACTOR_UID = "vllm-transfer-actor"
 
@@ -36,6 +37,9 @@ class XavierOptions:
     cpu_budget_bytes: int
     transport: str = "xavier"
     world_size: int = 0
+    #: False: one load call per request instead of one per step (the baseline of the
+    #: benchmarks; ``xavier_batched_loads`` / ``XAVIER_BATCHED_LOADS``)
+    batched_loads: bool = True
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -65,11 +69,13 @@ class XavierOptions:
             raise ValueError("xavier_gpu_budget: both storage tiers are 0 bytes: nothing could "
                              "be shared (set xavier_gpu_budget or xavier_cpu_budget)")
         transport = normalize_xavier_transport_backend(cfg.get("vllm_transfer_backend_type"))
+        batched = _parse_bool("xavier_batched_loads",
+                              cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
         return cls(rank=rank, rank_address=str(cfg["rank_address"]),
                    block_tracker_address=str(cfg["block_tracker_address"]),
                    block_tracker_uid=str(uid), gpu_budget_bytes=gpu_bytes,
                    cpu_budget_bytes=cpu_bytes, transport=transport,
-                   world_size=int(cfg.get("world_size") or 0))
+                   world_size=int(cfg.get("world_size") or 0), batched_loads=batched)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}
@@ -84,3 +90,14 @@ class XavierOptions:
             return cls(**dict(data))
         except TypeError as exc:
             raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None
+
+
+def _parse_bool(option: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{option}: expected true or false, got {value!r}")

@@ -68,6 +68,8 @@ class StepMeta:
     leases: Tuple[LeaseRef, ...] = ()
     exports: Tuple[ExportRow, ...] = ()
     stats: StepStats = field(default_factory=StepStats)
+    #: leases ``lease_offsets[i]:lease_offsets[i+1]`` belong to ``request_ids[i]``
+    lease_offsets: Tuple[int, ...] = (0,)
 
     @property
     def has_loads(self) -> bool:
@@ -75,6 +77,18 @@ class StepMeta:
 
     def load_batch(self) -> LoadBatch:
         return LoadBatch(self.request_ids, self.offsets, self.table)
+
+    def per_request(self) -> List[StepMeta]:
+        """One step's loads as one :class:`StepMeta` per request (the per-request baseline:
+        one load call each).  Exports and statistics stay with the first."""
+        out = []
+        for i, rid in enumerate(self.request_ids):
+            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+            llo, lhi = self.lease_offsets[i], self.lease_offsets[i + 1]
+            out.append(StepMeta((rid,), np.asarray([0, hi - lo], np.int64),
+                                self.table[lo:hi].copy(), self.leases[llo:lhi], (),
+                                self.stats if i == 0 else StepStats(), (0, lhi - llo)))
+        return out
 
 
 @dataclass
@@ -249,7 +263,8 @@ class SchedulerSide:
         table = np.asarray([r.as_row() for _, rows, _ in loads for r in rows],
                            dtype=np.int64).reshape(-1, len(COLUMNS))
         leases = tuple(lease for _, _, ls in loads for lease in ls)
-        return StepMeta(ids, offsets, table, leases, (), stats)
+        lease_offsets = tuple(int(x) for x in np.cumsum([0] + [len(ls) for _, _, ls in loads]))
+        return StepMeta(ids, offsets, table, leases, (), stats, lease_offsets)
 
     # ----------------------------------------------------------------- finish
     def finished(self, request_id: str) -> None:

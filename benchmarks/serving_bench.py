@@ -1,0 +1,207 @@
+"""Two real vLLM replicas behind a round-robin router, with and without Xavier.
+
+    python benchmarks/serving_bench.py [--quick] [--device cpu|cuda] [--concurrency 1,8,16,32]
+        [--prefix-tokens 1024,4096] [--modes none,per_request,batched] [--model DIR]
+
+Workload: groups of requests share a long prefix (a system prompt or a conversation's
+history) and differ in a short suffix; request ``i`` goes to replica ``i % 2``, so the
+second request of a group lands on the replica that did *not* compute its prefix.
+Output length is fixed (``ignore_eos``).  Modes:
+
+* ``none``: no sharing (requests opt out: ``kv_transfer_params={"xavier": False}``), each
+  replica only has its local prefix cache;
+* ``batched``: Xavier, one load call per scheduler step;
+* ``per_request``: Xavier, one load call per request (engines restarted with
+  ``XAVIER_BATCHED_LOADS=0``).
+
+Every mode uses fresh prefixes, so no mode profits from another's exports.  Reported per
+(mode, concurrency, prefix length): output tokens/s, TTFT p50/p95 (measured next to each
+engine), the external hit rate (tokens loaded from the other replica / prompt tokens), load
+calls per request, and each replica's counters.  Writes JSON under ``doc/results/``.
+
+``--quick`` (the README's main job): the tiny local model on CPU, prefix 512, concurrency 8,
+modes ``none`` and ``batched``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tests.support.engines import EngineOptions  # noqa: E402
+from tests.support.tiny_model import TinyQwen2, build_tiny_qwen2  # noqa: E402
+from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
+
+BLOCK = 16
+
+
+def workload(seed: int, groups: int, per_group: int, prefix: int, suffix: int,
+             vocab: int) -> List[List[int]]:
+    """``groups * per_group`` prompts, ordered so consecutive requests of a group alternate
+    replicas under round-robin."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(10, vocab) for _ in range(prefix)] for _ in range(groups)]
+    prompts = []
+    for _turn in range(per_group):
+        for g in range(groups):
+            prompts.append(prefixes[g] + [rng.randrange(10, vocab) for _ in range(suffix)])
+    return prompts
+
+
+async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concurrency: int,
+                   max_tokens: int, xavier: bool) -> Dict[str, Any]:
+    """Send ``prompts`` (turn-major: ``groups`` prompts per turn) with at most
+    ``concurrency`` in flight.  Routing alternates each group between the replicas turn by
+    turn, so every follow-up turn lands on the replica that did not serve the one before."""
+    sem = asyncio.Semaphore(concurrency)
+    before = [await x.counters() for x in r.replicas]
+    results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        turn, group = divmod(i, groups)
+        async with sem:
+            replica = r.replicas[(turn + group) % len(r.replicas)]
+            out = await replica.generate([prompts[i]], max_tokens=max_tokens, xavier=xavier)
+            results[i] = out[0]
+
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), groups):  # a turn starts when the previous ended
+        await asyncio.gather(*(one(i) for i in range(start, min(start + groups,
+                                                                len(prompts)))))
+    wall = time.perf_counter() - t0
+    after = [await x.counters() for x in r.replicas]
+    done = [x for x in results if x is not None]
+    ttft = sorted(x["ttft_s"] for x in done if x["ttft_s"] is not None)
+    delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
+    hit_tokens = sum(d.get("hit_tokens", 0) for d in delta)
+    prompt_tokens = sum(len(p) for p in prompts)
+    calls = sum(d.get("batch_calls", 0) for d in delta)
+    return {
+        "requests": len(done), "wall_s": wall,
+        "output_tokens_per_s": sum(len(x["ids"]) for x in done) / wall,
+        "ttft_p50_ms": 1000 * _pct(ttft, 50), "ttft_p95_ms": 1000 * _pct(ttft, 95),
+        "external_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "local_or_external_cached_rate": sum(x["cached"] for x in done) / prompt_tokens,
+        "load_calls": calls, "load_calls_per_request": calls / max(1, len(done)),
+        "counters": delta,
+    }
+
+
+def _pct(values: Sequence[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
+
+
+async def bench_modes(model: str, device: str, modes: Sequence[str],
+                      concurrencies: Sequence[int], prefixes: Sequence[int], groups: int,
+                      per_group: int, max_tokens: int) -> List[Dict[str, Any]]:
+    rows = []
+    restart_groups = [[m for m in modes if m != "per_request"],
+                      [m for m in modes if m == "per_request"]]
+    seed = 1000
+    for group_modes in restart_groups:
+        if not group_modes:
+            continue
+        env = {"XAVIER_BATCHED_LOADS": "0" if group_modes == ["per_request"] else "1"}
+        opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
+        kw: Dict[str, Any] = {}
+        if device == "cuda":
+            opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
+            kw = dict(gpu_budget="4GiB", cpu_budget="1GiB", sequential=True)
+        else:
+            kw = dict(cpu_budget="512MiB")
+        print(f"[serving_bench] starting 2 replicas ({device}, modes {group_modes})", flush=True)
+        t0 = time.perf_counter()
+        async with xavier_replicas(model, n=2, engine=opts, extra_env=env, **kw) as r:
+            print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
+            vocab = 2000
+            for prefix in prefixes:
+                for c in concurrencies:
+                    for mode in group_modes:
+                        seed += 1
+                        prompts = workload(seed, groups, per_group, prefix, 64, vocab)
+                        res = await run_mode(r, prompts, groups, c, max_tokens,
+                                             xavier=mode != "none")
+                        res.update(mode=mode, concurrency=c, prefix_tokens=prefix)
+                        rows.append(res)
+                        print(_row(res), flush=True)
+    return rows
+
+
+HEADER = (f"{'mode':<12}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}{'TTFT p50':>10}"
+          f"{'TTFT p95':>10}{'ext hit':>9}{'calls/req':>10}")
+
+
+def _row(r: Dict[str, Any]) -> str:
+    return (f"{r['mode']:<12}{r['concurrency']:>5}{r['prefix_tokens']:>7}{r['requests']:>5}"
+            f"{r['output_tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>9.0f}ms"
+            f"{r['ttft_p95_ms']:>8.0f}ms{100 * r['external_hit_rate']:>8.1f}%"
+            f"{r['load_calls_per_request']:>10.2f}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", help="model directory (default: the tiny local model)")
+    ap.add_argument("--concurrency", default="1,8,16,32")
+    ap.add_argument("--prefix-tokens", default="1024,4096")
+    ap.add_argument("--modes", default="none,per_request,batched")
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--per-group", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.prefix_tokens, args.modes = "8", "512", "none,batched"
+        args.groups, args.per_group, args.max_tokens = 8, 2, 16
+    model = args.model or build_tiny_qwen2(
+        os.environ.get("XAVIER_TINY_MODEL_DIR", os.path.join(REPO, ".cache", "tiny-qwen2")),
+        TinyQwen2())
+    modes = args.modes.split(",")
+    conc = [int(x) for x in args.concurrency.split(",")]
+    prefixes = [int(x) for x in args.prefix_tokens.split(",")]
+    rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
+                                   args.per_group, args.max_tokens))
+    print()
+    print(HEADER)
+    for r in rows:
+        print(_row(r))
+    for r in rows:
+        if r["mode"] != "none":
+            print(f"\ncounters ({r['mode']}, C{r['concurrency']}, prefix {r['prefix_tokens']}):")
+            for rank, d in enumerate(r["counters"], start=1):
+                keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
+                        "logical_requests", "blocks_written", "export_exported",
+                        "load_failures", "rejected_batches")
+                print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
+    suffix = "-quick" if args.quick else ""
+    out = args.out or os.path.join(REPO, "doc", "results",
+                                   f"serving_bench-{args.device}{suffix}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    import vllm
+
+    with open(out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
+                   "host": platform.node(), "vllm": vllm.__version__, "model": model,
+                   "args": vars(args), "rows": rows}, f, indent=1)
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
