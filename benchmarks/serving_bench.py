@@ -14,7 +14,9 @@ Output length is fixed (``ignore_eos``).  Modes:
 * ``per_request``: Xavier, one load call per request (engines restarted with
   ``XAVIER_BATCHED_LOADS=0``).
 
-Every mode uses fresh prefixes, so no mode profits from another's exports.  Reported per
+Every mode uses fresh prefixes, so no mode profits from another's exports.  A short
+unmeasured warm-up (both replicas, sharing on) runs first after the engines start: it maps
+the peers' storages and compiles kernels, one-time costs that are not per request.  Reported per
 (mode, concurrency, prefix length): output tokens/s, TTFT p50/p95 (measured next to each
 engine), the external hit rate (tokens loaded from the other replica / prompt tokens), load
 calls per request, and each replica's counters.  Writes JSON under ``doc/results/``.
@@ -129,6 +131,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         async with xavier_replicas(model, n=2, engine=opts, extra_env=env, **kw) as r:
             print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
             vocab = 2000
+            # warm-up, not measured: first peer mappings, kernel compilation, allocator growth
+            await run_mode(r, workload(7, 2, 2, min(prefixes), 64, vocab), 2, 2, max_tokens,
+                           xavier=True)
             for prefix in prefixes:
                 for c in concurrencies:
                     for mode in group_modes:

@@ -56,3 +56,15 @@ def test_user_async_scheduling_and_worker_extension_are_kept(model):
     prepare_engine_args(args, CFG, env)
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert args.async_scheduling is True and args.worker_extension_cls == "my.Ext"
+
+
+def test_gpu_budget_must_fit_next_to_vllm():
+    from xinference.model.llm.vllm.xavier.engine import check_gpu_budget
+
+    gib = 2**30
+    opts = XavierOptions.from_xavier_config(dict(CFG, xavier_gpu_budget="8GiB"), {})
+    check_gpu_budget(opts, 0.5, mem_get_info=lambda: (100 * gib, 140 * gib))  # 30 GiB left
+    with pytest.raises(ValueError, match=r"xavier_gpu_budget: 8589934592 bytes do not fit"):
+        check_gpu_budget(opts, 0.9, mem_get_info=lambda: (130 * gib, 140 * gib))
+    off = XavierOptions.from_xavier_config(dict(CFG, xavier_gpu_budget=0), {})
+    check_gpu_budget(off, 0.99, mem_get_info=lambda: (0, 140 * gib))  # tier off: no check

@@ -13,6 +13,9 @@ def test_defaults_environment_and_config_in_that_order():
     assert o.gpu_budget_bytes == 2**30 and o.cpu_budget_bytes == 2**30
     assert o.block_tracker_uid == "vllm-block-tracker-actor-m"
     assert o.transfer_actor_uid == "vllm-transfer-actor-1" and o.transport == "xavier"
+    assert o.slab_blocks == 512
+    assert XavierOptions.from_xavier_config({**BASE, "transfer_block_num": 64}, {}).slab_blocks \
+        == 64
     o = XavierOptions.from_xavier_config(BASE, {"XAVIER_GPU_BUDGET": "256MiB"})
     assert o.gpu_budget_bytes == 256 * 2**20
     o = XavierOptions.from_xavier_config({**BASE, "xavier_gpu_budget": "1KiB"},
@@ -27,6 +30,7 @@ def test_defaults_environment_and_config_in_that_order():
     ("rank", -1, "rank must be a non-negative int"),
     ("rank_address", "", "missing 'rank_address'"),
     ("vllm_transfer_backend_type", "carrier-pigeon", "transfer"),
+    ("transfer_block_num", 0, "xavier_transfer_block_num: must be a positive int"),
 ])
 def test_bad_values_name_the_option(key, value, message):
     with pytest.raises(ValueError, match=message):

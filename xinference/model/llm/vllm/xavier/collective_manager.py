@@ -1,16 +1,57 @@
 """Rank registry and rank 0 of Xinference's Xavier contract (supervisor / worker pools).
 
-Imported by Xinference's supervisor at every start: xoscar only, no torch,
-no vLLM.  This module currently fixes the contract surface (class names,
-uids, constructor arguments); world distribution and recovery are issue #6
-and are not implemented yet.
+Imported by Xinference's supervisor at every start: xoscar only, no torch, no vLLM.
+
+* :class:`CollectiveManager` (supervisor pool, uid ``f"{default_uid()}-{model_uid}"``):
+  knows every rank's transfer actor; on recovery (``register_rank(..., update=True)``) and
+  on ``unregister_rank`` it sends the new world (rank -> address) to every rank, which then
+  maps its peers again on first use.  Ranks that cannot be reached are logged, not fatal: a
+  rank that misses an update only misses hits (its loads from an unmapped peer fail and
+  vLLM recomputes).
+* :class:`Rank0ModelActor` (worker, GPU-less subpool, uid ``"<model_uid>-rank0"``): rank 0
+  holds no engine; its :class:`Rank0TransferActor` only answers the world updates so that
+  the manager can treat all ranks alike.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import asyncio
+import logging
+from typing import Any, Dict, List, Optional
 
 import xoscar as xo
+
+from .options import TRANSFER_ACTOR_UID
+
+logger = logging.getLogger(__name__)
+
+
+def transfer_actor_uid(rank: int) -> str:
+    return f"{TRANSFER_ACTOR_UID}-{rank}"
+
+
+class Rank0TransferActor(xo.StatelessActor):
+    """Rank 0's stand-in transfer actor: no engine, no storage."""
+
+    @classmethod
+    def default_uid(cls) -> str:
+        return TRANSFER_ACTOR_UID
+
+    def __init__(self, rank: int = 0, world_size: int = 0, rank_address: str = "",
+                 store_address: str = "", store_port: int = 0,
+                 world_addresses: Optional[List[str]] = None) -> None:
+        super().__init__()
+        self.rank = rank
+        self.world_addresses = list(world_addresses or [])
+
+    def update_world(self, world_addresses: List[str]) -> None:
+        self.world_addresses = list(world_addresses)
+
+    def is_ready(self) -> bool:
+        return False
+
+    def counters(self) -> Dict[str, int]:
+        return {}
 
 
 class Rank0ModelActor(xo.StatelessActor):
@@ -22,7 +63,40 @@ class Rank0ModelActor(xo.StatelessActor):
 
     def __init__(self, xavier_config: Dict[str, Any]) -> None:
         super().__init__()
+        self._rank = 0
         self._xavier_config = dict(xavier_config)
+        self._transfer_ref: Any = None
+
+    async def start_transfer_for_vllm(self, rank_addresses: List[str]) -> None:
+        if self._transfer_ref is not None:
+            await self._transfer_ref.update_world(list(rank_addresses))
+            return
+        self._transfer_ref = await xo.create_actor(
+            Rank0TransferActor, address=self.address, uid=transfer_actor_uid(self._rank),
+            rank=self._rank, world_size=self._xavier_config.get("world_size") or 0,
+            rank_address=self._xavier_config.get("rank_address") or self.address,
+            store_address=self._xavier_config.get("store_address") or "",
+            store_port=self._xavier_config.get("store_port") or 0,
+            world_addresses=list(rank_addresses))
+        logger.info("xavier rank 0 at %s: world %s", self.address, rank_addresses)
+
+    def get_pool_addresses(self) -> Optional[List[str]]:
+        """Rank 0 creates no pools of its own (Xinference asks before terminating)."""
+        return None
+
+    async def stop(self) -> None:
+        await self._destroy_transfer()
+
+    async def __pre_destroy__(self) -> None:
+        await self._destroy_transfer()
+
+    async def _destroy_transfer(self) -> None:
+        ref, self._transfer_ref = self._transfer_ref, None
+        if ref is not None:
+            try:
+                await xo.destroy_actor(ref)
+            except Exception as exc:  # its pool may be gone already
+                logger.debug("xavier rank 0: destroying the transfer actor: %s", exc)
 
 
 class CollectiveManager(xo.StatelessActor):
@@ -35,3 +109,60 @@ class CollectiveManager(xo.StatelessActor):
     def __init__(self, model_uid: str) -> None:
         super().__init__()
         self._model_uid = model_uid
+        self._addresses: Dict[int, str] = {}
+        self._refs: Dict[int, Any] = {}
+        self._tracker: Any = None
+        self._lock = asyncio.Lock()
+        self.world_updates = 0
+
+    async def __post_create__(self) -> None:
+        from .block_tracker import VLLMBlockTracker
+
+        try:
+            self._tracker = await xo.actor_ref(
+                address=self.address, uid=f"{VLLMBlockTracker.default_uid()}-{self._model_uid}")
+        except Exception as exc:  # created first in a test, or the tracker lives elsewhere
+            logger.warning("xavier collective manager %s: no block tracker: %s",
+                           self._model_uid, exc)
+
+    async def register_rank(self, rank: int, address: str, update: bool = False) -> None:
+        """Record ``rank``'s transfer actor at ``address``; with ``update`` (recovery) send
+        the new world to every rank."""
+        ref = await xo.actor_ref(address=address, uid=transfer_actor_uid(rank))
+        async with self._lock:
+            self._refs[rank] = ref
+            self._addresses[rank] = address
+        logger.info("xavier %s: rank %d registered at %s%s", self._model_uid, rank, address,
+                    " (world update)" if update else "")
+        if update:
+            await self._update_world()
+
+    async def unregister_rank(self, rank: int) -> None:
+        """Forget ``rank`` (it died): its blocks leave the directory, the others stop
+        reading from it."""
+        async with self._lock:
+            self._refs.pop(rank, None)
+            self._addresses.pop(rank, None)
+        if self._tracker is not None:
+            dropped = await self._tracker.unregister_rank(rank)
+            logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
+                        rank, dropped)
+        await self._update_world()
+
+    def world(self) -> List[str]:
+        """Rank addresses by rank ("" where a rank is missing)."""
+        if not self._addresses:
+            return []
+        return [self._addresses.get(r, "") for r in range(max(self._addresses) + 1)]
+
+    async def _update_world(self) -> None:
+        async with self._lock:  # two recoveries at once must not interleave their updates
+            world = self.world()
+            refs = dict(self._refs)
+            results = await asyncio.gather(*(ref.update_world(world) for ref in refs.values()),
+                                           return_exceptions=True)
+            self.world_updates += 1
+        for rank, res in zip(refs, results):
+            if isinstance(res, BaseException):
+                logger.warning("xavier %s: world update to rank %d failed: %s",
+                               self._model_uid, rank, res)

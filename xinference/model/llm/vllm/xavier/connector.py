@@ -205,9 +205,10 @@ class XavierConnector(KVConnectorBase_V1):
                     self.options.rank, len(groups), self._device)
         self.attach()
 
-    def attach(self, force: bool = False) -> bool:
+    def attach(self, force: bool = False, raise_errors: bool = False) -> bool:
         """Hand the caches to the transfer actor once it exists (at most once a second
-        unless ``force``)."""
+        unless ``force``).  ``raise_errors``: a refused registration (e.g. a budget that
+        holds no block) raises instead of being logged (``init_xavier`` fails the launch)."""
         if self._attached or self._handles is None:
             return self._attached
         if force:
@@ -223,6 +224,8 @@ class XavierConnector(KVConnectorBase_V1):
             logger.warning("xavier: rank %d: registering the KV caches failed: %s",
                            self.options.rank, exc)
             self._transfer.forget()
+            if raise_errors:
+                raise
             return False
         self._attached = True
         logger.info("xavier: rank %d attached to its transfer actor (layout %s)",
@@ -329,4 +332,4 @@ class XavierWorkerExtension:
         connector = get_kv_transfer_group()
         if not isinstance(connector, XavierConnector):
             return False
-        return bool(connector.attach(force=True))
+        return bool(connector.attach(force=True, raise_errors=True))

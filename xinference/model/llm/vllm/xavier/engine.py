@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Dict, Optional
 
 from vllm.config import KVTransferConfig
@@ -49,6 +50,7 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
     """Validate and apply Xavier's settings to ``engine_args`` (in place)."""
     env = os.environ if environ is None else environ
     options = XavierOptions.from_xavier_config(xavier_config, env)
+    check_gpu_budget(options, getattr(engine_args, "gpu_memory_utilization", None))
     if getattr(engine_args, "kv_transfer_config", None) is not None:
         raise ValueError("kv_transfer_config: Xavier configures vLLM's KV connector itself; "
                          "do not pass kv_transfer_config together with enable_xavier")
@@ -85,6 +87,34 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
     return options
 
 
+def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[float],
+                     mem_get_info: Optional[Any] = None) -> None:
+    """The GPU tier is allocated next to vLLM on the same GPU, after vLLM took
+    ``gpu_memory_utilization`` of it: the budget must fit in what is left."""
+    if options.gpu_budget_bytes <= 0:
+        return
+    if mem_get_info is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return  # no GPU here: the budget joins the shared-memory tier
+        mem_get_info = torch.cuda.mem_get_info
+    free, total = mem_get_info()
+    util = 0.9 if gpu_memory_utilization is None else float(gpu_memory_utilization)
+    left = int(free - util * total)
+    if options.gpu_budget_bytes > left:
+        raise ValueError(
+            f"xavier_gpu_budget: {options.gpu_budget_bytes} bytes do not fit on the GPU next to "
+            f"vLLM ({free} bytes free, vLLM takes gpu_memory_utilization={util} of {total}, "
+            f"leaving {max(left, 0)})")
+
+
+def _worker_error(message: str) -> str:
+    """The worker's own message out of vLLM's collective_rpc wrapper text."""
+    m = re.search(r"Worker failed with error '(.*)'", message, re.S)
+    return m.group(1) if m else message
+
+
 class XavierEngine(AsyncLLM):
     xavier_options: XavierOptions
 
@@ -106,11 +136,16 @@ class XavierEngine(AsyncLLM):
     async def init_xavier(self) -> bool:
         """Attach the workers' KV caches to the rank's transfer actor now (otherwise they
         attach on their own within a second of the next step)."""
+        if self.vllm_config.parallel_config.worker_extension_cls != WORKER_EXTENSION:
+            logger.info("xavier: init_xavier: a user worker extension is set; workers attach "
+                        "at their next step")
+            return False
+        # a refused registration (a budget that holds no block, ...) raises here and fails
+        # the launch, naming the option
         try:
             results = await self.collective_rpc("xavier_attach")
-        except Exception as exc:  # e.g. a user worker extension without xavier_attach
-            logger.info("xavier: init_xavier: workers attach at their next step (%s)", exc)
-            return False
+        except Exception as exc:
+            raise ValueError(_worker_error(str(exc))) from exc
         attached = all(bool(r) for r in (results or [False]))
         logger.info("xavier: rank %d init_xavier: workers attached=%s",
                     self.xavier_options.rank, attached)

@@ -40,6 +40,8 @@ class XavierOptions:
     #: False: one load call per request instead of one per step (the baseline of the
     #: benchmarks; ``xavier_batched_loads`` / ``XAVIER_BATCHED_LOADS``)
     batched_loads: bool = True
+    #: blocks per full slab (Xinference's ``xavier_transfer_block_num``, default 512)
+    slab_blocks: int = 512
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -71,11 +73,15 @@ class XavierOptions:
         transport = normalize_xavier_transport_backend(cfg.get("vllm_transfer_backend_type"))
         batched = _parse_bool("xavier_batched_loads",
                               cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
+        slab = cfg.get("transfer_block_num", 512)
+        if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
+            raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
         return cls(rank=rank, rank_address=str(cfg["rank_address"]),
                    block_tracker_address=str(cfg["block_tracker_address"]),
                    block_tracker_uid=str(uid), gpu_budget_bytes=gpu_bytes,
                    cpu_budget_bytes=cpu_bytes, transport=transport,
-                   world_size=int(cfg.get("world_size") or 0), batched_loads=batched)
+                   world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
+                   slab_blocks=slab)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}

@@ -31,12 +31,14 @@ import numpy as np
 import torch
 import xoscar as xo
 
+from .budget import validate_budget
 from .counters import prometheus_text
 from .gpu_transfer import GPUTransfer, Lease, LoadError, TransferClosedError
 from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
 from .load_batch import DEST, GROUP, KEY, RANK, TIER, LoadBatch, LoadBatchError, Tier
 from .options import TRANSFER_ACTOR_UID, XavierOptions
+from .plan import SlabConfig
 from .remote_fetch import serve_blocks, xoscar_fetch
 from .scheduler_side import ExportRow, StepMeta
 from .snapshot_storage import SnapshotStorage, TierConfig, open_ipc, open_shm
@@ -102,7 +104,8 @@ class TransferActor(xo.StatelessActor):
         tracker = await xo.actor_ref(opts.block_tracker_address, opts.block_tracker_uid)
         tiers = self._tier_configs(opts, layout, device)
         storage = SnapshotStorage(self.rank, layout, tiers, tracker)
-        transfer = GPUTransfer(self.rank, release_lease=self._release_lease)
+        slabs = SlabConfig(full_rows=opts.slab_blocks, small_rows=min(32, opts.slab_blocks))
+        transfer = GPUTransfer(self.rank, slab_config=slabs, release_lease=self._release_lease)
         await transfer.set_local_caches(caches, handles.block_dims)
         await tracker.unregister_rank(self.rank)  # blocks of a previous engine are gone
         await tracker.register_rank(self.rank)
@@ -118,31 +121,48 @@ class TransferActor(xo.StatelessActor):
     @staticmethod
     def _tier_configs(opts: XavierOptions, layout: KVLayout,
                       device: torch.device) -> List[TierConfig]:
+        """Storage tiers for ``opts``; a budget that holds no block (of every group), or a CPU
+        tier larger than /dev/shm's free space, fails naming the option and the value."""
+        block_bytes = sum(g.block_bytes for g in layout.groups)
         tiers = []
         if device.type == "cuda" and opts.gpu_budget_bytes > 0:
-            tiers.append(TierConfig(Tier.GPU, opts.gpu_budget_bytes, device=str(device)))
+            budget = validate_budget("xavier_gpu_budget", opts.gpu_budget_bytes, block_bytes)
+            tiers.append(TierConfig(Tier.GPU, budget, device=str(device)))
         cpu_bytes = opts.cpu_budget_bytes
-        if device.type == "cpu":  # no GPU: one tier in shared memory holds both budgets
+        option = "xavier_cpu_budget"
+        if device.type == "cpu" and opts.gpu_budget_bytes:
+            # no GPU: one tier in shared memory holds both budgets
             cpu_bytes += opts.gpu_budget_bytes
+            option = "xavier_gpu_budget + xavier_cpu_budget"
         if cpu_bytes > 0:
-            free = _shm_free_bytes()
-            if free is not None and cpu_bytes > free:
-                raise ValueError(f"xavier_cpu_budget: {cpu_bytes} bytes exceed the {free} "
-                                 "bytes free in /dev/shm")
-            tiers.append(TierConfig(Tier.CPU, cpu_bytes, shared_memory=True))
+            budget = validate_budget(option, cpu_bytes, block_bytes,
+                                     available_bytes=_shm_free_bytes())
+            tiers.append(TierConfig(Tier.CPU, budget, shared_memory=True))
+        if not tiers:
+            raise ValueError("xavier_cpu_budget: no storage tier on this device (the GPU tier "
+                             "needs a CUDA engine): set xavier_cpu_budget above 0")
         return tiers
 
     def is_ready(self) -> bool:
         return self._transfer is not None
 
-    def update_world(self, world_addresses: List[str]) -> None:
-        """New rank addresses (recovery): peers are mapped again on next use."""
+    async def update_world(self, world_addresses: List[str]) -> None:
+        """New rank addresses (a rank recovered or died): the mappings of every rank whose
+        address changed are dropped; peers are mapped again on next use."""
+        old = self.world_addresses
         self.world_addresses = list(world_addresses)
         self._peers_failed.clear()
-        if self._transfer is not None:
-            for rank in range(len(world_addresses)):
-                if rank != self.rank:
-                    asyncio.ensure_future(self._transfer.unmap_storage(rank))
+        if self._transfer is None:
+            return
+        for rank in range(max(len(old), len(world_addresses))):
+            was = old[rank] if rank < len(old) else ""
+            now = world_addresses[rank] if rank < len(world_addresses) else ""
+            if rank != self.rank and was != now:
+                await self._transfer.unmap_storage(rank)
+        logger.info("transfer actor rank %d: world %s", self.rank, world_addresses)
+
+    def world(self) -> List[str]:
+        return list(self.world_addresses)
 
     async def __pre_destroy__(self) -> None:
         await self._close_runtime()
