@@ -34,9 +34,15 @@ def tokens(seed, n):
 
 
 def engine_cores():
-    me = psutil.Process()
-    return [p for p in me.children(recursive=True)
-            if "EngineCore" in " ".join(p.cmdline() if p.is_running() else [])]
+    """vLLM engine-core processes still alive under this test (zombies count as gone)."""
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(p.cmdline()):
+                alive.append(p)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return alive
 
 
 def xavier_config(tracker, rank, address, world_size):
