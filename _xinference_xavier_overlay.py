@@ -10,30 +10,52 @@ it.  Upstream Xinference's files are never read, written or moved: uninstall
 this project and upstream's package is served again.
 
 Set ``XINFERENCE_XAVIER_OVERLAY=0`` to switch the overlay off for a process.
+
+Xinference 3.5.0 runs each model in its own virtualenv by default
+(``XINFERENCE_ENABLE_VIRTUAL_ENV``); that child venv sees this environment's
+site-packages only as a plain path (``_xinference_parent.pth``), so ``.pth``
+files here are not processed there.  :func:`install` therefore also watches the
+import of ``xinference.core.worker`` and, once it is loaded, wraps
+``WorkerActor._create_virtual_env_manager`` so that every child venv it prepares
+gets :data:`CHILD_PTH`, a one-line bootstrap that loads this module by its
+absolute path and installs the finder with the fork's location.  Only that file
+in the child venv is written; upstream's files are not.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import sys
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 #: the module name the overlay claims
 TARGET = "xinference.model.llm.vllm.xavier"
 #: the top-level name under which this project's package files are installed
 FORK_PACKAGE = "_xinference_xavier_fork"
 ENV_SWITCH = "XINFERENCE_XAVIER_OVERLAY"
+#: the bootstrap file written into Xinference's per-model virtualenvs
+CHILD_PTH = "xinference_xavier_overlay.pth"
+WORKER_MODULE = "xinference.core.worker"
+
+logger = logging.getLogger("xinference_xavier_overlay")
 
 
 class XavierOverlayFinder:
     """Meta-path finder that maps :data:`TARGET` onto :data:`FORK_PACKAGE`'s directory."""
 
+    #: set in a child venv, where the fork package itself is not importable by name
+    fixed_location: Optional[str] = None
+
     @classmethod
     def fork_location(cls) -> Optional[str]:
         """Directory of the installed fork package (regular or editable install)."""
+        if cls.fixed_location is not None:
+            return cls.fixed_location
         spec = importlib.util.find_spec(FORK_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
             return None
@@ -52,13 +74,114 @@ class XavierOverlayFinder:
             fullname, init, submodule_search_locations=[location])
 
 
-def install() -> bool:
-    """Put the finder first on ``sys.meta_path`` (idempotent). Returns whether it is active."""
+def install(location: Optional[str] = None) -> bool:
+    """Put the finder first on ``sys.meta_path`` (idempotent). Returns whether it is active.
+    ``location``: the fork package's directory (child venvs, see the module docstring)."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
+    if location is not None:
+        XavierOverlayFinder.fixed_location = location
     if not any(f is XavierOverlayFinder for f in sys.meta_path):
         sys.meta_path.insert(0, XavierOverlayFinder)  # type: ignore[arg-type]
+    if not any(f is _WorkerHook for f in sys.meta_path):
+        sys.meta_path.insert(1, _WorkerHook)  # type: ignore[arg-type]
+    worker = sys.modules.get(WORKER_MODULE)
+    if worker is not None:
+        _patch_worker(worker)
     return True
+
+
+def child_pth_line() -> str:
+    """The bootstrap line for a child venv's ``.pth`` (absolute paths of this install)."""
+    here = os.path.abspath(__file__)
+    location = XavierOverlayFinder.fork_location()
+    return ("import importlib.util as u, sys; s = u.spec_from_file_location("
+            f"'_xinference_xavier_overlay', {here!r}); m = u.module_from_spec(s); "
+            "sys.modules.setdefault('_xinference_xavier_overlay', m); s.loader.exec_module(m); "
+            f"m.install({location!r})\n")
+
+
+def write_child_pth(lib_path: str) -> Optional[str]:
+    """Write :data:`CHILD_PTH` into a child venv's site-packages; returns its path."""
+    if XavierOverlayFinder.fork_location() is None or not os.path.isdir(lib_path):
+        return None
+    path = os.path.join(lib_path, CHILD_PTH)
+    line = child_pth_line()
+    try:
+        with open(path) as f:
+            if f.read() == line:
+                return path
+    except OSError:
+        pass
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(line)
+    os.replace(tmp, path)
+    logger.info("xavier overlay: carried into the model virtualenv %s", lib_path)
+    return path
+
+
+def _patch_worker(module: ModuleType) -> bool:
+    """Wrap ``WorkerActor._create_virtual_env_manager`` to bootstrap the overlay in every
+    child venv it prepares.  Idempotent; a missing hook (other Xinference) is logged."""
+    cls = getattr(module, "WorkerActor", None)
+    original = getattr(cls, "__dict__", {}).get("_create_virtual_env_manager")
+    if not isinstance(original, classmethod):
+        logger.warning("xavier overlay: %s.WorkerActor._create_virtual_env_manager not found; "
+                       "per-model virtualenvs will use upstream's xavier package", WORKER_MODULE)
+        return False
+    func = original.__func__
+    if getattr(func, "_xavier_overlay", False):
+        return True
+
+    @functools.wraps(func)
+    def create(klass: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = func(klass, *args, **kwargs)
+        if manager is not None:
+            try:
+                write_child_pth(str(manager.get_lib_path()))
+            except Exception as exc:  # the model then runs with upstream's package
+                logger.warning("xavier overlay: could not bootstrap the virtualenv: %s", exc)
+        return manager
+
+    create._xavier_overlay = True  # type: ignore[attr-defined]
+    cls._create_virtual_env_manager = classmethod(create)  # type: ignore[union-attr]
+    return True
+
+
+class _HookLoader:
+    """Runs the real loader, then patches the worker module."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        try:
+            _patch_worker(module)
+        except Exception as exc:
+            logger.warning("xavier overlay: patching the worker failed: %s", exc)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real one
+        return getattr(self._inner, name)
+
+
+class _WorkerHook:
+    """Meta-path finder that only wraps the loader of :data:`WORKER_MODULE`."""
+
+    @classmethod
+    def find_spec(cls, fullname: str, path: Optional[Sequence[str]] = None,
+                  target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
+        if fullname != WORKER_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _HookLoader(spec.loader)  # type: ignore[assignment]
+        return spec
 
 
 def is_active() -> bool:
