@@ -1,0 +1,161 @@
+"""Real ``xinference-local`` (3.5.0) on loopback, Xavier switched on over REST exactly as a
+user does (``"enable_xavier": true`` beside ``"replica": 2``, options as launch ``envs``):
+the launch goes through upstream's supervisor, worker and model actor into this fork's hook
+classes and two real vLLM CPU engines; a shared prefix computed by one replica is loaded by
+the other; termination leaves no engine process and no model; a bad option fails the launch
+with a message naming it.
+
+Two settings differ from a GPU launch, both plain launch parameters: ``tensor_parallel_size``
+(Xinference defaults it to the number of GPUs, 0 here) and ``enable_virtual_env: false``
+(the per-model virtualenv would install GPU wheels from the registry; the overlay inside
+such a virtualenv is tested in ``test_overlay_child_venv.py``).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+import xoscar as xo
+
+from .support.pools import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "qwen2.5-instruct"
+
+
+class Server:
+    def __init__(self, home: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1")
+        self.log = open(os.path.join(home, "xinference-local.log"), "w")
+        self.proc = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "xinference-local"),
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.token = ""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                self.call("GET", "/status")
+                break
+            except Exception:
+                time.sleep(1)
+        else:
+            raise RuntimeError("xinference-local did not answer /status")
+        self.call("POST", "/v1/admin/setup", {"username": "admin", "password": "xavier-test-pw"})
+        self.token = self.call("POST", "/token",
+                               {"username": "admin", "password": "xavier-test-pw"})["access_token"]
+
+    def call(self, method, path, body=None, timeout=600):
+        req = urllib.request.Request(self.base + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {self.token}"}
+                                                 if self.token else {})})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def engine_cores(self):
+        out = []
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.Error:
+                continue
+        return out
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except Exception:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+
+
+def launch_body(model_dir, envs):
+    return {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
+            "model_type": "LLM", "model_format": "pytorch", "model_path": model_dir,
+            "replica": 2, "enable_xavier": True, "enable_virtual_env": False, "envs": envs,
+            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_model_len": 2048,
+            "enforce_eager": True, "block_size": 16, "dtype": "bfloat16", "max_num_seqs": 16}
+
+
+def log_lines(home, needle):
+    with open(os.path.join(home, "xinference-local.log")) as f:
+        return [line for line in f if needle in line]
+
+
+async def counters(address, rank):
+    ref = await xo.actor_ref(address, f"vllm-transfer-actor-{rank}")
+    return await ref.counters()
+
+
+def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
+    import asyncio
+
+    home = str(tmp_path)
+    server = Server(home)
+    try:
+        envs = {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "1"}
+        assert server.call("POST", "/v1/models", launch_body(tiny_model_dir, envs)) == {
+            "model_uid": MODEL}
+        # our hook classes did the work (upstream's would not log these)
+        registered = log_lines(home, "xavier.collective_manager")
+        assert sum(f"rank {r} registered at" in line for line in registered
+                   for r in (0, 1, 2)) == 3
+        attached = log_lines(home, "init_xavier: workers attached=True")
+        assert len(attached) == 2
+        addresses = {}
+        for line in log_lines(home, "registered at"):
+            rank = int(line.split("rank ")[1].split()[0])
+            addresses[rank] = line.strip().rsplit(" ", 1)[1]
+
+        text = open(os.__file__).read()
+        prefix = text[:2500]
+        usages = [server.call("POST", "/v1/completions", {
+            "model": MODEL, "prompt": prefix + f"\n# request {i}\n" + text[7000 + 100 * i:
+                                                                          7100 + 100 * i],
+            "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
+        assert all(u["completion_tokens"] > 0 for u in usages)
+        c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
+        # Xinference sent the two requests to different replicas: the second one loaded
+        # the shared prefix the first one computed
+        assert sum(c[r].get("requests_with_hits", 0) for r in (1, 2)) == 1
+        assert sum(c[r].get("hit_blocks", 0) for r in (1, 2)) >= 2500 // 4 // 16
+        assert sum(c[r].get("batch_calls", 0) for r in (1, 2)) == 1
+        assert sum(c[r].get("load_failures", 0) for r in (1, 2)) == 0
+
+        assert server.call("DELETE", f"/v1/models/{MODEL}") is None
+        deadline = time.monotonic() + 60
+        while server.engine_cores() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert server.engine_cores() == []
+        assert server.call("GET", "/v1/models")["data"] == []
+
+        # a bad option fails the launch and names it; nothing stays behind
+        bad = dict(envs, XAVIER_CPU_BUDGET="lots")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            server.call("POST", "/v1/models", launch_body(tiny_model_dir, bad))
+        detail = json.loads(err.value.read())["detail"]
+        assert "xavier_cpu_budget: 'lots' is not a size" in detail
+        assert server.call("GET", "/v1/models")["data"] == []
+        time.sleep(2)
+        assert server.engine_cores() == []
+    finally:
+        server.stop()
