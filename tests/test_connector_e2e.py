@@ -137,6 +137,9 @@ def test_failed_block_is_recomputed_by_vllm(world):
     [(group, block)] = lt.run(b.recorded_faults())
     # vLLM recomputed from the failed block: it no longer holds the zeros the fault left
     assert not lt.run(b.engine_block_is_zero(group, block))
+    # what the failed step computed against the zeroed block was never published: every
+    # block B stored equals the (recomputed) engine block it came from
+    assert lt.run(b.stored_vs_engine_mismatches()) == []
     if DEVICE == "cpu":
         # CPU kernels give the same bytes whatever the shape: tokens equal the baseline.  On
         # the GPU, blocks 16-31 are recomputed in another shape than A computed them, which

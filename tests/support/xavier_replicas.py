@@ -105,6 +105,9 @@ class ReplicaActor(xo.StatelessActor):
     async def reset_recent_loads(self) -> None:
         await self._transfer.reset_recent_loads()
 
+    async def stored_vs_engine_mismatches(self) -> List[Any]:
+        return await self._transfer.stored_vs_engine_mismatches()
+
     async def recorded_faults(self) -> List[Any]:
         return await self._transfer.recorded_faults()
 

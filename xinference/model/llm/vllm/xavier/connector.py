@@ -291,6 +291,12 @@ class XavierConnector(KVConnectorBase_V1):
         step = self._step()
         if step is None or not step.exports or not self._attached or self.disabled:
             return
+        if self._load_errors:
+            # this step's forward read blocks that were not (fully) loaded: what it computed
+            # may be wrong and must never be published; vLLM recomputes, later steps export
+            logger.info("xavier: rank %d: %d exports of a step with failed loads skipped",
+                        self.options.rank, len(step.exports))
+            return
         ref = self._transfer.get()
         if ref is None:
             return

@@ -85,6 +85,8 @@ class TransferActor(xo.StatelessActor):
         self._faults: Dict[str, int] = {}
         #: (group, key) -> destination block of recent successful loads (for digests)
         self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
+        #: (group, key) -> engine block of recent exports (for consistency checks)
+        self._recent_exports: OrderedDict[Tuple[int, int], int] = OrderedDict()
         #: (group, block id) of blocks a ``fail_one_block`` fault zeroed and reported
         self.fault_blocks: List[Tuple[int, int]] = []
 
@@ -334,6 +336,11 @@ class TransferActor(xo.StatelessActor):
         if self._storage is None or not rows:
             return {}
         res = await self._storage.export(self._engine_views, list(rows))
+        for group, key, block in rows:
+            self._recent_exports[(int(group), int(key))] = int(block)
+            self._recent_exports.move_to_end((int(group), int(key)))
+        while len(self._recent_exports) > RECENT_LOADS:
+            self._recent_exports.popitem(last=False)
         out = {f"export_{k}": v for k, v in vars(res).items()}
         self._add_stats(out)
         return out
@@ -362,7 +369,16 @@ class TransferActor(xo.StatelessActor):
         return {gk: _digest(self._engine_views.get(gk[0], []), block)
                 for gk, block in self._recent_loads.items()}
 
+    def stored_vs_engine_mismatches(self) -> List[Tuple[int, int]]:
+        """Recently exported ``(group, key)`` whose stored bytes differ from the engine block
+        they were exported from (empty unless wrong KV was published, or vLLM has since
+        reused that engine block)."""
+        stored = self.stored_block_digests(list(self._recent_exports))
+        return [gk for gk, block in self._recent_exports.items()
+                if gk in stored and stored[gk] != _digest(self._engine_views[gk[0]], block)]
+
     def reset_recent_loads(self) -> None:
+        self._recent_exports.clear()
         self._recent_loads.clear()
         self.fault_blocks.clear()
 
