@@ -1,0 +1,64 @@
+"""Synchronous callers reaching real xoscar actors through the bridge's loop thread."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.actor_bridge import ActorBridge, LazyActor
+
+from .support.pools import actor_pool
+
+
+class Echo(xo.StatelessActor):
+    async def echo(self, x, delay=0.0):
+        await asyncio.sleep(delay)
+        return x
+
+
+@pytest.fixture(scope="module")
+def pool_address():
+    ready, stop = threading.Event(), threading.Event()
+    holder = {}
+
+    def serve():
+        async def main():
+            async with actor_pool(n_process=0) as pool:
+                holder["address"] = pool.external_address
+                await xo.create_actor(Echo, address=pool.external_address, uid="echo")
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(60)
+    yield holder["address"]
+    stop.set()
+    t.join(30)
+
+
+def test_lazy_actor_found_later_and_called_synchronously(pool_address):
+    bridge = ActorBridge.shared()
+    missing = LazyActor(bridge, pool_address, "not-yet", retry_seconds=0.2)
+    assert missing.get() is None
+    assert missing.get() is None  # rate-limited: no second lookup within retry_seconds
+    echo = LazyActor(bridge, pool_address, "echo")
+    ref = echo.get()
+    assert ref is not None and bridge.call(lambda: ref.echo(7)) == 7
+    with pytest.raises(TimeoutError, match="did not finish within 0.2 s"):
+        bridge.call(lambda: ref.echo(1, delay=2.0), timeout=0.2)
+    done = []
+    bridge.submit(lambda: ref.echo(3), "echo")
+    bridge.submit(lambda: _record(ref, done), "record")
+    deadline = time.monotonic() + 10
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done == [5]
+
+
+async def _record(ref, done):
+    done.append(await ref.echo(5))

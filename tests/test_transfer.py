@@ -1,0 +1,60 @@
+"""TransferActor's pure helpers: dropping rows of a load batch, reading destinations of a
+malformed table, and the storage tiers it builds from the options (names in errors)."""
+
+import numpy as np
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
+from xinference.model.llm.vllm.xavier.options import XavierOptions
+from xinference.model.llm.vllm.xavier.transfer import TransferActor, _dests, _without_rows
+
+
+def batch():
+    return LoadBatch.from_requests([
+        ("a", [BlockLoad(0, 1, 1, 0, 10, 100), BlockLoad(0, 2, 2, 0, 11, 101)]),
+        ("b", [BlockLoad(0, 3, 2, 1, 12, 102)]),
+    ])
+
+
+def test_without_rows_keeps_requests_and_offsets_consistent():
+    b = batch()
+    out = _without_rows(b, np.array([False, True, False]))
+    assert out is not None and out.request_ids == ("a", "b")
+    assert out.offsets.tolist() == [0, 1, 2] and out.table[:, 5].tolist() == [100, 102]
+    assert _without_rows(b, np.zeros(3, bool)) is b
+    assert _without_rows(b, np.ones(3, bool)) is None
+
+
+def test_dests_of_malformed_tables():
+    assert _dests(batch().table) == [100, 101, 102]
+    assert _dests([[1, 2, 3]]) == []  # too few columns: nothing readable, no exception
+    assert _dests("garbage") == []
+    assert _dests(np.zeros((0, 6), np.int64)) == []
+
+
+def opts(**kw):
+    base = {"rank": 1, "rank_address": "a", "block_tracker_address": "b",
+            "block_tracker_uid": "t"}
+    return XavierOptions.from_xavier_config({**base, **kw}, {})
+
+
+def test_tier_configs_from_options():
+    layout = layout_of({0: [torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)]})
+    block = layout.groups[0].block_bytes  # 4 KiB
+    cpu_only = TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="64KiB"),
+                                           layout, torch.device("cpu"))
+    assert [(t.tier, t.budget_bytes, t.shared_memory) for t in cpu_only] == [
+        (Tier.CPU, 64 * 1024, True)]
+    # no GPU: both budgets make one shared-memory tier
+    both = TransferActor._tier_configs(opts(xavier_gpu_budget="8KiB", xavier_cpu_budget="8KiB"),
+                                       layout, torch.device("cpu"))
+    assert [t.budget_bytes for t in both] == [16 * 1024]
+    with pytest.raises(ValueError, match=r"xavier_cpu_budget: 1024 .* smaller than one KV block "
+                                         rf"\({block} bytes\)"):
+        TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1KiB"),
+                                    layout, torch.device("cpu"))
+    with pytest.raises(ValueError, match="exceeds the .* bytes available"):
+        TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1000TiB"),
+                                    layout, torch.device("cpu"))
