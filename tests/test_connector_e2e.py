@@ -105,6 +105,11 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
     metrics = lt.run(b.metrics_text())
     assert 'xavier_blocks_written_total{rank="2"}' in metrics
+    # a miss is counted too (its step has no load call: the figures ride on the export call)
+    before = lt.run(b.counters())
+    lt.run(b.generate([tokens(99, 200)]))
+    c = delta(before, lt.run(b.counters()))
+    assert c["queries"] == 1 and c["queried_blocks"] == 12 and c["hit_blocks"] == 0
 
 
 def test_negative_control_copy_skipped_changes_tokens(world):

@@ -44,7 +44,7 @@ from .block_directory import QueryResult
 from .kv_handles import CacheHandles, group_layers, share
 from .load_batch import DEST, fold_block_hash
 from .options import XavierOptions
-from .scheduler_side import SchedulerSide, StepMeta
+from .scheduler_side import SchedulerSide, StepMeta, StepStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
@@ -112,6 +112,7 @@ class XavierConnector(KVConnectorBase_V1):
         self._handles: Optional[CacheHandles] = None
         self._attached = False
         self._load_errors: Set[int] = set()
+        self._pending_stats: Dict[str, int] = {}
         self._device: Optional[torch.device] = None
         logger.info("xavier: connector (%s) for rank %d, block size %d", role.name,
                     self.options.rank, self.block_size)
@@ -248,8 +249,12 @@ class XavierConnector(KVConnectorBase_V1):
             return
         if not self._attached:
             self.attach()
+        # the scheduler side's figures travel with the next load or export call
+        for k, v in step.stats.as_dict().items():
+            self._pending_stats[k] = self._pending_stats.get(k, 0) + v
         if not step.has_loads:
             return
+        step.stats, self._pending_stats = StepStats(**self._pending_stats), {}
         ref = self._transfer.get() if self._attached else None
         if ref is None:
             self._fail_step(step, "transfer actor not attached")
@@ -303,7 +308,8 @@ class XavierConnector(KVConnectorBase_V1):
         self._sync_device()  # the forward's writes must be done before the copy
         exports = list(step.exports)
         try:
-            self._bridge.call(lambda: ref.export_blocks(exports), timeout=LOAD_TIMEOUT_S)
+            stats, self._pending_stats = self._pending_stats, {}
+            self._bridge.call(lambda: ref.export_blocks(exports, stats), timeout=LOAD_TIMEOUT_S)
         except Exception as exc:  # nothing is published then: only a missed chance to share
             logger.warning("xavier: rank %d: export of %d blocks failed: %s",
                            self.options.rank, len(exports), exc)

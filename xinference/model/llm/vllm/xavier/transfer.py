@@ -331,8 +331,12 @@ class TransferActor(xo.StatelessActor):
         await self._tracker.release([lease.lease_id])
 
     # ---------------------------------------------------------------- exports
-    async def export_blocks(self, rows: Sequence[ExportRow]) -> Dict[str, int]:
-        """Store newly computed full blocks ``(group, key, block_id)`` and publish them."""
+    async def export_blocks(self, rows: Sequence[ExportRow],
+                            stats: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+        """Store newly computed full blocks ``(group, key, block_id)`` and publish them.
+        ``stats``: scheduler-side figures of steps without loads (summed into the counters)."""
+        if stats:
+            self._add_stats(stats)
         if self._storage is None or not rows:
             return {}
         res = await self._storage.export(self._engine_views, list(rows))
