@@ -79,7 +79,6 @@ class TransferActor(xo.StatelessActor):
         self._device: Optional[torch.device] = None
         self._engine_views: Dict[int, List[torch.Tensor]] = {}
         self._layout: Optional[KVLayout] = None
-        self._peers_failed: Set[int] = set()
         self._peer_lock = asyncio.Lock()
         self._stats: Dict[str, int] = {}
         self._faults: Dict[str, int] = {}
@@ -114,7 +113,6 @@ class TransferActor(xo.StatelessActor):
         self._tracker, self._storage, self._transfer = tracker, storage, transfer
         self._options, self._device, self._layout = opts, device, layout
         self._engine_views = transfer.local_block_views
-        self._peers_failed.clear()
         logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
                     device, layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
@@ -153,7 +151,6 @@ class TransferActor(xo.StatelessActor):
         address changed are dropped; peers are mapped again on next use."""
         old = self.world_addresses
         self.world_addresses = list(world_addresses)
-        self._peers_failed.clear()
         if self._transfer is None:
             return
         for rank in range(max(len(old), len(world_addresses))):
