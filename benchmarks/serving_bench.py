@@ -11,15 +11,22 @@ Output length is fixed (``ignore_eos``).  Modes:
 * ``none``: no sharing (requests opt out: ``kv_transfer_params={"xavier": False}``), each
   replica only has its local prefix cache;
 * ``batched``: Xavier, one load call per scheduler step;
-* ``per_request``: Xavier, one load call per request (engines restarted with
-  ``XAVIER_BATCHED_LOADS=0``).
+* ``per_request``: Xavier, one load call per request (the baseline; switched on the same
+  warm engines with ``XavierEngine.set_batched_loads(False)``, as ``XAVIER_BATCHED_LOADS=0``
+  would at launch).
 
 Every mode uses fresh prefixes, so no mode profits from another's exports.  A short
 unmeasured warm-up (both replicas, sharing on) runs first after the engines start: it maps
 the peers' storages and compiles kernels, one-time costs that are not per request.  Reported per
 (mode, concurrency, prefix length): output tokens/s, TTFT p50/p95 (measured next to each
-engine), the external hit rate (tokens loaded from the other replica / prompt tokens), load
+engine), the same two for the follow-up turns alone (the requests that land on the replica
+that did not compute their prefix: a cross-replica load with Xavier, a full recompute
+without), the external hit rate (tokens loaded from the other replica / prompt tokens), load
 calls per request, and each replica's counters.  Writes JSON under ``doc/results/``.
+
+``--shape qwen2.5-0.5b`` builds a random-weight bf16 model with Qwen2.5-0.5B's shape
+(hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; a small local vocabulary)
+for the GPU runs.
 
 ``--quick`` (the README's main job): the tiny local model on CPU, prefix 512, concurrency 8,
 modes ``none`` and ``batched``.
@@ -36,7 +43,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -46,6 +53,12 @@ from tests.support.tiny_model import TinyQwen2, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
 
 BLOCK = 16
+SHAPES = {
+    "tiny": TinyQwen2(),
+    # Qwen2.5-0.5B's transformer (random weights, bf16); a small local vocabulary
+    "qwen2.5-0.5b": TinyQwen2(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
+                              max_positions=32768),
+}
 
 
 def workload(seed: int, groups: int, per_group: int, prefix: int, suffix: int,
@@ -78,13 +91,19 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
             results[i] = out[0]
 
     t0 = time.perf_counter()
+    turn_walls = []
     for start in range(0, len(prompts), groups):  # a turn starts when the previous ended
+        t_turn = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(start, min(start + groups,
                                                                 len(prompts)))))
+        turn_walls.append(time.perf_counter() - t_turn)
     wall = time.perf_counter() - t0
     after = [await x.counters() for x in r.replicas]
     done = [x for x in results if x is not None]
     ttft = sorted(x["ttft_s"] for x in done if x["ttft_s"] is not None)
+    follow = [x for i, x in enumerate(results) if x is not None and i >= groups]
+    follow_ttft = sorted(x["ttft_s"] for x in follow if x["ttft_s"] is not None)
+    follow_wall = sum(turn_walls[1:])
     delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
     hit_tokens = sum(d.get("hit_tokens", 0) for d in delta)
     prompt_tokens = sum(len(p) for p in prompts)
@@ -93,6 +112,10 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
         "requests": len(done), "wall_s": wall,
         "output_tokens_per_s": sum(len(x["ids"]) for x in done) / wall,
         "ttft_p50_ms": 1000 * _pct(ttft, 50), "ttft_p95_ms": 1000 * _pct(ttft, 95),
+        "followup_tokens_per_s": (sum(len(x["ids"]) for x in follow) / follow_wall
+                                  if follow_wall else float("nan")),
+        "followup_ttft_p50_ms": 1000 * _pct(follow_ttft, 50),
+        "followup_ttft_p95_ms": 1000 * _pct(follow_ttft, 95),
         "external_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
         "local_or_external_cached_rate": sum(x["cached"] for x in done) / prompt_tokens,
         "load_calls": calls, "load_calls_per_request": calls / max(1, len(done)),
@@ -110,51 +133,60 @@ def _pct(values: Sequence[float], p: float) -> float:
 
 async def bench_modes(model: str, device: str, modes: Sequence[str],
                       concurrencies: Sequence[int], prefixes: Sequence[int], groups: int,
-                      per_group: int, max_tokens: int) -> List[Dict[str, Any]]:
+                      per_group: int, max_tokens: int,
+                      on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
+                      ) -> List[Dict[str, Any]]:
+    """All modes on ONE pair of warm engines, interleaved per (prefix, concurrency), so
+    that their ratios come from the same run.  ``on_row`` sees the rows so far after each
+    measurement (the JSON is rewritten then: a run cut short keeps what it measured)."""
     rows = []
-    restart_groups = [[m for m in modes if m != "per_request"],
-                      [m for m in modes if m == "per_request"]]
     seed = 1000
-    for group_modes in restart_groups:
-        if not group_modes:
-            continue
-        env = {"XAVIER_BATCHED_LOADS": "0" if group_modes == ["per_request"] else "1"}
-        opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
-        kw: Dict[str, Any] = {}
-        if device == "cuda":
-            opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3)
-            kw = dict(gpu_budget="4GiB", cpu_budget="1GiB", sequential=True)
-        else:
-            kw = dict(cpu_budget="512MiB")
-        print(f"[serving_bench] starting 2 replicas ({device}, modes {group_modes})", flush=True)
-        t0 = time.perf_counter()
-        async with xavier_replicas(model, n=2, engine=opts, extra_env=env, **kw) as r:
-            print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
-            vocab = 2000
+    opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
+    kw: Dict[str, Any]
+    if device == "cuda":
+        opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3,
+                          max_num_batched_tokens=8192)
+        kw = dict(gpu_budget="8GiB", cpu_budget="1GiB", sequential=True)
+    else:
+        kw = dict(cpu_budget="512MiB")
+    print(f"[serving_bench] starting 2 replicas ({device})", flush=True)
+    t0 = time.perf_counter()
+    async with xavier_replicas(model, n=2, engine=opts, **kw) as r:
+        print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
+        vocab = 2000
+        for mode in ("per_request", "batched"):
             # warm-up, not measured: first peer mappings, kernel compilation, allocator growth
-            await run_mode(r, workload(7, 2, 2, min(prefixes), 64, vocab), 2, 2, max_tokens,
-                           xavier=True)
-            for prefix in prefixes:
-                for c in concurrencies:
-                    for mode in group_modes:
-                        seed += 1
-                        prompts = workload(seed, groups, per_group, prefix, 64, vocab)
-                        res = await run_mode(r, prompts, groups, c, max_tokens,
-                                             xavier=mode != "none")
-                        res.update(mode=mode, concurrency=c, prefix_tokens=prefix)
-                        rows.append(res)
-                        print(_row(res), flush=True)
+            await _set_mode(r, mode)
+            await run_mode(r, workload(7 + len(mode), 2, 2, min(prefixes), 64, vocab), 2, 2,
+                           max_tokens, xavier=True)
+        for prefix in prefixes:
+            for c in concurrencies:
+                for mode in modes:
+                    seed += 1
+                    await _set_mode(r, mode)
+                    prompts = workload(seed, groups, per_group, prefix, 64, vocab)
+                    res = await run_mode(r, prompts, groups, c, max_tokens,
+                                         xavier=mode != "none")
+                    res.update(mode=mode, concurrency=c, prefix_tokens=prefix)
+                    rows.append(res)
+                    print(_row(res), flush=True)
+                    on_row(rows)
     return rows
 
 
+async def _set_mode(r: Replicas, mode: str) -> None:
+    await asyncio.gather(*(x.set_batched_loads(mode != "per_request") for x in r.replicas))
+
+
 HEADER = (f"{'mode':<12}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}{'TTFT p50':>10}"
-          f"{'TTFT p95':>10}{'ext hit':>9}{'calls/req':>10}")
+          f"{'TTFT p95':>10}{'fu tok/s':>9}{'fu TTFT50':>10}{'ext hit':>9}{'calls/req':>10}")
 
 
 def _row(r: Dict[str, Any]) -> str:
     return (f"{r['mode']:<12}{r['concurrency']:>5}{r['prefix_tokens']:>7}{r['requests']:>5}"
             f"{r['output_tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>9.0f}ms"
-            f"{r['ttft_p95_ms']:>8.0f}ms{100 * r['external_hit_rate']:>8.1f}%"
+            f"{r['ttft_p95_ms']:>8.0f}ms{r['followup_tokens_per_s']:>9.1f}"
+            f"{r['followup_ttft_p50_ms']:>8.0f}ms{100 * r['external_hit_rate']:>8.1f}%"
             f"{r['load_calls_per_request']:>10.2f}")
 
 
@@ -162,7 +194,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--model", help="model directory (default: the tiny local model)")
+    ap.add_argument("--model", help="model directory (default: built from --shape)")
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--concurrency", default="1,8,16,32")
     ap.add_argument("--prefix-tokens", default="1024,4096")
     ap.add_argument("--modes", default="none,per_request,batched")
@@ -174,14 +207,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.quick:
         args.concurrency, args.prefix_tokens, args.modes = "8", "512", "none,batched"
         args.groups, args.per_group, args.max_tokens = 8, 2, 16
-    model = args.model or build_tiny_qwen2(
-        os.environ.get("XAVIER_TINY_MODEL_DIR", os.path.join(REPO, ".cache", "tiny-qwen2")),
-        TinyQwen2())
+    if args.model:
+        model = args.model
+    elif args.shape == "tiny":
+        model = build_tiny_qwen2(os.environ.get("XAVIER_TINY_MODEL_DIR",
+                                                os.path.join(REPO, ".cache", "tiny-qwen2")),
+                                 SHAPES["tiny"])
+    else:
+        print(f"[serving_bench] building the {args.shape}-shaped model", flush=True)
+        model = build_tiny_qwen2(os.path.join(REPO, ".cache", args.shape), SHAPES[args.shape])
     modes = args.modes.split(",")
     conc = [int(x) for x in args.concurrency.split(",")]
     prefixes = [int(x) for x in args.prefix_tokens.split(",")]
+    suffix = ("-quick" if args.quick else "") + ("" if args.shape == "tiny" else f"-{args.shape}")
+    out = args.out or os.path.join(REPO, "doc", "results",
+                                   f"serving_bench-{args.device}{suffix}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    import vllm
+
+    def write(rows: List[Dict[str, Any]]) -> None:
+        with open(out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
+                       "host": platform.node(), "vllm": vllm.__version__, "model": model,
+                       "args": vars(args), "shape": repr(SHAPES.get(args.shape)),
+                       "rows": rows}, f, indent=1)
+
     rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
-                                   args.per_group, args.max_tokens))
+                                   args.per_group, args.max_tokens, on_row=write))
+    write(rows)
     print()
     print(HEADER)
     for r in rows:
@@ -194,16 +247,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "logical_requests", "blocks_written", "export_exported",
                         "load_failures", "rejected_batches")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
-    suffix = "-quick" if args.quick else ""
-    out = args.out or os.path.join(REPO, "doc", "results",
-                                   f"serving_bench-{args.device}{suffix}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    import vllm
-
-    with open(out, "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
-                   "host": platform.node(), "vllm": vllm.__version__, "model": model,
-                   "args": vars(args), "rows": rows}, f, indent=1)
     print(f"\nwrote {out}")
     return 0
 

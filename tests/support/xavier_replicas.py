@@ -87,6 +87,9 @@ class ReplicaActor(xo.StatelessActor):
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
+    async def set_batched_loads(self, batched: bool) -> None:
+        await self.engine.set_batched_loads(batched)
+
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
 

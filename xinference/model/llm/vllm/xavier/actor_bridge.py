@@ -53,6 +53,10 @@ class ActorBridge:
             fut.cancel()
             raise TimeoutError(f"actor call did not finish within {timeout} s") from None
 
+    def start(self, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Start an actor call and return at once; the caller waits on the future later."""
+        return asyncio.run_coroutine_threadsafe(_wrap(make), self._loop)
+
     def submit(self, make: Callable[[], Awaitable[Any]], what: str) -> None:
         def done(f: concurrent.futures.Future[Any]) -> None:
             if not f.cancelled() and f.exception() is not None:

@@ -15,7 +15,10 @@ Worker role: moves the KV caches into shareable memory and hands their
 handles to the rank's ``TransferActor`` (found lazily: it is created after the
 engine starts); per step, ONE ``load_gpu_requests_v1`` call with every
 request's loads before the forward, and one export call with the newly full
-blocks after it.  Blocks the actor could not write are returned by
+blocks after it.  The export call is pipelined: it is sent after the forward and
+awaited at the start of the next step (before that step's loads and forward), so the
+actor's copy overlaps sampling and scheduling, and no block it reads can have been
+freed, reallocated and written in between.  Blocks the actor could not write are returned by
 ``get_block_ids_with_load_errors`` so vLLM recomputes them (the engine is
 built with ``kv_load_failure_policy="recompute"``).  Until the actor exists,
 nothing is loaded or exported and the engine serves as without Xavier.
@@ -26,6 +29,7 @@ A request can opt out with ``kv_transfer_params={"xavier": false}`` (in
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import asdict
@@ -113,6 +117,8 @@ class XavierConnector(KVConnectorBase_V1):
         self._attached = False
         self._load_errors: Set[int] = set()
         self._pending_stats: Dict[str, int] = {}
+        self._export_in_flight: Optional[concurrent.futures.Future[Any]] = None
+        self.batched_loads = self.options.batched_loads  # switchable at run time
         self._device: Optional[torch.device] = None
         logger.info("xavier: connector (%s) for rank %d, block size %d", role.name,
                     self.options.rank, self.block_size)
@@ -244,6 +250,7 @@ class XavierConnector(KVConnectorBase_V1):
             torch.cuda.current_stream(self._device).synchronize()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.settle_export()
         step = self._step()
         if step is None or self.disabled:
             return
@@ -260,7 +267,7 @@ class XavierConnector(KVConnectorBase_V1):
             self._fail_step(step, "transfer actor not attached")
             return
         self._sync_device()  # blocks vLLM zeroed or wrote must be settled before the copy
-        calls = [step] if self.options.batched_loads else step.per_request()
+        calls = [step] if self.batched_loads else step.per_request()
         for i, call in enumerate(calls):
             try:
                 result = self._load_call(ref, call)
@@ -306,13 +313,34 @@ class XavierConnector(KVConnectorBase_V1):
         if ref is None:
             return
         self._sync_device()  # the forward's writes must be done before the copy
+        self.settle_export()
         exports = list(step.exports)
+        stats, self._pending_stats = self._pending_stats, {}
+        self._export_in_flight = self._bridge.start(lambda: ref.export_blocks(exports, stats))
+
+    def settle_export(self) -> None:
+        """Wait for the export call sent after the previous forward.
+
+        Contract: called before anything may write into the engine's KV cache again (this
+        step's loads and forward), since a block the export reads may have been freed by a
+        finished request and handed to a new one.  A failed export only loses a chance to
+        share (nothing of it is published); it is logged, never raised.
+        """
+        fut, self._export_in_flight = self._export_in_flight, None
+        if fut is None:
+            return
         try:
-            stats, self._pending_stats = self._pending_stats, {}
-            self._bridge.call(lambda: ref.export_blocks(exports, stats), timeout=LOAD_TIMEOUT_S)
-        except Exception as exc:  # nothing is published then: only a missed chance to share
-            logger.warning("xavier: rank %d: export of %d blocks failed: %s",
-                           self.options.rank, len(exports), exc)
+            fut.result(LOAD_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            logger.warning("xavier: rank %d: export call did not finish within %s s",
+                           self.options.rank, LOAD_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("xavier: rank %d: export failed: %s", self.options.rank, exc)
+
+    def shutdown(self) -> None:
+        """vLLM's connector shutdown: let a last export finish before the caches go away."""
+        self.settle_export()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -345,3 +373,15 @@ class XavierWorkerExtension:
         if not isinstance(connector, XavierConnector):
             return False
         return bool(connector.attach(force=True, raise_errors=True))
+
+    def xavier_set_batched_loads(self, batched: bool) -> bool:
+        """Set the worker connector's load mode (see ``XavierEngine.set_batched_loads``)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return False
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, XavierConnector):
+            return False
+        connector.batched_loads = bool(batched)
+        return True

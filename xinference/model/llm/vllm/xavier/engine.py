@@ -20,6 +20,7 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -150,3 +151,10 @@ class XavierEngine(AsyncLLM):
         logger.info("xavier: rank %d init_xavier: workers attached=%s",
                     self.xavier_options.rank, attached)
         return attached
+
+    async def set_batched_loads(self, batched: bool) -> None:
+        """Switch the workers between one load call per step (``True``, the default) and
+        one per request (the baseline of ``XAVIER_BATCHED_LOADS=0``) without a restart, so
+        that both can be compared on the same warm engines."""
+        await self.collective_rpc("xavier_set_batched_loads", args=(bool(batched),))
+        self.xavier_options = dataclasses.replace(self.xavier_options, batched_loads=bool(batched))
