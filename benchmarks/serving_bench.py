@@ -245,7 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for rank, d in enumerate(r["counters"], start=1):
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
                         "logical_requests", "blocks_written", "export_exported",
-                        "load_failures", "rejected_batches")
+                        "load_failures", "rejected_batches", "load_call_us",
+                        "export_call_us", "worker_load_wait_us", "worker_export_wait_us")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
     print(f"\nwrote {out}")
     return 0

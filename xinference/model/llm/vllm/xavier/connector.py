@@ -268,6 +268,17 @@ class XavierConnector(KVConnectorBase_V1):
             return
         self._sync_device()  # blocks vLLM zeroed or wrote must be settled before the copy
         calls = [step] if self.batched_loads else step.per_request()
+        t0 = time.perf_counter()
+        try:
+            self._load_calls(ref, calls)
+        finally:
+            self._count("worker_load_wait_us", time.perf_counter() - t0)
+
+    def _count(self, name: str, seconds: float) -> None:
+        """A worker-side time (µs) that rides to the actor with the next call."""
+        self._pending_stats[name] = self._pending_stats.get(name, 0) + int(1e6 * seconds)
+
+    def _load_calls(self, ref: Any, calls: Sequence[StepMeta]) -> None:
         for i, call in enumerate(calls):
             try:
                 result = self._load_call(ref, call)
@@ -329,6 +340,7 @@ class XavierConnector(KVConnectorBase_V1):
         fut, self._export_in_flight = self._export_in_flight, None
         if fut is None:
             return
+        t0 = time.perf_counter()
         try:
             fut.result(LOAD_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
@@ -337,6 +349,8 @@ class XavierConnector(KVConnectorBase_V1):
                            self.options.rank, LOAD_TIMEOUT_S)
         except Exception as exc:
             logger.warning("xavier: rank %d: export failed: %s", self.options.rank, exc)
+        finally:
+            self._count("worker_export_wait_us", time.perf_counter() - t0)
 
     def shutdown(self) -> None:
         """vLLM's connector shutdown: let a last export finish before the caches go away."""

@@ -45,7 +45,8 @@ ExportRow = Tuple[int, int, int]
 
 @dataclass
 class StepStats:
-    """Scheduler-side figures of one step (summed by the transfer actor)."""
+    """Figures of one step, summed by the transfer actor: the scheduler side's, and the
+    worker's waits on the actor (µs; they ride with the worker's next call)."""
 
     queries: int = 0
     queried_blocks: int = 0
@@ -53,6 +54,8 @@ class StepStats:
     hit_tokens: int = 0
     requests_with_hits: int = 0
     steps_with_loads: int = 0
+    worker_load_wait_us: int = 0
+    worker_export_wait_us: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))

@@ -10,7 +10,7 @@ granted slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 
 class SlotAllocator:
@@ -18,7 +18,10 @@ class SlotAllocator:
         if num_slots < 1:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
         self.num_slots = num_slots
-        self._free: List[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        # free slots: a stack (pop() gives slot 0 first) and a set; a slot assigned without
+        # take_free() leaves a stale stack entry, skipped when popped (all O(1))
+        self._free: List[int] = list(range(num_slots - 1, -1, -1))
+        self._free_set: Set[int] = set(self._free)
         self._lru: OrderedDict[int, int] = OrderedDict()  # key -> slot, oldest first
         self._key_of: Dict[int, int] = {}  # slot -> key
         self._gen: List[int] = [0] * num_slots
@@ -33,7 +36,12 @@ class SlotAllocator:
         return slot, self._gen[slot]
 
     def take_free(self) -> Optional[int]:
-        return self._free.pop() if self._free else None
+        while self._free:
+            slot = self._free.pop()
+            if slot in self._free_set:
+                self._free_set.discard(slot)
+                return slot
+        return None
 
     def victims(self, count: int, exclude: Tuple[int, ...] = ()) -> List[int]:
         """Up to ``count`` occupied slots, least recently used first."""
@@ -51,6 +59,7 @@ class SlotAllocator:
         if key is not None:
             del self._lru[key]
             self._free.append(slot)
+            self._free_set.add(slot)
         return key
 
     def assign(self, key: int, slot: int) -> int:
@@ -59,8 +68,7 @@ class SlotAllocator:
             raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; release it")
         if key in self._lru:
             raise ValueError(f"key: {key} is already stored in slot {self._lru[key]}")
-        if slot in self._free:
-            self._free.remove(slot)
+        self._free_set.discard(slot)
         self._gen[slot] += 1
         self._key_of[slot] = key
         self._lru[key] = slot
@@ -75,4 +83,4 @@ class SlotAllocator:
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free_set)

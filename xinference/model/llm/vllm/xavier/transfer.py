@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -238,7 +239,15 @@ class TransferActor(xo.StatelessActor):
     # ------------------------------------------------------------------ loads
     async def load_gpu_requests_v1(self, meta: StepMeta) -> Dict[str, Any]:
         """Execute one step's loads.  Returns ``failed``: destination block ids (all groups)
-        that were not written and must be recomputed, and the step's figures."""
+        that were not written and must be recomputed, and the step's figures.  The call's
+        wall time is counted in ``load_call_us``."""
+        t0 = time.perf_counter()
+        try:
+            return await self._load_step(meta)
+        finally:
+            self._add_stats({"load_call_us": int(1e6 * (time.perf_counter() - t0))})
+
+    async def _load_step(self, meta: StepMeta) -> Dict[str, Any]:
         self._add_stats(meta.stats.as_dict())
         leases = [Lease(int(lid), int(rank)) for lid, rank in meta.leases]
         transfer = self._transfer
@@ -331,12 +340,17 @@ class TransferActor(xo.StatelessActor):
     async def export_blocks(self, rows: Sequence[ExportRow],
                             stats: Optional[Dict[str, int]] = None) -> Dict[str, int]:
         """Store newly computed full blocks ``(group, key, block_id)`` and publish them.
-        ``stats``: scheduler-side figures of steps without loads (summed into the counters)."""
+        ``stats``: scheduler-side figures of steps without loads (summed into the counters).
+        The wall time of the copy and publication is counted in ``export_call_us``."""
         if stats:
             self._add_stats(stats)
         if self._storage is None or not rows:
             return {}
-        res = await self._storage.export(self._engine_views, list(rows))
+        t0 = time.perf_counter()
+        try:
+            res = await self._storage.export(self._engine_views, list(rows))
+        finally:
+            self._add_stats({"export_call_us": int(1e6 * (time.perf_counter() - t0))})
         for group, key, block in rows:
             self._recent_exports[(int(group), int(key))] = int(block)
             self._recent_exports.move_to_end((int(group), int(key)))

@@ -1,0 +1,69 @@
+"""SlotAllocator: LRU bookkeeping of one tier (pure)."""
+
+import random
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.slot_allocator import SlotAllocator
+
+
+def test_free_slots_in_order_and_a_directly_assigned_slot_is_never_handed_out():
+    a = SlotAllocator(4)
+    assert a.take_free() == 0
+    a.assign(100, 0)
+    a.assign(101, 2)  # a free slot assigned without take_free (a granted victim, say)
+    assert a.free == 2
+    assert [a.take_free(), a.take_free(), a.take_free()] == [1, 3, None]
+    assert a.release(2) == 101 and a.free == 1
+    assert a.take_free() == 2 and a.take_free() is None
+
+
+def test_assign_refuses_an_occupied_slot_and_a_stored_key():
+    a = SlotAllocator(2)
+    a.assign(7, 0)
+    with pytest.raises(ValueError, match="slot: 0 still holds key 7"):
+        a.assign(8, 0)
+    with pytest.raises(ValueError, match="key: 7 is already stored"):
+        a.assign(7, 1)
+
+
+def test_random_operations_match_a_plain_model():
+    """Against a model of sets: free slots are exactly those not holding a key, each
+    handed out once; victims come in LRU order."""
+    rng = random.Random(3)
+    n = 16
+    a = SlotAllocator(n)
+    held = {}  # slot -> key
+    order = []  # keys, least recently used first
+    next_key = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4:
+            slot = a.take_free()
+            if slot is None:
+                assert len(held) == n
+                continue
+            assert slot not in held
+            a.assign(next_key, slot)
+        elif op < 0.55 and len(held) < n:
+            slot = rng.choice([s for s in range(n) if s not in held])  # direct assign
+            a.assign(next_key, slot)
+        elif op < 0.8 and held:
+            slot = rng.choice(sorted(held))
+            assert a.release(slot) == held.pop(slot)
+            order.remove(next((k for k in order if k not in held.values()), None))
+            continue
+        elif held:
+            key = rng.choice(order)
+            a.lookup(key)
+            order.remove(key)
+            order.append(key)
+            continue
+        else:
+            continue
+        held[slot] = next_key
+        order.append(next_key)
+        next_key += 1
+        assert a.free == n - len(held) and a.used == len(held)
+    assert a.victims(len(held)) == [next(s for s, k in held.items() if k == key)
+                                    for key in order]
