@@ -37,6 +37,7 @@ from .counters import prometheus_text
 from .gpu_transfer import GPUTransfer, Lease, LoadError, TransferClosedError
 from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
+from .lease_release import CoalescingReleaser
 from .load_batch import DEST, GROUP, KEY, RANK, TIER, LoadBatch, LoadBatchError, Tier
 from .options import TRANSFER_ACTOR_UID, XavierOptions
 from .plan import SlabConfig
@@ -76,6 +77,7 @@ class TransferActor(xo.StatelessActor):
         self._transfer: Optional[GPUTransfer] = None
         self._storage: Optional[SnapshotStorage] = None
         self._tracker: Any = None
+        self._releaser = CoalescingReleaser(self._release_ids)
         self._options: Optional[XavierOptions] = None
         self._device: Optional[torch.device] = None
         self._engine_views: Dict[int, List[torch.Tensor]] = {}
@@ -291,12 +293,14 @@ class TransferActor(xo.StatelessActor):
         return {"failed": sorted(failed), "written": result.blocks_written}
 
     def _remember_loads(self, batch: LoadBatch, failed: Set[int]) -> None:
-        for row in batch.table:
-            if int(row[DEST]) not in failed:
-                self._recent_loads[(int(row[GROUP]), int(row[KEY]))] = int(row[DEST])
-                self._recent_loads.move_to_end((int(row[GROUP]), int(row[KEY])))
-        while len(self._recent_loads) > RECENT_LOADS:
-            self._recent_loads.popitem(last=False)
+        recent = self._recent_loads
+        for group, key, dest in zip(batch.table[:, GROUP].tolist(), batch.table[:, KEY].tolist(),
+                                    batch.table[:, DEST].tolist()):
+            if dest not in failed:
+                recent[(group, key)] = dest
+                recent.move_to_end((group, key))
+        while len(recent) > RECENT_LOADS:
+            recent.popitem(last=False)
 
     async def _apply_faults(self, batch: LoadBatch) -> Tuple[Optional[LoadBatch], Set[int]]:
         """Test-only faults (a fault vLLM cannot be made to produce on demand)."""
@@ -334,7 +338,11 @@ class TransferActor(xo.StatelessActor):
                 logger.warning("transfer actor rank %d: lease release failed: %s", self.rank, exc)
 
     async def _release_lease(self, lease: Lease) -> None:
-        await self._tracker.release([lease.lease_id])
+        # a step's leases are released concurrently: coalesced into one directory call
+        await self._releaser.release(lease.lease_id)
+
+    async def _release_ids(self, lease_ids: Sequence[int]) -> None:
+        await self._tracker.release(list(lease_ids))
 
     # ---------------------------------------------------------------- exports
     async def export_blocks(self, rows: Sequence[ExportRow],
