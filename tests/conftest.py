@@ -28,3 +28,15 @@ def engine_process(tiny_model_dir: str) -> Iterator[EngineProcess]:
         yield eng
     finally:
         eng.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
+    """Print the reliability suite's table (faults tried, survived, requests, leaks)."""
+    from .support import reliability
+
+    lines = reliability.table()
+    if lines:
+        terminalreporter.section("xavier reliability summary")
+        for line in lines:
+            terminalreporter.write_line(line)
+        reliability.write_json()

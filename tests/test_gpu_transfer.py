@@ -24,6 +24,7 @@ from xinference.model.llm.vllm.xavier.load_batch import NULL_BLOCK_ID, Tier
 from xinference.model.llm.vllm.xavier.plan import ConflictingWriteError, SlabConfig
 
 from .kvfixtures import BLOCK_DIM, bits, expected_after, loads, make_caches, make_world
+from .support.reliability import record
 
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -245,6 +246,8 @@ def test_partial_lease_release_failure_is_reported_and_others_released():
     assert sorted(releaser.released) == [1, 2, 3, 4]
     assert len(res.lease_release_errors) == 1 and "lease 2" in res.lease_release_errors[0]
     assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
+    record("one lease release fails (load engine)", 1, 1, 1, 0,
+           "3 of 4 released, 1 error reported once")
 
 
 def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
@@ -322,6 +325,8 @@ def test_close_that_fails_halfway_can_be_retried():
 
     asyncio.run(run())
     assert sorted(released) == ["local", "r1", "r2"]
+    record("one unmapping fails in close() (load engine)", 1, 1, 0, 0,
+           "rest released, CloseError, retried close() completes")
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape", "group"])

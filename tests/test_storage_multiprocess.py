@@ -9,6 +9,7 @@ import xoscar as xo
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 
 from .support.pools import actor_pool, nixl_available, sub_pool_addresses
+from .support.reliability import record
 from .support.replica_actors import LoaderRankActor, StorageRankActor
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,8 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             assert out["written"] == 0 and "rank" in out["error"]
             stats = await tracker.stats()
             assert stats["outstanding_leases"] == 0 and stats["blocks"] == 0
+            record("tier budgets exhausted under leases (3 processes)", 2, 2, 3, 0,
+                   "2 leased GPU slots refused for reuse, CPU tier took the overflow")
             await a.close()
             await b.close()
         finally:

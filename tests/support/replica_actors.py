@@ -109,6 +109,23 @@ class LoaderRankActor(xo.StatelessActor):
     async def query(self, keys: List[int]) -> Any:
         return await self.tracker.query(0, keys, self._rank)
 
+    async def soak(self, keys: List[int], loads: int, every: int) -> List[Dict[str, int]]:
+        """``loads`` query + load rounds of ``keys`` (real directory, real copies); this
+        process's open file descriptors and RSS every ``every`` loads."""
+        import psutil
+
+        proc = psutil.Process()
+        samples = []
+        dests = list(range(1, len(keys) + 1))  # block 0 is vLLM's null block: never written
+        for i in range(1, loads + 1):
+            res = await self.load(await self.query(keys), dests)
+            if res["error"] is not None or res["written"] != len(keys):
+                raise AssertionError(f"load {i}: {res}")
+            if i % every == 0:
+                samples.append({"loads": i, "fds": proc.num_fds(),
+                                "rss": proc.memory_info().rss})
+        return samples
+
     async def load(self, result: Any, dests: List[int]) -> Dict[str, Any]:
         """Load a query result (as the connector will) and report the destinations' bytes."""
         loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d)

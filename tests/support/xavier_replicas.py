@@ -120,6 +120,38 @@ class ReplicaActor(xo.StatelessActor):
     async def inject_fault(self, mode: str, count: int = 1) -> None:
         await self._transfer.inject_fault(mode, count)
 
+    async def raw_load(self, meta: Any) -> Dict[str, Any]:
+        """One ``load_gpu_requests_v1`` call with caller-made metadata (bad-input tests)."""
+        return await self._transfer.load_gpu_requests_v1(meta)
+
+    async def engine_block_digests(self, group: int, block_ids: List[int]) -> List[str]:
+        return await self._transfer.engine_block_digests(group, block_ids)
+
+    async def recent_export_keys(self) -> List[Any]:
+        return await self._transfer.recent_export_keys()
+
+    async def engine_num_blocks(self) -> int:
+        return await self._transfer.engine_num_blocks(0)
+
+    async def update_world(self, world_addresses: List[str]) -> None:
+        await self._transfer.update_world(world_addresses)
+
+    async def transfer_pid(self) -> int:
+        return await self._transfer.pid()
+
+    async def generate_then_cancel(self, prompts: Sequence[List[int]], after_s: float,
+                                   max_tokens: int = 64) -> int:
+        """Start streaming ``prompts`` and cancel them all after ``after_s`` (vLLM aborts
+        the requests).  Returns how many had finished by then."""
+        task = asyncio.ensure_future(self.generate(prompts, max_tokens=max_tokens))
+        done, _ = await asyncio.wait([task], timeout=after_s)
+        if done:
+            return len(prompts)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return 0
+
     async def __pre_destroy__(self) -> None:
         if self._transfer is not None:
             await xo.destroy_actor(self._transfer)

@@ -48,6 +48,7 @@ from .block_directory import QueryResult
 from .kv_handles import CacheHandles, group_layers, share
 from .load_batch import DEST, fold_block_hash
 from .options import XavierOptions
+from .parent_watch import watch_parent
 from .scheduler_side import SchedulerSide, StepMeta, StepStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,6 +93,7 @@ class XavierConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self._bridge = ActorBridge.shared()
+        watch_parent()  # engine core and worker: never outlive a killed replica process
         self._transfer = LazyActor(self._bridge, self.options.rank_address,
                                    self.options.transfer_actor_uid)
         self._directory = LazyActor(self._bridge, self.options.block_tracker_address,

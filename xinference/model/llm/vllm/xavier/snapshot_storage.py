@@ -25,6 +25,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -113,6 +114,8 @@ class SnapshotStorage:
         self._tiers: Dict[Tier, _Tier] = {}
         self._lock = asyncio.Lock()
         self._closed = False
+        if any(cfg.shared_memory for cfg in tiers):
+            remove_orphaned_shm_files()
         for cfg in tiers:
             self._tiers[Tier(cfg.tier)] = self._allocate(cfg)
         logger.info("rank %d: snapshot storage %s", rank, ", ".join(
@@ -314,6 +317,45 @@ def open_shm(handles: ShmHandles) -> Dict[int, List[torch.Tensor]]:
 def open_ipc(handles: Dict[int, List[Any]]) -> Dict[int, List[torch.Tensor]]:
     """Map another process's CUDA tier from :meth:`SnapshotStorage.ipc_handles`."""
     return {g: [rebuild(*args) for rebuild, args in layers] for g, layers in handles.items()}
+
+
+_SHM_NAME = re.compile(r"^xavier-(\d+)-[0-9a-f]{32}$")
+
+
+def remove_orphaned_shm_files(directory: Optional[str] = None) -> List[str]:
+    """Unlink shared-memory tier files left by dead processes (a replica killed before its
+    storage was closed).  A file is named after its owner's pid; it is removed only when no
+    process of that pid exists here.  Peers that mapped it keep their mapping; new peers can
+    no longer open it (a miss, never wrong KV).  Returns the removed paths."""
+    directory = directory or _shm_dir()
+    removed: List[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SHM_NAME.match(name)
+        if m is None or _pid_alive(int(m.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d shared-memory tier files of dead processes", len(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _shm_dir() -> str:

@@ -49,7 +49,10 @@ logger = logging.getLogger(__name__)
 
 RECENT_LOADS = 4096
 #: test-only fault modes (:meth:`TransferActor.inject_fault`)
-FAULTS = ("skip_copy", "fail_one_block")
+FAULTS = ("skip_copy", "fail_one_block", "stall_load")
+#: how long a ``stall_load`` fault holds a load call (after its leases were granted,
+#: before any peer is mapped or byte copied): the window in which a test kills the source
+STALL_LOAD_S = 3.0
 
 
 def host_id() -> str:
@@ -257,6 +260,10 @@ class TransferActor(xo.StatelessActor):
             await self._release_all(leases)
             return {"failed": _dests(meta.table), "written": 0,
                     "error": "transfer actor has no engine registered"}
+        if self._faults.get("stall_load", 0) > 0 and meta.table.shape[0]:
+            self._faults["stall_load"] -= 1
+            self._add_stats({"faults_stall_load": 1})
+            await asyncio.sleep(STALL_LOAD_S)
         try:
             batch: Optional[LoadBatch] = meta.load_batch()
         except LoadBatchError as exc:
@@ -407,6 +414,19 @@ class TransferActor(xo.StatelessActor):
 
     def recorded_faults(self) -> List[Tuple[int, int]]:
         return list(self.fault_blocks)
+
+    def engine_block_digests(self, group: int, block_ids: Sequence[int]) -> List[str]:
+        """SHA-256 of engine blocks (tests: "nothing half-written")."""
+        views = self._engine_views.get(int(group), [])
+        return [_digest(views, int(b)) for b in block_ids]
+
+    def recent_export_keys(self) -> List[Tuple[int, int]]:
+        """``(group, key)`` of recent exports, oldest first (tests)."""
+        return list(self._recent_exports)
+
+    def engine_num_blocks(self, group: int = 0) -> int:
+        views = self._engine_views.get(int(group), [])
+        return int(views[0].shape[0]) if views else 0
 
     def engine_block_is_zero(self, group: int, block_id: int) -> bool:
         """Whether every byte of engine block ``block_id`` of ``group`` is zero."""
