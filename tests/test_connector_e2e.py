@@ -13,14 +13,14 @@ bytes in A's storage.
 """
 
 import os
-import random
 from typing import Iterator, List
 
 import pytest
 
 from .support.engines import EngineOptions
-from .support.loop_thread import LoopThread, enter, leave
-from .support.xavier_replicas import Replicas, xavier_replicas
+from .support.loop_thread import LoopThread
+from .support.processes import tokens
+from .support.xavier_replicas import Replicas, replicas_in_loop_thread
 
 pytestmark = pytest.mark.slow
 
@@ -30,27 +30,15 @@ PREFIX = 512  # tokens: 32 blocks of 16
 BLOCK = 16
 
 
-def tokens(seed: int, n: int) -> List[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def world(tiny_model_dir: str) -> Iterator[tuple]:
-    lt = LoopThread()
     if DEVICE == "cuda":
         opts = EngineOptions(model=tiny_model_dir, extra={
             "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
-        cm = xavier_replicas(tiny_model_dir, n=2, gpu_budget="256MiB", cpu_budget="64MiB",
-                             engine=opts, sequential=True)
+        yield from replicas_in_loop_thread(tiny_model_dir, n=2, gpu_budget="256MiB",
+                                           cpu_budget="64MiB", engine=opts, sequential=True)
     else:
-        cm = xavier_replicas(tiny_model_dir, n=2)
-    replicas = lt.run(enter(cm))
-    try:
-        yield lt, replicas
-    finally:
-        lt.run(leave(cm))
-        lt.stop()
+        yield from replicas_in_loop_thread(tiny_model_dir, n=2)
 
 
 def baseline_then_prime(lt: LoopThread, r: Replicas, asked: List[List[int]],

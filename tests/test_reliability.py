@@ -14,7 +14,6 @@ source rank comes last: the world is not usable by later tests after it.
 
 import asyncio
 import os
-import random
 import re
 import signal
 import time
@@ -27,29 +26,18 @@ import pytest
 from xinference.model.llm.vllm.xavier.scheduler_side import StepMeta
 from xinference.model.llm.vllm.xavier.snapshot_storage import remove_orphaned_shm_files
 
-from .support.loop_thread import LoopThread, enter, leave
+from .support.loop_thread import LoopThread
+from .support.processes import tokens
 from .support.reliability import record
-from .support.xavier_replicas import Replicas, xavier_replicas
+from .support.xavier_replicas import Replicas, replicas_in_loop_thread
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 
 
-def tokens(seed: int, n: int) -> List[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(n)]
-
-
 @pytest.fixture(scope="module")
 def world(tiny_model_dir: str) -> Iterator[tuple]:
-    lt = LoopThread()
-    cm = xavier_replicas(tiny_model_dir, n=2)
-    replicas = lt.run(enter(cm))
-    try:
-        yield lt, replicas
-    finally:
-        lt.run(leave(cm))
-        lt.stop()
+    yield from replicas_in_loop_thread(tiny_model_dir, n=2)
 
 
 def leases(lt: LoopThread, r: Replicas) -> int:

@@ -58,3 +58,45 @@ def test_tier_configs_from_options():
     with pytest.raises(ValueError, match="exceeds the .* bytes available"):
         TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1000TiB"),
                                     layout, torch.device("cpu"))
+
+
+class _NoPeersMapped:
+    def mapped(self):
+        return []
+
+    async def unmap_storage(self, rank):
+        return 0
+
+
+def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
+    """A dead peer costs one failed lookup, not one per step; a world update that gives it
+    a new address (recovery) allows the next try at once."""
+    import asyncio
+
+    from xinference.model.llm.vllm.xavier import transfer as transfer_mod
+
+    actor = TransferActor(rank=2, world_size=3, rank_address="b", store_address="",
+                          store_port=0, world_addresses=["m", "127.0.0.1:1", "b"])
+    actor._transfer = _NoPeersMapped()
+    tries = []
+
+    async def failing_map(rank):
+        tries.append(rank)
+        raise ConnectionRefusedError("peer gone")
+
+    monkeypatch.setattr(actor, "_map_peer", failing_map)
+    clock = [100.0]
+    monkeypatch.setattr(transfer_mod, "_monotonic", lambda: clock[0])
+
+    async def run():
+        assert await actor._ensure_mapped({(1, 0)}) == {1}
+        assert await actor._ensure_mapped({(1, 0), (1, 1)}) == {1}  # within the wait
+        assert tries == [1]
+        clock[0] += transfer_mod.PEER_RETRY_S + 0.1
+        assert await actor._ensure_mapped({(1, 0)}) == {1}
+        assert tries == [1, 1]
+        await actor.update_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
+        assert await actor._ensure_mapped({(1, 0)}) == {1}
+        assert tries == [1, 1, 1]
+
+    asyncio.run(run())

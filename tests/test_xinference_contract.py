@@ -6,9 +6,7 @@ termination with nothing left behind.  (The order and arguments are those of
 ../shared/notes/xinference-3.5.0-contract.md.)"""
 
 import asyncio
-import random
 
-import psutil
 import pytest
 import xoscar as xo
 
@@ -21,28 +19,12 @@ from xinference.model.llm.vllm.xavier.transfer import TransferActor
 
 from .support.engines import EngineOptions, cpu_engine_env
 from .support.pools import actor_pool, sub_pool_addresses
+from .support.processes import engine_cores, tokens
 from .support.xavier_replicas import ReplicaActor
 
 pytestmark = pytest.mark.slow
 
 MODEL_UID = "qwen-tiny"
-
-
-def tokens(seed, n):
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(n)]
-
-
-def engine_cores():
-    """vLLM engine-core processes still alive under this test (zombies count as gone)."""
-    alive = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(p.cmdline()):
-                alive.append(p)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            continue
-    return alive
 
 
 def xavier_config(tracker, rank, address, world_size):

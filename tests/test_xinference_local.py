@@ -20,11 +20,11 @@ import time
 import urllib.error
 import urllib.request
 
-import psutil
 import pytest
 import xoscar as xo
 
 from .support.pools import free_port
+from .support.processes import engine_cores
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +65,7 @@ class Server:
             return json.loads(r.read() or b"null")
 
     def engine_cores(self):
-        out = []
-        for p in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(p.cmdline()):
-                    out.append(p)
-            except psutil.Error:
-                continue
-        return out
+        return engine_cores(self.proc.pid)
 
     def stop(self) -> None:
         try:

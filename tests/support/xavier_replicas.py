@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import xoscar as xo
 
@@ -205,3 +205,19 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
             for r in replicas:
                 with contextlib.suppress(Exception):
                     await xo.destroy_actor(r)
+
+
+def replicas_in_loop_thread(model_dir: str, **kwargs: Any) -> Iterator[Tuple[Any, Replicas]]:
+    """For a module-scoped fixture: :func:`xavier_replicas` entered on a
+    :class:`~.loop_thread.LoopThread` (so that one world serves several tests); yields
+    ``(loop_thread, replicas)`` and tears both down."""
+    from .loop_thread import LoopThread, enter, leave
+
+    lt = LoopThread()
+    cm = xavier_replicas(model_dir, **kwargs)
+    replicas = lt.run(enter(cm))
+    try:
+        yield lt, replicas
+    finally:
+        lt.run(leave(cm))
+        lt.stop()

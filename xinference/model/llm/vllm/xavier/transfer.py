@@ -48,6 +48,12 @@ from .snapshot_storage import SnapshotStorage, TierConfig, open_ipc, open_shm
 logger = logging.getLogger(__name__)
 
 RECENT_LOADS = 4096
+#: a peer that could not be mapped is not tried again for this long (its loads fail fast:
+#: vLLM recomputes); a world update naming a new address for it ends the wait
+PEER_RETRY_S = 5.0
+#: longest a peer lookup + mapping may hold a load call (the engine's step waits for it)
+PEER_MAP_TIMEOUT_S = 10.0
+_monotonic = time.monotonic  # the peer-retry clock (tests move it)
 #: test-only fault modes (:meth:`TransferActor.inject_fault`)
 FAULTS = ("skip_copy", "fail_one_block", "stall_load")
 #: how long a ``stall_load`` fault holds a load call (after its leases were granted,
@@ -86,6 +92,8 @@ class TransferActor(xo.StatelessActor):
         self._engine_views: Dict[int, List[torch.Tensor]] = {}
         self._layout: Optional[KVLayout] = None
         self._peer_lock = asyncio.Lock()
+        #: rank -> monotonic time before which it is not looked up again
+        self._peer_retry_at: Dict[int, float] = {}
         self._stats: Dict[str, int] = {}
         self._faults: Dict[str, int] = {}
         #: (group, key) -> destination block of recent successful loads (for digests)
@@ -163,6 +171,7 @@ class TransferActor(xo.StatelessActor):
             was = old[rank] if rank < len(old) else ""
             now = world_addresses[rank] if rank < len(world_addresses) else ""
             if rank != self.rank and was != now:
+                self._peer_retry_at.pop(rank, None)
                 await self._transfer.unmap_storage(rank)
         logger.info("transfer actor rank %d: world %s", self.rank, world_addresses)
 
@@ -233,11 +242,16 @@ class TransferActor(xo.StatelessActor):
             for rank in sorted({r for r, _ in pairs}):
                 if all((r, Tier(t)) in mapped for r, t in pairs if r == rank):
                     continue
+                if _monotonic() < self._peer_retry_at.get(rank, 0.0):
+                    failed.add(rank)
+                    continue
                 try:
-                    await self._map_peer(rank)
+                    await asyncio.wait_for(self._map_peer(rank), PEER_MAP_TIMEOUT_S)
+                    self._peer_retry_at.pop(rank, None)
                 except Exception as exc:
-                    logger.warning("transfer actor rank %d: cannot map rank %d: %s",
-                                   self.rank, rank, exc)
+                    logger.warning("transfer actor rank %d: cannot map rank %d (next try in "
+                                   "%.0f s): %r", self.rank, rank, PEER_RETRY_S, exc)
+                    self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
                     failed.add(rank)
         return failed
 
