@@ -10,7 +10,7 @@ error.
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, Set, Tuple
 
 ReleaseIds = Callable[[Sequence[int]], Awaitable[object]]
 
@@ -21,6 +21,7 @@ class CoalescingReleaser:
         self._release_ids = release_ids
         self._pending: List[Tuple[int, asyncio.Future[None]]] = []
         self._scheduled = False
+        self._flushes: Set[asyncio.Task[Any]] = set()  # strong refs while they run
         self.calls = 0  # directory calls made (for tests and figures)
 
     async def release(self, lease_id: int) -> None:
@@ -30,8 +31,13 @@ class CoalescingReleaser:
         self._pending.append((int(lease_id), fut))
         if not self._scheduled:
             self._scheduled = True
-            loop.call_soon(lambda: asyncio.ensure_future(self._flush()))
+            loop.call_soon(self._start_flush)
         await fut
+
+    def _start_flush(self) -> None:
+        task = asyncio.ensure_future(self._flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
     async def _flush(self) -> None:
         batch, self._pending, self._scheduled = self._pending, [], False
