@@ -239,6 +239,8 @@ def test_source_rank_killed_during_a_load(world):
     assert out["ids"] == base
     after = lt.run(b.counters())
     assert after.get("hit_blocks", 0) - before.get("hit_blocks", 0) == 256 // BLOCK  # claimed
+    # ... and not loaded: the source was gone, vLLM recomputed those blocks
+    assert after.get("rows_unreachable", 0) - before.get("rows_unreachable", 0) == 256 // BLOCK
     leaks = leases(lt, r)
     # the killed replica's engine core goes with it; its shared-memory files are swept
     gone = psutil.wait_procs(a_children, timeout=60)[1]

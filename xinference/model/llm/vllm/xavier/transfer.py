@@ -294,6 +294,7 @@ class TransferActor(xo.StatelessActor):
             {(int(r), int(t)) for r, t in batch.table[:, [RANK, TIER]]})
         if unreachable:
             drop = np.isin(batch.table[:, RANK], list(unreachable))
+            self._add_stats({"rows_unreachable": int(drop.sum())})
             failed.update(int(x) for x in batch.table[drop, DEST])
             batch = _without_rows(batch, drop)
         if batch is not None:
