@@ -19,6 +19,7 @@ import pytest
 
 from .support.engines import EngineOptions
 from .support.loop_thread import LoopThread
+from .support.pools import gpus_from_env
 from .support.processes import tokens
 from .support.xavier_replicas import Replicas, replicas_in_loop_thread
 
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 #: "cuda" on the GPU machine: two engines share one GPU, storage GPU tiers, CUDA IPC loads
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+#: with DEVICE "cuda": e.g. "0,1" puts each replica on its own GPU (CUDA IPC across GPUs)
+GPUS = gpus_from_env()
 PREFIX = 512  # tokens: 32 blocks of 16
 BLOCK = 16
 
@@ -36,7 +39,8 @@ def world(tiny_model_dir: str) -> Iterator[tuple]:
         opts = EngineOptions(model=tiny_model_dir, extra={
             "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
         yield from replicas_in_loop_thread(tiny_model_dir, n=2, gpu_budget="256MiB",
-                                           cpu_budget="64MiB", engine=opts, sequential=True)
+                                           cpu_budget="64MiB", engine=opts,
+                                           sequential=GPUS is None, gpus=GPUS)
     else:
         yield from replicas_in_loop_thread(tiny_model_dir, n=2)
 

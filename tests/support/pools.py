@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import AsyncIterator, List
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 import xoscar as xo
 
@@ -19,14 +19,18 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def actor_pool(n_process: int = 1,
-                     scheme: str = "") -> AsyncIterator[xo.MainActorPoolType]:
+async def actor_pool(n_process: int = 1, scheme: str = "",
+                     envs: Optional[Sequence[Dict[str, str]]] = None
+                     ) -> AsyncIterator[xo.MainActorPoolType]:
     """A main pool on loopback with ``n_process`` spawned sub pools; ``scheme="nixl"``
-    makes every pool use xoscar's NIXL channel (``copy_to`` then moves bytes with NIXL)."""
+    makes every pool use xoscar's NIXL channel (``copy_to`` then moves bytes with NIXL);
+    ``envs``: one environment per sub pool, set before anything runs there (Xinference
+    gives each replica's sub pool its ``CUDA_VISIBLE_DEVICES`` this way)."""
     os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     prefix = f"{scheme}://" if scheme else ""
     pool = await xo.create_actor_pool(f"{prefix}127.0.0.1:{free_port()}", n_process=n_process,
-                                      subprocess_start_method="spawn")
+                                      subprocess_start_method="spawn",
+                                      envs=list(envs) if envs else None)
     try:
         yield pool
     finally:
@@ -45,3 +49,22 @@ def nixl_available() -> bool:
 def sub_pool_addresses(pool: xo.MainActorPoolType) -> List[str]:
     """Addresses of the sub pools (index 0 is the main pool itself)."""
     return list(pool._config.get_external_addresses())[1:]
+
+
+def gpu_envs(gpus: Optional[Sequence[str]], n_process: int
+             ) -> Optional[List[Dict[str, str]]]:
+    """One ``CUDA_VISIBLE_DEVICES`` environment per sub pool, or None (every sub pool sees
+    every GPU).  ``gpus`` lists a device id per sub pool (``"-"``: leave that pool's
+    environment alone); a shorter list is an error naming it."""
+    if not gpus:
+        return None
+    if len(gpus) != n_process:
+        raise ValueError(f"gpus: expected {n_process} device ids (one per sub pool), "
+                         f"got {list(gpus)}")
+    return [{} if g == "-" else {"CUDA_VISIBLE_DEVICES": g} for g in gpus]
+
+
+def gpus_from_env() -> Optional[List[str]]:
+    """``XAVIER_TEST_GPUS`` (e.g. ``"0,1"``): a GPU per replica in the GPU runs."""
+    value = os.environ.get("XAVIER_TEST_GPUS", "")
+    return [g.strip() for g in value.split(",")] if value.strip() else None

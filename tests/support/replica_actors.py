@@ -1,5 +1,6 @@
 """Replica-side actors for the multi-process storage tests: a rank that owns an
-engine KV cache and a snapshot storage in shared memory, and a rank that loads."""
+engine KV cache and a snapshot storage (its GPU tier in shared memory, or on the GPU with
+``device="cuda"``), and a rank that loads."""
 
 from __future__ import annotations
 
@@ -15,38 +16,47 @@ from xinference.model.llm.vllm.xavier.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.plan import SlabConfig
 from xinference.model.llm.vllm.xavier.remote_fetch import serve_blocks, xoscar_fetch
-from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig, open_shm
+from xinference.model.llm.vllm.xavier.snapshot_storage import (
+    SnapshotStorage,
+    TierConfig,
+    open_ipc,
+    open_shm,
+)
 
 LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
 
 
-def engine_cache(seed: int) -> Dict[int, List[torch.Tensor]]:
+def engine_cache(seed: int, device: str = "cpu") -> Dict[int, List[torch.Tensor]]:
+    """Random bf16 bit patterns (NaNs included), the same for a seed on every device."""
     gen = torch.Generator().manual_seed(seed)
     return {0: [torch.randint(-2**15, 2**15 - 1, (N_BLOCKS, *BLOCK), dtype=torch.int16,
-                              generator=gen).view(torch.bfloat16) for _ in range(LAYERS)]}
+                              generator=gen).view(torch.bfloat16).to(device)
+                for _ in range(LAYERS)]}
 
 
 def digest(layers: Sequence[torch.Tensor], block: int) -> str:
     h = hashlib.sha256()
     for t in layers:
-        h.update(t[block].contiguous().view(torch.int16).numpy().tobytes())
+        h.update(t[block].contiguous().view(torch.int16).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
 class StorageRankActor(xo.StatelessActor):
     def __init__(self, rank: int, tracker_address: str, tracker_uid: str, gpu_blocks: int,
-                 cpu_blocks: int, seed: int) -> None:
+                 cpu_blocks: int, seed: int, device: str = "cpu") -> None:
         super().__init__()
-        self._rank, self._seed = rank, seed
+        self._rank, self._seed, self._device = rank, seed, device
         self._tracker = (tracker_address, tracker_uid)
         self._tiers = (gpu_blocks, cpu_blocks)
 
     async def __post_create__(self) -> None:
         tracker = await xo.actor_ref(address=self._tracker[0], uid=self._tracker[1])
-        self.cache = engine_cache(self._seed)
+        self.cache = engine_cache(self._seed, self._device)
         layout = layout_of(self.cache)
         per_block = layout.groups[0].block_bytes
-        tiers = [TierConfig(Tier.GPU, self._tiers[0] * per_block, shared_memory=True)]
+        gpu_bytes = self._tiers[0] * per_block
+        tiers = [TierConfig(Tier.GPU, gpu_bytes, device=self._device) if self._device != "cpu"
+                 else TierConfig(Tier.GPU, gpu_bytes, shared_memory=True)]
         if self._tiers[1]:
             tiers.append(TierConfig(Tier.CPU, self._tiers[1] * per_block, shared_memory=True))
         self.storage = SnapshotStorage(self._rank, layout, tiers, tracker)
@@ -56,8 +66,21 @@ class StorageRankActor(xo.StatelessActor):
         return vars(await self.storage.export(self.views, blocks))
 
     def handles(self) -> Dict[int, Any]:
-        return {int(t): self.storage.shm_handles(t) for t in (Tier.GPU, Tier.CPU)
-                if t in self.storage._tiers}
+        """Per tier, ``("shm", handles)`` or ``("cuda_ipc", handles)`` for a CUDA tier."""
+        out: Dict[int, Any] = {}
+        for t in (Tier.GPU, Tier.CPU):
+            if t in self.storage._tiers:
+                cuda = self.storage._tiers[t].config.device != "cpu"
+                out[int(t)] = (("cuda_ipc", self.storage.ipc_handles(t)) if cuda
+                               else ("shm", self.storage.shm_handles(t)))
+        return out
+
+    def cuda_device(self) -> Dict[str, Any]:
+        """Which GPU this rank's cache is on: its index here, name, PCI bus id and the
+        ``CUDA_VISIBLE_DEVICES`` of this process."""
+        import os
+
+        return _cuda_device(self.cache[0][0], os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def storage_layouts(self) -> Dict[int, Any]:
         return {int(t): layout_of(self.storage.caches(t)) for t in self.storage._tiers}
@@ -73,14 +96,15 @@ class StorageRankActor(xo.StatelessActor):
 
 
 class LoaderRankActor(xo.StatelessActor):
-    def __init__(self, rank: int, tracker_address: str, tracker_uid: str) -> None:
+    def __init__(self, rank: int, tracker_address: str, tracker_uid: str,
+                 device: str = "cpu") -> None:
         super().__init__()
-        self._rank = rank
+        self._rank, self._device = rank, device
         self._tracker_addr = (tracker_address, tracker_uid)
 
     async def __post_create__(self) -> None:
         self.tracker = await xo.actor_ref(address=self._tracker_addr[0], uid=self._tracker_addr[1])
-        self.cache = engine_cache(1000 + self._rank)
+        self.cache = engine_cache(1000 + self._rank, self._device)
         self.engine = GPUTransfer(self._rank, SlabConfig(16, 4, 2),
                                   release_lease=self._release)
         await self.engine.set_local_caches(self.cache)
@@ -89,8 +113,18 @@ class LoaderRankActor(xo.StatelessActor):
         await self.tracker.release([lease.lease_id])
 
     async def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
-        for tier, h in handles.items():
-            await self.engine.map_storage(rank, Tier(tier), open_shm(h))
+        """Map a same-host peer's tiers from :meth:`StorageRankActor.handles`."""
+        for tier, (kind, h) in handles.items():
+            await self.engine.map_storage(rank, Tier(tier),
+                                          open_ipc(h) if kind == "cuda_ipc" else open_shm(h))
+
+    def cuda_device(self) -> Dict[str, Any]:
+        import os
+
+        return _cuda_device(self.cache[0][0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    def block_digests(self, blocks: List[int]) -> List[str]:
+        return [digest(self.cache[0], b) for b in blocks]
 
     async def map_remote_peer(self, rank: int, address: str, uid: str,
                               layouts: Dict[int, Any]) -> None:
@@ -143,3 +177,15 @@ class LoaderRankActor(xo.StatelessActor):
 
     async def close(self) -> None:
         await self.engine.close()
+
+
+def _cuda_device(t: torch.Tensor, visible: Any) -> Dict[str, Any]:
+    """The GPU ``t`` is on, named so that two processes can compare: ``uuid`` (unique per
+    GPU whatever ``CUDA_VISIBLE_DEVICES`` says) and the PCI location."""
+    if t.device.type != "cuda":
+        return {"device": str(t.device), "visible": visible, "uuid": None}
+    p = torch.cuda.get_device_properties(t.device)
+    pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:"
+           f"{getattr(p, 'pci_device_id', 0):02x}")
+    return {"device": str(t.device), "name": p.name, "visible": visible, "pci": pci,
+            "uuid": str(p.uuid)}

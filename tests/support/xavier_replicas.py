@@ -21,7 +21,7 @@ import xoscar as xo
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 
 from .engines import EngineOptions, cpu_engine_env
-from .pools import actor_pool, sub_pool_addresses
+from .pools import actor_pool, gpu_envs, sub_pool_addresses
 
 MODEL_UID = "xavier-test"
 
@@ -173,14 +173,17 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           gpu_budget: object = 0,
                           engine: Optional[EngineOptions] = None,
                           sequential: bool = False,
-                          extra_env: Optional[Dict[str, str]] = None) -> AsyncIterator[Replicas]:
+                          extra_env: Optional[Dict[str, str]] = None,
+                          gpus: Optional[Sequence[str]] = None) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
     ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
-    memory profiling of one must not see the other still starting)."""
+    memory profiling of one must not see the other still starting).  ``gpus``: a CUDA
+    device id per replica, given to its sub pool as ``CUDA_VISIBLE_DEVICES`` the way
+    Xinference places replicas (each then sees one GPU, ``cuda:0``)."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env(extra_env)
-    async with actor_pool(n_process=n) as pool:
+    async with actor_pool(n_process=n, envs=gpu_envs(gpus, n)) as pool:
         tracker = await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
                                         uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
         subs = sub_pool_addresses(pool)
