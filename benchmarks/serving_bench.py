@@ -2,6 +2,7 @@
 
     python benchmarks/serving_bench.py [--quick] [--device cpu|cuda] [--concurrency 1,8,16,32]
         [--prefix-tokens 1024,4096] [--modes none,per_request,batched] [--model DIR]
+        [--gpus 0,1]
 
 Workload: groups of requests share a long prefix (a system prompt or a conversation's
 history) and differ in a short suffix; request ``i`` goes to replica ``i % 2``, so the
@@ -27,6 +28,10 @@ calls per request, and each replica's counters.  Writes JSON under ``doc/results
 ``--shape qwen2.5-0.5b`` builds a random-weight bf16 model with Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; a small local vocabulary)
 for the GPU runs.
+
+``--gpus 0,1`` (with ``--device cuda``) puts each replica on its own GPU, given to its sub
+pool as ``CUDA_VISIBLE_DEVICES`` as Xinference does: loads then cross GPUs through CUDA
+IPC.  Without it both replicas share the one GPU (started one after the other).
 
 ``--quick`` (the README's main job): the tiny local model on CPU, prefix 512, concurrency 8,
 modes ``none`` and ``batched``.
@@ -133,7 +138,7 @@ def _pct(values: Sequence[float], p: float) -> float:
 
 async def bench_modes(model: str, device: str, modes: Sequence[str],
                       concurrencies: Sequence[int], prefixes: Sequence[int], groups: int,
-                      per_group: int, max_tokens: int,
+                      per_group: int, max_tokens: int, gpus: Optional[Sequence[str]] = None,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
                       ) -> List[Dict[str, Any]]:
     """All modes on ONE pair of warm engines, interleaved per (prefix, concurrency), so
@@ -146,10 +151,11 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     if device == "cuda":
         opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3,
                           max_num_batched_tokens=8192)
-        kw = dict(gpu_budget="8GiB", cpu_budget="1GiB", sequential=True)
+        kw = dict(gpu_budget="8GiB", cpu_budget="1GiB", sequential=gpus is None, gpus=gpus)
     else:
         kw = dict(cpu_budget="512MiB")
-    print(f"[serving_bench] starting 2 replicas ({device})", flush=True)
+    where = f"GPUs {','.join(gpus)}" if gpus else device
+    print(f"[serving_bench] starting 2 replicas ({where})", flush=True)
     t0 = time.perf_counter()
     async with xavier_replicas(model, n=2, engine=opts, **kw) as r:
         print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -202,6 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -219,7 +226,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     modes = args.modes.split(",")
     conc = [int(x) for x in args.concurrency.split(",")]
     prefixes = [int(x) for x in args.prefix_tokens.split(",")]
+    gpus = args.gpus.split(",") if args.gpus else None
+    if gpus and (args.device != "cuda" or len(gpus) != 2):
+        ap.error("--gpus: two device ids (one per replica) with --device cuda")
     suffix = ("-quick" if args.quick else "") + ("" if args.shape == "tiny" else f"-{args.shape}")
+    suffix += f"-{len(gpus)}gpus" if gpus else ""
     out = args.out or os.path.join(REPO, "doc", "results",
                                    f"serving_bench-{args.device}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -233,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "rows": rows}, f, indent=1)
 
     rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
-                                   args.per_group, args.max_tokens, on_row=write))
+                                   args.per_group, args.max_tokens, gpus, on_row=write))
     write(rows)
     print()
     print(HEADER)
@@ -246,7 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
                         "logical_requests", "blocks_written", "export_exported",
                         "load_failures", "rejected_batches", "load_call_us",
-                        "export_call_us", "worker_load_wait_us", "worker_export_wait_us")
+                        "export_call_us", "export_copy_us", "export_directory_us",
+                        "export_demoted", "worker_load_wait_us", "worker_export_wait_us")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
     print(f"\nwrote {out}")
     return 0
