@@ -42,11 +42,12 @@ def block_of(cache, g, i):
     return [t.select(BLOCK_DIM[g], i) for t in cache[g]]
 
 
-def storage(layout, directory, gpu_blocks, cpu_blocks=0, shared=False):
+def storage(layout, directory, gpu_blocks, cpu_blocks=0, shared=False, pin=False):
     per_block = max(g.block_bytes for g in layout.groups) * len(layout.groups)
     tiers = [TierConfig(Tier.GPU, gpu_blocks * per_block, device=DEVICE)]
     if cpu_blocks:
-        tiers.append(TierConfig(Tier.CPU, cpu_blocks * per_block, shared_memory=shared))
+        tiers.append(TierConfig(Tier.CPU, cpu_blocks * per_block, shared_memory=shared,
+                                pin=pin))
     return SnapshotStorage(1, layout, tiers, directory)
 
 
@@ -181,6 +182,51 @@ def test_shared_memory_tier_maps_elsewhere_and_files_go_on_close():
     assert all(os.path.exists(p) for p in paths)
     st.close()
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_export_reports_where_its_time_went():
+    """``copy_us`` / ``directory_us`` (``export_copy_us`` ... in the counters) grow with the
+    work: an export that demotes copies and registers twice."""
+    _, _, layout, views = world(5)
+
+    async def run():
+        st = storage(layout, LocalDirectory(), gpu_blocks=2, cpu_blocks=8)
+        first = await st.export(views, [(0, 1, 1), (0, 2, 2)])
+        again = await st.export(views, [(0, 1, 1), (0, 2, 2)])  # already stored: no work
+        demoting = await st.export(views, [(0, 3, 3), (0, 4, 4)])
+        st.close()
+        return first, again, demoting
+
+    first, again, demoting = asyncio.run(run())
+    assert first.copy_us > 0 and first.directory_us > 0 and first.demoted == 0
+    assert (again.already_stored, again.copy_us, again.directory_us) == (2, 0, 0)
+    assert demoting.demoted == 2 and demoting.copy_us > 0 and demoting.directory_us > 0
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared_memory"])
+def test_pinned_cpu_tier_is_page_locked_until_close(shared):
+    """With CUDA the CPU tier is registered (``is_pinned``) and unregistered on close;
+    without CUDA ``pin`` changes nothing (CI): the storage works the same."""
+    a_cache, b_cache, layout, views = world(6)
+    d = BlockDirectory()
+
+    async def run():
+        st = storage(layout, LocalDirectory(d), gpu_blocks=1, cpu_blocks=4, shared=shared,
+                     pin=True)
+        cpu_layers = st.caches(Tier.CPU)[0]
+        assert all(t.is_pinned() for t in cpu_layers) == torch.cuda.is_available()
+        await st.export(views, [(0, 1, 1), (0, 2, 2)])  # the second demotes the first
+        await load_on_b(d, st, b_cache, [1, 2], [20, 21])
+        pinned = list(st._tiers[Tier.CPU].pinned)
+        st.close()
+        return pinned
+
+    pinned = asyncio.run(run())
+    assert len(pinned) == (len(layout.group(0).layers) + len(layout.group(1).layers)
+                           if torch.cuda.is_available() else 0)
+    for i in range(2):
+        assert_block_equal(block_of(b_cache, 0, 20 + i), block_of(a_cache, 0, 1 + i))
+    assert d.outstanding_leases == 0
 
 
 def test_budget_smaller_than_a_block_is_named():

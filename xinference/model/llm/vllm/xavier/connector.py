@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .actor_bridge import ActorBridge, LazyActor
 from .block_directory import QueryResult
+from .counters import elapsed_us
 from .kv_handles import CacheHandles, group_layers, share
 from .load_batch import DEST, fold_block_hash
 from .options import XavierOptions
@@ -270,15 +271,12 @@ class XavierConnector(KVConnectorBase_V1):
             return
         self._sync_device()  # blocks vLLM zeroed or wrote must be settled before the copy
         calls = [step] if self.batched_loads else step.per_request()
-        t0 = time.perf_counter()
-        try:
+        with elapsed_us(lambda us: self._count("worker_load_wait_us", us)):
             self._load_calls(ref, calls)
-        finally:
-            self._count("worker_load_wait_us", time.perf_counter() - t0)
 
-    def _count(self, name: str, seconds: float) -> None:
+    def _count(self, name: str, us: int) -> None:
         """A worker-side time (µs) that rides to the actor with the next call."""
-        self._pending_stats[name] = self._pending_stats.get(name, 0) + int(1e6 * seconds)
+        self._pending_stats[name] = self._pending_stats.get(name, 0) + us
 
     def _load_calls(self, ref: Any, calls: Sequence[StepMeta]) -> None:
         for i, call in enumerate(calls):
@@ -342,17 +340,15 @@ class XavierConnector(KVConnectorBase_V1):
         fut, self._export_in_flight = self._export_in_flight, None
         if fut is None:
             return
-        t0 = time.perf_counter()
-        try:
-            fut.result(LOAD_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            logger.warning("xavier: rank %d: export call did not finish within %s s",
-                           self.options.rank, LOAD_TIMEOUT_S)
-        except Exception as exc:
-            logger.warning("xavier: rank %d: export failed: %s", self.options.rank, exc)
-        finally:
-            self._count("worker_export_wait_us", time.perf_counter() - t0)
+        with elapsed_us(lambda us: self._count("worker_export_wait_us", us)):
+            try:
+                fut.result(LOAD_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+                logger.warning("xavier: rank %d: export call did not finish within %s s",
+                               self.options.rank, LOAD_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("xavier: rank %d: export failed: %s", self.options.rank, exc)
 
     def shutdown(self) -> None:
         """vLLM's connector shutdown: let a last export finish before the caches go away."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import asdict, dataclass, fields
-from typing import Dict, Mapping
+from typing import Callable, Dict, Iterator, Mapping
 
 
 @dataclass
@@ -54,3 +56,14 @@ def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
         lines.append(f"# TYPE {metric} counter")
         lines.append(f"{metric}{{{label}}} {int(value)}")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def elapsed_us(add: Callable[[int], None]) -> Iterator[None]:
+    """Time the block (wall clock) and pass its microseconds to ``add``, also when it
+    raises: the time counters (``load_call_us``, ``export_copy_us``, ...) are written so."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        add(int(1e6 * (time.perf_counter() - t0)))

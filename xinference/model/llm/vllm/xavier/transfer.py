@@ -33,7 +33,7 @@ import torch
 import xoscar as xo
 
 from .budget import validate_budget
-from .counters import prometheus_text
+from .counters import elapsed_us, prometheus_text
 from .gpu_transfer import GPUTransfer, Lease, LoadError, TransferClosedError
 from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
@@ -151,7 +151,8 @@ class TransferActor(xo.StatelessActor):
         if cpu_bytes > 0:
             budget = validate_budget(option, cpu_bytes, block_bytes,
                                      available_bytes=_shm_free_bytes())
-            tiers.append(TierConfig(Tier.CPU, budget, shared_memory=True))
+            tiers.append(TierConfig(Tier.CPU, budget, shared_memory=True,
+                                    pin=device.type == "cuda"))
         if not tiers:
             raise ValueError("xavier_cpu_budget: no storage tier on this device (the GPU tier "
                              "needs a CUDA engine): set xavier_cpu_budget above 0")
@@ -260,11 +261,8 @@ class TransferActor(xo.StatelessActor):
         """Execute one step's loads.  Returns ``failed``: destination block ids (all groups)
         that were not written and must be recomputed, and the step's figures.  The call's
         wall time is counted in ``load_call_us``."""
-        t0 = time.perf_counter()
-        try:
+        with elapsed_us(lambda us: self._add_stats({"load_call_us": us})):
             return await self._load_step(meta)
-        finally:
-            self._add_stats({"load_call_us": int(1e6 * (time.perf_counter() - t0))})
 
     async def _load_step(self, meta: StepMeta) -> Dict[str, Any]:
         self._add_stats(meta.stats.as_dict())
@@ -376,11 +374,8 @@ class TransferActor(xo.StatelessActor):
             self._add_stats(stats)
         if self._storage is None or not rows:
             return {}
-        t0 = time.perf_counter()
-        try:
+        with elapsed_us(lambda us: self._add_stats({"export_call_us": us})):
             res = await self._storage.export(self._engine_views, list(rows))
-        finally:
-            self._add_stats({"export_call_us": int(1e6 * (time.perf_counter() - t0))})
         for group, key, block in rows:
             self._recent_exports[(int(group), int(key))] = int(block)
             self._recent_exports.move_to_end((int(group), int(key)))
