@@ -229,6 +229,35 @@ def test_pinned_cpu_tier_is_page_locked_until_close(shared):
     assert d.outstanding_leases == 0
 
 
+def test_make_room_demotes_ahead_so_the_next_export_only_copies():
+    a_cache, b_cache, layout, views = world(7)
+    d = BlockDirectory()
+
+    async def run():
+        st = storage(layout, LocalDirectory(d), gpu_blocks=4, cpu_blocks=8)
+        await st.export(views, [(0, 1 + i, 1 + i) for i in range(4)])  # GPU tier full
+        held = d.query(0, [1], exclude_rank=2)  # a peer holds the LRU block 1
+        room = await st.make_room(2)
+        # both victims were demoted first; the leased one keeps its GPU slot
+        assert (room.demoted, room.evicted, room.claims_refused) == (2, 1, 1)
+        assert st.used(Tier.GPU) == 3 and st.used(Tier.CPU) == 2
+        d.release(held.lease_ids)
+        room = await st.make_room(2)  # block 1 is in the CPU tier already: no copy
+        assert (room.demoted, room.evicted) == (0, 1) and st.used(Tier.GPU) == 2
+        nxt = await st.export(views, [(0, 5, 5), (0, 6, 6)])
+        assert (nxt.exported, nxt.demoted, nxt.evicted) == (2, 0, 0)  # only its copies
+        room = await st.make_room(100)  # capped by the tier: all of it
+        assert (room.demoted, room.evicted) == (4, 4) and st.used(Tier.GPU) == 0
+        await load_on_b(d, st, b_cache, [1, 2, 3, 4, 5, 6], list(range(20, 26)))
+        st.close()
+        assert (await st.make_room(2)).evicted == 0  # closed: nothing
+
+    asyncio.run(run())
+    for i in range(6):  # every block still loads from the CPU tier, bit-exact
+        assert_block_equal(block_of(b_cache, 0, 20 + i), block_of(a_cache, 0, 1 + i))
+    assert d.outstanding_leases == 0
+
+
 def test_budget_smaller_than_a_block_is_named():
     _, _, layout, _ = world()
     with pytest.raises(ValueError, match="^budget: GPU tier budget 10 bytes holds no block"):

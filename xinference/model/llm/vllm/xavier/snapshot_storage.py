@@ -267,23 +267,51 @@ class SnapshotStorage:
             res.exported = len(entries)
             return res
 
+    async def make_room(self, free_blocks: int) -> ExportResult:
+        """Keep up to ``free_blocks`` slots free in the top tier of every group ahead of
+        the next export: LRU victims are demoted now (when there is a lower tier) and
+        claimed, so that an export of that many blocks only copies its own blocks.  Meant
+        to run in the background between steps (``TransferActor`` does).  Leased victims
+        are refused by the claim and stay.  Returns what it did (``evicted``,
+        ``demoted``, ``claims_refused``, times)."""
+        res = ExportResult()
+        async with self._lock:
+            if self._closed:
+                return res
+            tier = min(self._tiers)
+            for group, alloc in self._tiers[tier].allocators.items():
+                need = min(free_blocks, alloc.num_slots) - alloc.free
+                if need > 0:
+                    await self._evict(tier, group, need, res)
+        return res
+
     async def _slots_for(self, tier: Tier, group: int, count: int,
                          res: ExportResult) -> List[int]:
         """Up to ``count`` slots of ``tier`` ready to be written (free or granted victims)."""
-        t = self._tiers[tier]
-        alloc = t.allocators[group]
+        alloc = self._tiers[tier].allocators[group]
+        slots = self._take_free(alloc, count)
+        if len(slots) < count and await self._evict(tier, group, count - len(slots), res):
+            slots += self._take_free(alloc, count - len(slots))
+        return slots
+
+    @staticmethod
+    def _take_free(alloc: SlotAllocator, count: int) -> List[int]:
         slots: List[int] = []
         while len(slots) < count:
             free = alloc.take_free()
             if free is None:
                 break
             slots.append(free)
-        need = count - len(slots)
-        if need <= 0:
-            return slots
-        victims = alloc.victims(need)
+        return slots
+
+    async def _evict(self, tier: Tier, group: int, count: int, res: ExportResult) -> int:
+        """Free up to ``count`` slots of ``tier``/``group``: LRU victims, their blocks
+        first demoted into the next tier down (if any), then claimed from the directory
+        (leased ones are refused).  Returns how many slots were freed."""
+        alloc = self._tiers[tier].allocators[group]
+        victims = alloc.victims(count)
         if not victims:
-            return slots
+            return 0
         lower = [x for x in self._tiers if x > tier]
         if lower:  # keep victims' blocks in the next tier down before giving slots up
             await self._demote(tier, lower[0], group, victims, res)
@@ -293,7 +321,7 @@ class SnapshotStorage:
         for slot in granted:
             alloc.release(slot)
             res.evicted += 1
-        return slots + list(granted)
+        return len(granted)
 
     async def _demote(self, src_tier: Tier, dst_tier: Tier, group: int,
                       victims: Sequence[int], res: ExportResult) -> None:

@@ -53,6 +53,8 @@ RECENT_LOADS = 4096
 PEER_RETRY_S = 5.0
 #: longest a peer lookup + mapping may hold a load call (the engine's step waits for it)
 PEER_MAP_TIMEOUT_S = 10.0
+#: at close, how long a background make-room in flight may still run
+ROOM_CLOSE_TIMEOUT_S = 30.0
 _monotonic = time.monotonic  # the peer-retry clock (tests move it)
 #: test-only fault modes (:meth:`TransferActor.inject_fault`)
 FAULTS = ("skip_copy", "fail_one_block", "stall_load")
@@ -96,6 +98,9 @@ class TransferActor(xo.StatelessActor):
         self._peer_retry_at: Dict[int, float] = {}
         self._stats: Dict[str, int] = {}
         self._faults: Dict[str, int] = {}
+        #: the background make-room task (at most one) and the free slots it keeps
+        self._room_task: Optional[asyncio.Task[None]] = None
+        self._room_blocks = 0
         #: (group, key) -> destination block of recent successful loads (for digests)
         self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
         #: (group, key) -> engine block of recent exports (for consistency checks)
@@ -185,6 +190,9 @@ class TransferActor(xo.StatelessActor):
     async def _close_runtime(self) -> None:
         transfer, storage = self._transfer, self._storage
         self._transfer = self._storage = None
+        room, self._room_task = self._room_task, None
+        if room is not None:  # let a demotion in flight finish: it holds the storage lock
+            await asyncio.wait([room], timeout=ROOM_CLOSE_TIMEOUT_S)
         if transfer is not None:
             await transfer.close()
         if storage is not None:
@@ -383,7 +391,31 @@ class TransferActor(xo.StatelessActor):
             self._recent_exports.popitem(last=False)
         out = {f"export_{k}": v for k, v in vars(res).items()}
         self._add_stats(out)
+        self._schedule_room(len(rows))
         return out
+
+    def _schedule_room(self, step_blocks: int) -> None:
+        """After an export, free the top tier ahead of the next one in the background
+        (:meth:`SnapshotStorage.make_room`): the demotions and claims a full tier needs
+        then run while the engine computes its next step instead of inside the export
+        the worker waits for.  Keeps as many slots free as the largest export seen, at
+        most a quarter of the top tier.  Counted as ``room_*`` (``room_call_us``: wall
+        time; ``room_demoted``, ``room_evicted``, ...)."""
+        storage = self._storage
+        if storage is None or (self._room_task is not None and not self._room_task.done()):
+            return
+        top = min(storage._tiers)
+        self._room_blocks = min(max(self._room_blocks, step_blocks), storage.slots(top) // 4)
+        if self._room_blocks > 0:
+            self._room_task = asyncio.ensure_future(self._make_room(storage, self._room_blocks))
+
+    async def _make_room(self, storage: SnapshotStorage, blocks: int) -> None:
+        try:
+            with elapsed_us(lambda us: self._add_stats({"room_call_us": us})):
+                res = await storage.make_room(blocks)
+            self._add_stats({f"room_{k}": v for k, v in vars(res).items() if v})
+        except Exception as exc:  # the next export evicts what it needs itself
+            logger.warning("transfer actor rank %d: make_room: %s", self.rank, exc)
 
     # --------------------------------------------------------------- counters
     def _add_stats(self, stats: Dict[str, int]) -> None:
