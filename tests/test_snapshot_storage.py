@@ -238,15 +238,16 @@ def test_make_room_demotes_ahead_so_the_next_export_only_copies():
         await st.export(views, [(0, 1 + i, 1 + i) for i in range(4)])  # GPU tier full
         held = d.query(0, [1], exclude_rank=2)  # a peer holds the LRU block 1
         room = await st.make_room(2)
-        # both victims were demoted first; the leased one keeps its GPU slot
-        assert (room.demoted, room.evicted, room.claims_refused) == (2, 1, 1)
+        # both victims were demoted first; the leased one keeps its GPU slot (asked again
+        # for the one slot still missing, it is refused again and make_room stops)
+        assert (room.demoted, room.evicted, room.claims_refused) == (2, 1, 2)
         assert st.used(Tier.GPU) == 3 and st.used(Tier.CPU) == 2
         d.release(held.lease_ids)
         room = await st.make_room(2)  # block 1 is in the CPU tier already: no copy
         assert (room.demoted, room.evicted) == (0, 1) and st.used(Tier.GPU) == 2
         nxt = await st.export(views, [(0, 5, 5), (0, 6, 6)])
         assert (nxt.exported, nxt.demoted, nxt.evicted) == (2, 0, 0)  # only its copies
-        room = await st.make_room(100)  # capped by the tier: all of it
+        room = await st.make_room(100)  # capped by the tier: all of it, in chunks
         assert (room.demoted, room.evicted) == (4, 4) and st.used(Tier.GPU) == 0
         await load_on_b(d, st, b_cache, [1, 2, 3, 4, 5, 6], list(range(20, 26)))
         st.close()
@@ -256,6 +257,37 @@ def test_make_room_demotes_ahead_so_the_next_export_only_copies():
     for i in range(6):  # every block still loads from the CPU tier, bit-exact
         assert_block_equal(block_of(b_cache, 0, 20 + i), block_of(a_cache, 0, 1 + i))
     assert d.outstanding_leases == 0
+
+
+def test_make_room_lets_an_export_in_between_its_chunks(monkeypatch):
+    """An export that arrives while make_room works waits for one chunk, not all of it."""
+    from xinference.model.llm.vllm.xavier import snapshot_storage
+
+    monkeypatch.setattr(snapshot_storage, "ROOM_CHUNK_BLOCKS", 2)
+    _, _, layout, views = world(8)
+    order = []
+
+    async def run():
+        st = storage(layout, LocalDirectory(), gpu_blocks=8, cpu_blocks=16)
+        await st.export(views, [(0, 1 + i, 1 + i) for i in range(8)])
+        evict = st._evict
+
+        async def traced(*args):
+            order.append("chunk")
+            return await evict(*args)
+
+        st._evict = traced
+        room = asyncio.ensure_future(st.make_room(8))
+        await asyncio.sleep(0)  # make_room holds the lock for its first chunk
+        res = await st.export(views, [(0, 20, 20)])
+        order.append("export")
+        await room
+        st.close()
+        return res
+
+    res = asyncio.run(run())
+    assert res.exported == 1
+    assert order.index("export") <= 2 and order.count("chunk") >= 3, order
 
 
 def test_budget_smaller_than_a_block_is_named():

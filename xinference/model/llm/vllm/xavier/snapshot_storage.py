@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 Entry = Tuple[int, int, int, int, int]
 ShmHandles = Dict[int, List[Tuple[str, str, Tuple[int, ...]]]]
 
+#: blocks a background :meth:`SnapshotStorage.make_room` frees per hold of the lock
+ROOM_CHUNK_BLOCKS = 64
+
 _TORCH_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32,
                                      torch.float64, torch.uint8, torch.int8)}
 
@@ -271,18 +274,21 @@ class SnapshotStorage:
         """Keep up to ``free_blocks`` slots free in the top tier of every group ahead of
         the next export: LRU victims are demoted now (when there is a lower tier) and
         claimed, so that an export of that many blocks only copies its own blocks.  Meant
-        to run in the background between steps (``TransferActor`` does).  Leased victims
-        are refused by the claim and stay.  Returns what it did (``evicted``,
-        ``demoted``, ``claims_refused``, times)."""
+        to run in the background between steps (``TransferActor`` does).  Works in
+        chunks of :data:`ROOM_CHUNK_BLOCKS`, taking the storage lock for each, so that an
+        export arriving meanwhile waits for one chunk at most.  Leased victims are
+        refused by the claim and stay.  Returns what it did (``evicted``, ``demoted``,
+        ``claims_refused``, times)."""
         res = ExportResult()
-        async with self._lock:
-            if self._closed:
-                return res
-            tier = min(self._tiers)
-            for group, alloc in self._tiers[tier].allocators.items():
-                need = min(free_blocks, alloc.num_slots) - alloc.free
-                if need > 0:
-                    await self._evict(tier, group, need, res)
+        tier = min(self._tiers)
+        for group, alloc in self._tiers[tier].allocators.items():
+            while True:
+                async with self._lock:
+                    need = min(free_blocks, alloc.num_slots) - alloc.free
+                    if self._closed or need <= 0:
+                        break
+                    if not await self._evict(tier, group, min(need, ROOM_CHUNK_BLOCKS), res):
+                        break  # every victim leased: the next export copes
         return res
 
     async def _slots_for(self, tier: Tier, group: int, count: int,
