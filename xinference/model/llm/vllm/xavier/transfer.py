@@ -26,7 +26,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -321,14 +321,10 @@ class TransferActor(xo.StatelessActor):
         return {"failed": sorted(failed), "written": result.blocks_written}
 
     def _remember_loads(self, batch: LoadBatch, failed: Set[int]) -> None:
-        recent = self._recent_loads
-        for group, key, dest in zip(batch.table[:, GROUP].tolist(), batch.table[:, KEY].tolist(),
-                                    batch.table[:, DEST].tolist()):
-            if dest not in failed:
-                recent[(group, key)] = dest
-                recent.move_to_end((group, key))
-        while len(recent) > RECENT_LOADS:
-            recent.popitem(last=False)
+        _remember(self._recent_loads, (
+            (group, key, dest) for group, key, dest in zip(
+                batch.table[:, GROUP].tolist(), batch.table[:, KEY].tolist(),
+                batch.table[:, DEST].tolist()) if dest not in failed))
 
     async def _apply_faults(self, batch: LoadBatch) -> Tuple[Optional[LoadBatch], Set[int]]:
         """Test-only faults (a fault vLLM cannot be made to produce on demand)."""
@@ -361,7 +357,7 @@ class TransferActor(xo.StatelessActor):
     async def _release_all(self, leases: Sequence[Lease]) -> None:
         if leases and self._tracker is not None:
             try:
-                await self._tracker.release([lease.lease_id for lease in leases])
+                await self._release_ids([lease.lease_id for lease in leases])
             except Exception as exc:
                 logger.warning("transfer actor rank %d: lease release failed: %s", self.rank, exc)
 
@@ -384,11 +380,7 @@ class TransferActor(xo.StatelessActor):
             return {}
         with elapsed_us(lambda us: self._add_stats({"export_call_us": us})):
             res = await self._storage.export(self._engine_views, list(rows))
-        for group, key, block in rows:
-            self._recent_exports[(int(group), int(key))] = int(block)
-            self._recent_exports.move_to_end((int(group), int(key)))
-        while len(self._recent_exports) > RECENT_LOADS:
-            self._recent_exports.popitem(last=False)
+        _remember(self._recent_exports, rows)
         out = {f"export_{k}": v for k, v in vars(res).items()}
         self._add_stats(out)
         self._schedule_room(len(rows))
@@ -532,3 +524,15 @@ def _shm_free_bytes() -> Optional[int]:
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def _remember(recent: OrderedDict[Tuple[int, int], int],
+              rows: Iterable[Tuple[int, int, int]]) -> None:
+    """Record ``(group, key) -> block`` rows as the newest, keeping the last
+    :data:`RECENT_LOADS` (the inspection methods' bounded memory)."""
+    for group, key, block in rows:
+        gk = (int(group), int(key))
+        recent[gk] = int(block)
+        recent.move_to_end(gk)
+    while len(recent) > RECENT_LOADS:
+        recent.popitem(last=False)
