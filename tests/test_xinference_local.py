@@ -9,6 +9,11 @@ Two settings differ from a GPU launch, both plain launch parameters: ``tensor_pa
 (Xinference defaults it to the number of GPUs, 0 here) and ``enable_virtual_env: false``
 (the per-model virtualenv would install GPU wheels from the registry; the overlay inside
 such a virtualenv is tested in ``test_overlay_child_venv.py``).
+
+On the GPU machine (``XAVIER_TEST_DEVICE=cuda``, ``scripts/gpu-xinference-local.sh``) the
+same test launches vLLM on CUDA: ``gpu_idx`` from ``XAVIER_TEST_GPUS`` (``0,0``: both replicas
+on one GPU; ``0,1``: one each; Xinference gives replica ``i`` the ``i``-th), Triton attention
+(the vLLM bundle has no flash-attention), a GPU tier of 256 MiB per replica.
 """
 
 import json
@@ -23,12 +28,19 @@ import urllib.request
 import pytest
 import xoscar as xo
 
-from .support.pools import free_port
+from .support.pools import free_port, gpus_from_env
 from .support.processes import engine_cores
 
 pytestmark = pytest.mark.slow
 
 MODEL = "qwen2.5-instruct"
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+#: ``xinference-local`` as a user runs it: the console script beside this interpreter, or
+#: (where packages were unpacked with ``pip --target``, the GPU machine) its entry point
+LOCAL_SCRIPT = os.path.join(os.path.dirname(sys.executable), "xinference-local")
+LOCAL_CMD = ([LOCAL_SCRIPT] if os.path.exists(LOCAL_SCRIPT) else
+             [sys.executable, "-c",
+              "import sys; from xinference.deploy.cmdline import local; sys.exit(local())"])
 
 
 class Server:
@@ -38,8 +50,7 @@ class Server:
         env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1")
         self.log = open(os.path.join(home, "xinference-local.log"), "w")
         self.proc = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "xinference-local"),
-             "--host", "127.0.0.1", "--port", str(self.port)],
+            LOCAL_CMD + ["--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.token = ""
         deadline = time.monotonic() + 180
@@ -68,6 +79,7 @@ class Server:
         return engine_cores(self.proc.pid)
 
     def stop(self) -> None:
+        keep = os.environ.get("XAVIER_TEST_LOG_DIR")  # the GPU script collects the log
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=30)
@@ -78,14 +90,29 @@ class Server:
         except ProcessLookupError:
             pass
         self.log.close()
+        if keep:
+            import shutil
+
+            shutil.copy(self.log.name, keep)
 
 
 def launch_body(model_dir, envs):
-    return {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
+    body = {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
             "model_type": "LLM", "model_format": "pytorch", "model_path": model_dir,
             "replica": 2, "enable_xavier": True, "enable_virtual_env": False, "envs": envs,
             "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_model_len": 2048,
             "enforce_eager": True, "block_size": 16, "dtype": "bfloat16", "max_num_seqs": 16}
+    if DEVICE == "cuda":
+        body.update(gpu_idx=[int(g) for g in (gpus_from_env() or ["0", "0"])],
+                    attention_backend="TRITON_ATTN", gpu_memory_utilization=0.25)
+    return body
+
+
+def xavier_envs():
+    """Xavier's options as launch ``envs`` (what a user puts in the web UI or REST body)."""
+    if DEVICE == "cuda":
+        return {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "256MiB"}
+    return {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def log_lines(home, needle):
@@ -104,8 +131,7 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
     home = str(tmp_path)
     server = Server(home)
     try:
-        envs = {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0",
-                "VLLM_CPU_KVCACHE_SPACE": "1"}
+        envs = xavier_envs()
         assert server.call("POST", "/v1/models", launch_body(tiny_model_dir, envs)) == {
             "model_uid": MODEL}
         # our hook classes did the work (upstream's would not log these)
@@ -127,6 +153,10 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
             "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
         assert all(u["completion_tokens"] > 0 for u in usages)
         c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
+        print("xavier counters per rank:", {r: {k: c[r].get(k, 0) for k in (
+            "requests_with_hits", "hit_blocks", "hit_tokens", "batch_calls", "blocks_written",
+            "export_exported", "rows_from_gpu_tier", "rows_from_cpu_tier", "load_failures")}
+            for r in (1, 2)}, "usages:", usages)
         # Xinference sent the two requests to different replicas: the second one loaded
         # the shared prefix the first one computed
         assert sum(c[r].get("requests_with_hits", 0) for r in (1, 2)) == 1
