@@ -33,6 +33,12 @@ for the GPU runs.
 pool as ``CUDA_VISIBLE_DEVICES`` as Xinference does: loads then cross GPUs through CUDA
 IPC.  Without it both replicas share the one GPU (started one after the other).
 
+``--steady-state`` fills every replica's top storage tier before measuring (unmeasured
+requests with fresh prefixes until each replica has evicted), so that every Xavier row meets
+a full tier, as a long-running deployment does; ``--gpu-budget`` / ``--cpu-budget`` size the
+tiers (a smaller GPU tier fills sooner).  Without it, rows after the tier fills pay for
+evictions the earlier rows did not (see doc/benchmarks.md, "Two GPUs").
+
 ``--quick`` (the README's main job): the tiny local model on CPU, prefix 512, concurrency 8,
 modes ``none`` and ``batched``.
 """
@@ -139,6 +145,7 @@ def _pct(values: Sequence[float], p: float) -> float:
 async def bench_modes(model: str, device: str, modes: Sequence[str],
                       concurrencies: Sequence[int], prefixes: Sequence[int], groups: int,
                       per_group: int, max_tokens: int, gpus: Optional[Sequence[str]] = None,
+                      steady_state: bool = False, budgets: Optional[Dict[str, str]] = None,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
                       ) -> List[Dict[str, Any]]:
     """All modes on ONE pair of warm engines, interleaved per (prefix, concurrency), so
@@ -154,6 +161,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         kw = dict(gpu_budget="8GiB", cpu_budget="1GiB", sequential=gpus is None, gpus=gpus)
     else:
         kw = dict(cpu_budget="512MiB")
+    kw.update({k: v for k, v in (budgets or {}).items() if v})
     where = f"GPUs {','.join(gpus)}" if gpus else device
     print(f"[serving_bench] starting 2 replicas ({where})", flush=True)
     t0 = time.perf_counter()
@@ -165,6 +173,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             await _set_mode(r, mode)
             await run_mode(r, workload(7 + len(mode), 2, 2, min(prefixes), 64, vocab), 2, 2,
                            max_tokens, xavier=True)
+        if steady_state:
+            await fill_tiers(r, max(prefixes), vocab)
         for prefix in prefixes:
             for c in concurrencies:
                 for mode in modes:
@@ -178,6 +188,26 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                     print(_row(res), flush=True)
                     on_row(rows)
     return rows
+
+
+async def fill_tiers(r: Replicas, prefix: int, vocab: int, max_rounds: int = 200) -> None:
+    """Unmeasured requests with fresh prefixes (both replicas, sharing on, short outputs)
+    until every replica's storage has evicted at least once: its top tier is full."""
+    t0 = time.perf_counter()
+    for i in range(max_rounds):
+        counters = [await x.counters() for x in r.replicas]
+        evicted = [c.get("export_evicted", 0) + c.get("room_evicted", 0) for c in counters]
+        if all(evicted):
+            print(f"[serving_bench] storage tiers full after {i} fill rounds "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            return
+        if i % 10 == 0:
+            used = [c.get("storage_gpu_used_blocks", c.get("storage_cpu_used_blocks", 0))
+                    for c in counters]
+            print(f"[serving_bench] filling storage: top-tier blocks used {used}", flush=True)
+        await run_mode(r, workload(50_000 + i, 32, 1, prefix, 64, vocab), 32, 32, 1,
+                       xavier=True)
+    raise RuntimeError(f"--steady-state: storage not full after {max_rounds} rounds")
 
 
 async def _set_mode(r: Replicas, mode: str) -> None:
@@ -208,6 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--steady-state", action="store_true",
+                    help="fill every replica's top storage tier before measuring")
+    ap.add_argument("--gpu-budget", help="GPU tier per replica (default 8GiB on cuda)")
+    ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
@@ -231,6 +265,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--gpus: two device ids (one per replica) with --device cuda")
     suffix = ("-quick" if args.quick else "") + ("" if args.shape == "tiny" else f"-{args.shape}")
     suffix += f"-{len(gpus)}gpus" if gpus else ""
+    suffix += "-steady" if args.steady_state else ""
     out = args.out or os.path.join(REPO, "doc", "results",
                                    f"serving_bench-{args.device}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -244,7 +279,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "rows": rows}, f, indent=1)
 
     rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
-                                   args.per_group, args.max_tokens, gpus, on_row=write))
+                                   args.per_group, args.max_tokens, gpus, args.steady_state,
+                                   {"gpu_budget": args.gpu_budget,
+                                    "cpu_budget": args.cpu_budget}, on_row=write))
     write(rows)
     print()
     print(HEADER)

@@ -100,3 +100,46 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
         assert tries == [1, 1, 1]
 
     asyncio.run(run())
+
+
+def test_exports_start_a_background_make_room_only_above_a_lower_tier():
+    """After each export the actor frees top-tier slots in the background (two tiers: the
+    victims are demoted first, ``room_*`` counters); with one tier it does not (evicting
+    ahead would only lose blocks).  Close waits for a make-room in flight."""
+    import asyncio
+
+    from xinference.model.llm.vllm.xavier.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.snapshot_storage import (
+        LocalDirectory,
+        SnapshotStorage,
+        TierConfig,
+    )
+
+    cache = {0: [torch.zeros((64, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
+    layout = layout_of(cache)
+    bb = layout.groups[0].block_bytes
+
+    async def run(tiers):
+        actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
+        actor._storage = SnapshotStorage(1, layout, tiers, LocalDirectory())
+        actor._engine_views = {0: [block_view(t, 0) for t in cache[0]]}
+        for step in range(4):  # 4 x 4 blocks into a 16-block top tier
+            await actor.export_blocks([(0, 10 * step + i, 1 + 4 * step + i) for i in range(4)])
+            await asyncio.sleep(0.05)  # the engine's next forward pass
+        await actor.export_blocks([(0, 100 + i, 20 + i) for i in range(4)])  # full: evicts
+        room = actor._room_task
+        storage = actor._storage
+        await actor._close_runtime()
+        return actor.counters(), room, storage
+
+    two = [TierConfig(Tier.GPU, 16 * bb), TierConfig(Tier.CPU, 32 * bb)]
+    c, room, storage = asyncio.run(run(two))
+    assert room is not None and room.done()  # close waited for it
+    # the export into the full tier found its 4 slots freed ahead (nothing demoted inline),
+    # make-room demoted and freed them (4 = the largest export, a quarter of the tier)
+    assert c["export_demoted"] == 0 and c["export_evicted"] == 0
+    assert c["room_demoted"] >= 4 and c["room_evicted"] >= 4 and c["room_call_us"] > 0
+    assert storage._closed
+
+    c, room, _ = asyncio.run(run([TierConfig(Tier.CPU, 16 * bb)]))
+    assert room is None and c["export_evicted"] == 4 and "room_call_us" not in c

@@ -390,11 +390,13 @@ class TransferActor(xo.StatelessActor):
         """After an export, free the top tier ahead of the next one in the background
         (:meth:`SnapshotStorage.make_room`): the demotions and claims a full tier needs
         then run while the engine computes its next step instead of inside the export
-        the worker waits for.  Keeps as many slots free as the largest export seen, at
-        most a quarter of the top tier.  Counted as ``room_*`` (``room_call_us``: wall
-        time; ``room_demoted``, ``room_evicted``, ...)."""
+        the worker waits for.  Only where there is a lower tier to demote into.  Keeps as
+        many slots free as the largest export seen, at most a quarter of the top tier.
+        Counted as ``room_*`` (``room_call_us``: wall time; ``room_demoted``, ...)."""
         storage = self._storage
-        if storage is None or (self._room_task is not None and not self._room_task.done()):
+        if storage is None or len(storage._tiers) < 2:  # no tier to demote into: evicting
+            return  # ahead would only lose blocks early; an export's own eviction is cheap
+        if self._room_task is not None and not self._room_task.done():
             return
         top = min(storage._tiers)
         self._room_blocks = min(max(self._room_blocks, step_blocks), storage.slots(top) // 4)
