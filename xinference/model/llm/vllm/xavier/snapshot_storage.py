@@ -34,7 +34,7 @@ import re
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -108,7 +108,7 @@ class ExportResult:
     copy_us: int = 0
     directory_us: int = 0
 
-    def add(self, field_name: str) -> Any:
+    def add(self, field_name: str) -> Callable[[int], None]:
         """A callback adding µs to ``field_name`` (for :func:`~.counters.elapsed_us`)."""
         return lambda us: setattr(self, field_name, getattr(self, field_name) + us)
 
