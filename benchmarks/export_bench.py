@@ -74,8 +74,8 @@ async def run_variant(args: argparse.Namespace, variant: str) -> Dict[str, Any]:
                                    device=args.device))
     st = SnapshotStorage(1, layout, tiers, LocalDirectory())
     views = {0: [block_view(t, 0) for t in cache[0]]}
-    top = min(st._tiers)
-    capacity = st._tiers[top].allocators[0].free
+    top = st.tiers[0]
+    capacity = st.slots(top)
     next_key = 0
 
     split = {"copy_us": 0, "directory_us": 0}

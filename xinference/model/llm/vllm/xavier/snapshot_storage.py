@@ -174,6 +174,11 @@ class SnapshotStorage:
         return _Tier(cfg, layers, views, allocs, files, pinned)
 
     # ------------------------------------------------------------------ views
+    @property
+    def tiers(self) -> List[Tier]:
+        """The tiers this storage has, top first (GPU before CPU)."""
+        return sorted(self._tiers)
+
     def slots(self, tier: Tier) -> int:
         return min(a.num_slots for a in self._tiers[Tier(tier)].allocators.values())
 
@@ -280,7 +285,7 @@ class SnapshotStorage:
         refused by the claim and stay.  Returns what it did (``evicted``, ``demoted``,
         ``claims_refused``, times)."""
         res = ExportResult()
-        tier = min(self._tiers)
+        tier = self.tiers[0]
         for group, alloc in self._tiers[tier].allocators.items():
             while True:
                 async with self._lock:

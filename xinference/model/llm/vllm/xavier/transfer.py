@@ -394,12 +394,12 @@ class TransferActor(xo.StatelessActor):
         many slots free as the largest export seen, at most a quarter of the top tier.
         Counted as ``room_*`` (``room_call_us``: wall time; ``room_demoted``, ...)."""
         storage = self._storage
-        if storage is None or len(storage._tiers) < 2:  # no tier to demote into: evicting
+        if storage is None or len(storage.tiers) < 2:  # no tier to demote into: evicting
             return  # ahead would only lose blocks early; an export's own eviction is cheap
         if self._room_task is not None and not self._room_task.done():
             return
-        top = min(storage._tiers)
-        self._room_blocks = min(max(self._room_blocks, step_blocks), storage.slots(top) // 4)
+        top_slots = storage.slots(storage.tiers[0])
+        self._room_blocks = min(max(self._room_blocks, step_blocks), top_slots // 4)
         if self._room_blocks > 0:
             self._room_task = asyncio.ensure_future(self._make_room(storage, self._room_blocks))
 
@@ -421,7 +421,7 @@ class TransferActor(xo.StatelessActor):
         if self._transfer is not None:
             out.update(self._transfer.counters.snapshot())
         if self._storage is not None:
-            for tier in self._storage._tiers:
+            for tier in self._storage.tiers:
                 out[f"storage_{tier.name.lower()}_used_blocks"] = self._storage.used(tier)
         return out
 
