@@ -5,6 +5,7 @@ engine KV cache and a snapshot storage (its GPU tier in shared memory, or on the
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -41,7 +42,30 @@ def digest(layers: Sequence[torch.Tensor], block: int) -> str:
     return h.hexdigest()
 
 
-class StorageRankActor(xo.StatelessActor):
+class _RankActor(xo.StatelessActor):
+    """What both ranks answer about their engine cache (``self.cache``)."""
+
+    cache: Dict[int, List[torch.Tensor]]
+
+    def block_digests(self, blocks: List[int]) -> List[str]:
+        return [digest(self.cache[0], b) for b in blocks]
+
+    def cuda_device(self) -> Dict[str, Any]:
+        """The GPU this rank's cache is on, named so that two processes can compare:
+        ``uuid`` (unique per GPU whatever ``CUDA_VISIBLE_DEVICES`` says), the PCI location,
+        and this process's ``CUDA_VISIBLE_DEVICES``."""
+        t = self.cache[0][0]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if t.device.type != "cuda":
+            return {"device": str(t.device), "visible": visible, "uuid": None}
+        p = torch.cuda.get_device_properties(t.device)
+        pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:"
+               f"{getattr(p, 'pci_device_id', 0):02x}")
+        return {"device": str(t.device), "name": p.name, "visible": visible, "pci": pci,
+                "uuid": str(p.uuid)}
+
+
+class StorageRankActor(_RankActor):
     def __init__(self, rank: int, tracker_address: str, tracker_uid: str, gpu_blocks: int,
                  cpu_blocks: int, seed: int, device: str = "cpu") -> None:
         super().__init__()
@@ -75,27 +99,17 @@ class StorageRankActor(xo.StatelessActor):
                                else ("shm", self.storage.shm_handles(t)))
         return out
 
-    def cuda_device(self) -> Dict[str, Any]:
-        """Which GPU this rank's cache is on: its index here, name, PCI bus id and the
-        ``CUDA_VISIBLE_DEVICES`` of this process."""
-        import os
-
-        return _cuda_device(self.cache[0][0], os.environ.get("CUDA_VISIBLE_DEVICES"))
-
     def storage_layouts(self) -> Dict[int, Any]:
-        return {int(t): layout_of(self.storage.caches(t)) for t in self.storage._tiers}
+        return {int(t): layout_of(self.storage.caches(t)) for t in self.storage.tiers}
 
     async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any]) -> int:
         return await serve_blocks(self.storage, tier, group, slots, refs)
-
-    def block_digests(self, blocks: List[int]) -> List[str]:
-        return [digest(self.cache[0], b) for b in blocks]
 
     def close(self) -> None:
         self.storage.close()
 
 
-class LoaderRankActor(xo.StatelessActor):
+class LoaderRankActor(_RankActor):
     def __init__(self, rank: int, tracker_address: str, tracker_uid: str,
                  device: str = "cpu") -> None:
         super().__init__()
@@ -117,14 +131,6 @@ class LoaderRankActor(xo.StatelessActor):
         for tier, (kind, h) in handles.items():
             await self.engine.map_storage(rank, Tier(tier),
                                           open_ipc(h) if kind == "cuda_ipc" else open_shm(h))
-
-    def cuda_device(self) -> Dict[str, Any]:
-        import os
-
-        return _cuda_device(self.cache[0][0], os.environ.get("CUDA_VISIBLE_DEVICES"))
-
-    def block_digests(self, blocks: List[int]) -> List[str]:
-        return [digest(self.cache[0], b) for b in blocks]
 
     async def map_remote_peer(self, rank: int, address: str, uid: str,
                               layouts: Dict[int, Any]) -> None:
@@ -178,14 +184,3 @@ class LoaderRankActor(xo.StatelessActor):
     async def close(self) -> None:
         await self.engine.close()
 
-
-def _cuda_device(t: torch.Tensor, visible: Any) -> Dict[str, Any]:
-    """The GPU ``t`` is on, named so that two processes can compare: ``uuid`` (unique per
-    GPU whatever ``CUDA_VISIBLE_DEVICES`` says) and the PCI location."""
-    if t.device.type != "cuda":
-        return {"device": str(t.device), "visible": visible, "uuid": None}
-    p = torch.cuda.get_device_properties(t.device)
-    pci = (f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', 0):02x}:"
-           f"{getattr(p, 'pci_device_id', 0):02x}")
-    return {"device": str(t.device), "name": p.name, "visible": visible, "pci": pci,
-            "uuid": str(p.uuid)}
