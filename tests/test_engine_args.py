@@ -68,3 +68,11 @@ def test_gpu_budget_must_fit_next_to_vllm():
         check_gpu_budget(opts, 0.9, mem_get_info=lambda: (130 * gib, 140 * gib))
     off = XavierOptions.from_xavier_config(dict(CFG, xavier_gpu_budget=0), {})
     check_gpu_budget(off, 0.99, mem_get_info=lambda: (0, 140 * gib))  # tier off: no check
+    # several replicas on one GPU: vLLM's kv_cache_memory_bytes replaces the utilization
+    # (whose default 0.9 would refuse any tier here)
+    check_gpu_budget(opts, 0.9, mem_get_info=lambda: (130 * gib, 140 * gib),
+                     kv_cache_memory_bytes=20 * gib)
+    with pytest.raises(ValueError, match=r"8589934592 bytes do not fit.*kv_cache_memory_bytes="
+                                         r"134217728000 plus its weights"):
+        check_gpu_budget(opts, 0.9, mem_get_info=lambda: (130 * gib, 140 * gib),
+                         kv_cache_memory_bytes=125 * gib)

@@ -51,7 +51,8 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
     """Validate and apply Xavier's settings to ``engine_args`` (in place)."""
     env = os.environ if environ is None else environ
     options = XavierOptions.from_xavier_config(xavier_config, env)
-    check_gpu_budget(options, getattr(engine_args, "gpu_memory_utilization", None))
+    check_gpu_budget(options, getattr(engine_args, "gpu_memory_utilization", None),
+                     kv_cache_memory_bytes=getattr(engine_args, "kv_cache_memory_bytes", None))
     if getattr(engine_args, "kv_transfer_config", None) is not None:
         raise ValueError("kv_transfer_config: Xavier configures vLLM's KV connector itself; "
                          "do not pass kv_transfer_config together with enable_xavier")
@@ -89,9 +90,12 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
 
 
 def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[float],
-                     mem_get_info: Optional[Any] = None) -> None:
-    """The GPU tier is allocated next to vLLM on the same GPU, after vLLM took
-    ``gpu_memory_utilization`` of it: the budget must fit in what is left."""
+                     mem_get_info: Optional[Any] = None,
+                     kv_cache_memory_bytes: Optional[int] = None) -> None:
+    """The GPU tier is allocated next to vLLM on the same GPU, after vLLM took its share:
+    ``gpu_memory_utilization`` of the GPU, or, where ``kv_cache_memory_bytes`` is set (vLLM
+    then ignores the utilization), that many bytes of KV cache (its weights and activations
+    come on top and are not known here).  The budget must fit in what is left."""
     if options.gpu_budget_bytes <= 0:
         return
     if mem_get_info is None:
@@ -101,13 +105,17 @@ def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[fl
             return  # no GPU here: the budget joins the shared-memory tier
         mem_get_info = torch.cuda.mem_get_info
     free, total = mem_get_info()
-    util = 0.9 if gpu_memory_utilization is None else float(gpu_memory_utilization)
-    left = int(free - util * total)
+    if kv_cache_memory_bytes:
+        left = int(free - int(kv_cache_memory_bytes))
+        took = f"vLLM takes kv_cache_memory_bytes={int(kv_cache_memory_bytes)} plus its weights"
+    else:
+        util = 0.9 if gpu_memory_utilization is None else float(gpu_memory_utilization)
+        left = int(free - util * total)
+        took = f"vLLM takes gpu_memory_utilization={util} of {total}"
     if options.gpu_budget_bytes > left:
         raise ValueError(
             f"xavier_gpu_budget: {options.gpu_budget_bytes} bytes do not fit on the GPU next to "
-            f"vLLM ({free} bytes free, vLLM takes gpu_memory_utilization={util} of {total}, "
-            f"leaving {max(left, 0)})")
+            f"vLLM ({free} bytes free, {took}, leaving {max(left, 0)})")
 
 
 def _worker_error(message: str) -> str:
