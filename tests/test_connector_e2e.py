@@ -95,6 +95,9 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert c[tier] == PREFIX // BLOCK
     assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    # the default transport maps a peer of the same host (test_nixl_endpoint: through NIXL)
+    mapped = lt.run(b.counters())
+    assert mapped.get("peers_mapped_ipc") == 1 and mapped.get("peers_mapped_nixl", 0) == 0
     metrics = lt.run(b.metrics_text())
     assert 'xavier_blocks_written_total{rank="2"}' in metrics
     # a miss is counted too (its step has no load call: the figures ride on the export call)

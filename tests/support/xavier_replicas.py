@@ -139,6 +139,19 @@ class ReplicaActor(xo.StatelessActor):
     async def transfer_pid(self) -> int:
         return await self._transfer.pid()
 
+    async def transfer_ready(self) -> bool:
+        return await self._transfer.is_ready()
+
+    async def release_engine_as(self, owner: int) -> bool:
+        return await self._transfer.release_engine(owner)
+
+    async def stop_engine(self) -> None:
+        """What Xinference's ``ModelActor.stop``/``__pre_destroy__`` do first: the model's
+        ``stop()`` (vLLM's ``shutdown()``) in a thread; the transfer actor stays."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
     async def generate_then_cancel(self, prompts: Sequence[List[int]], after_s: float,
                                    max_tokens: int = 64) -> int:
         """Start streaming ``prompts`` and cancel them all after ``after_s`` (vLLM aborts
@@ -153,12 +166,11 @@ class ReplicaActor(xo.StatelessActor):
         return 0
 
     async def __pre_destroy__(self) -> None:
+        # Xinference 3.5.0's order: the model stops (in a thread), then the transfer actor goes
+        await self.stop_engine()
         if self._transfer is not None:
             await xo.destroy_actor(self._transfer)
             self._transfer = None
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
 
 
 @dataclass
@@ -174,12 +186,14 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           engine: Optional[EngineOptions] = None,
                           sequential: bool = False,
                           extra_env: Optional[Dict[str, str]] = None,
-                          gpus: Optional[Sequence[str]] = None) -> AsyncIterator[Replicas]:
+                          gpus: Optional[Sequence[str]] = None,
+                          transport: Optional[str] = None) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
     ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
     memory profiling of one must not see the other still starting).  ``gpus``: a CUDA
     device id per replica, given to its sub pool as ``CUDA_VISIBLE_DEVICES`` the way
-    Xinference places replicas (each then sees one GPU, ``cuda:0``)."""
+    Xinference places replicas (each then sees one GPU, ``cuda:0``).  ``transport``: the
+    launch's ``vllm_transfer_backend_type``."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env(extra_env)
@@ -194,7 +208,7 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                 cfg = {"block_tracker_uid": tracker.uid, "block_tracker_address": tracker.address,
                        "rank": rank, "world_size": n + 1, "rank_address": subs[rank - 1],
                        "store_address": "127.0.0.1", "store_port": 0, "transfer_block_num": 512,
-                       "role": "hybrid", "vllm_transfer_backend_type": None,
+                       "role": "hybrid", "vllm_transfer_backend_type": transport,
                        "xavier_gpu_budget": gpu_budget, "xavier_cpu_budget": cpu_budget}
                 create = xo.create_actor(ReplicaActor, address=subs[rank - 1],
                                          uid=f"replica-{rank}", rank=rank, opts=kwargs,

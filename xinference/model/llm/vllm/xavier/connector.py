@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set
@@ -66,6 +67,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_VLLM = ("0.26.", "0.27.")
 QUERY_TIMEOUT_S = 10.0
 LOAD_TIMEOUT_S = 300.0
+#: how long a worker's shutdown waits for its transfer actor to let go of the KV caches
+RELEASE_TIMEOUT_S = 5.0
 READY_RECHECK_S = 0.5
 
 if not vllm.__version__.startswith(SUPPORTED_VLLM):  # pragma: no cover - version guard
@@ -228,8 +231,9 @@ class XavierConnector(KVConnectorBase_V1):
             return False
         handles, opts = self._handles, asdict(self.options)
         try:
-            fingerprint = self._bridge.call(lambda: ref.register_engine(handles, opts),
-                                            timeout=LOAD_TIMEOUT_S)
+            fingerprint = self._bridge.call(
+                lambda: ref.register_engine(handles, opts, owner=os.getpid()),
+                timeout=LOAD_TIMEOUT_S)
         except Exception as exc:
             logger.warning("xavier: rank %d: registering the KV caches failed: %s",
                            self.options.rank, exc)
@@ -351,8 +355,23 @@ class XavierConnector(KVConnectorBase_V1):
                 logger.warning("xavier: rank %d: export failed: %s", self.options.rank, exc)
 
     def shutdown(self) -> None:
-        """vLLM's connector shutdown: let a last export finish before the caches go away."""
+        """vLLM's connector shutdown (the worker's runs before its process frees the KV
+        caches): let a last export finish, then have the transfer actor let go of this
+        worker's caches (:meth:`TransferActor.release_engine`), so that the importer of
+        the CUDA IPC mappings closes them before their owner exits.  Bounded by
+        ``RELEASE_TIMEOUT_S``; a transfer actor that is gone or slow only gets logged."""
         self.settle_export()
+        if not self._attached:
+            return
+        self._attached = False
+        try:
+            ref = self._transfer.get(timeout=RELEASE_TIMEOUT_S)
+            if ref is not None:
+                self._bridge.call(lambda: ref.release_engine(os.getpid()),
+                                  timeout=RELEASE_TIMEOUT_S)
+        except Exception as exc:
+            logger.info("xavier: rank %d: releasing the KV caches at shutdown: %r",
+                        self.options.rank, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -10,7 +10,9 @@ KV caches (:meth:`TransferActor.register_engine`); from then on the actor
 * runs the batched load engine (:class:`~.gpu_transfer.GPUTransfer`): ONE
   :meth:`load_gpu_requests_v1` per scheduler step with loads;
 * maps peers' storages on first use: CUDA IPC / shared memory on this host,
-  xoscar ``copy_to`` (NIXL on ``nixl://`` pools) from another host;
+  xoscar ``copy_to`` from another host, received through NIXL at a ``nixl://`` address of
+  its own (:mod:`~.nixl_endpoint`) where NIXL is installed, else over sockets; the
+  ``nixl`` transport sends every peer through NIXL, the ``ipc`` one never;
 * keeps the counters and exports them as Prometheus text.
 
 Every load releases its leases (through :class:`~.gpu_transfer.GPUTransfer`) and
@@ -39,11 +41,13 @@ from .kv_handles import CacheHandles, open_handles
 from .kv_schema import KVLayout, layout_of
 from .lease_release import CoalescingReleaser
 from .load_batch import DEST, GROUP, KEY, RANK, TIER, LoadBatch, LoadBatchError, Tier
+from .nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
 from .options import TRANSFER_ACTOR_UID, XavierOptions
 from .plan import SlabConfig
 from .remote_fetch import serve_blocks, xoscar_fetch
 from .scheduler_side import ExportRow, StepMeta
 from .snapshot_storage import SnapshotStorage, TierConfig, open_ipc, open_shm
+from .transport import XAVIER_TRANSPORT_BACKEND_KEY, XAVIER_TRANSPORT_IPC, XAVIER_TRANSPORT_NIXL
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,9 @@ class TransferActor(xo.StatelessActor):
         self._options: Optional[XavierOptions] = None
         self._device: Optional[torch.device] = None
         self._engine_views: Dict[int, List[torch.Tensor]] = {}
+        self._engine_owner: Optional[int] = None
+        #: the NIXL address peers' copy_to writes into (opened on first need)
+        self._endpoint: Optional[NixlEndpoint] = None
         self._layout: Optional[KVLayout] = None
         self._peer_lock = asyncio.Lock()
         #: rank -> monotonic time before which it is not looked up again
@@ -109,10 +116,12 @@ class TransferActor(xo.StatelessActor):
         self.fault_blocks: List[Tuple[int, int]] = []
 
     # --------------------------------------------------------------- lifecycle
-    async def register_engine(self, handles: CacheHandles, options: Dict[str, Any]) -> str:
+    async def register_engine(self, handles: CacheHandles, options: Dict[str, Any],
+                              owner: Optional[int] = None) -> str:
         """Map the engine's KV caches, create the storage, join the directory.
         Returns the KV layout fingerprint.  A second call (engine restarted) replaces
-        everything of the previous engine."""
+        everything of the previous engine.  ``owner``: the registering worker's pid, which
+        :meth:`release_engine` must name."""
         opts = XavierOptions(**options)
         if opts.rank != self.rank:
             raise ValueError(f"rank: engine of rank {opts.rank} registered with the transfer "
@@ -127,11 +136,20 @@ class TransferActor(xo.StatelessActor):
         slabs = SlabConfig(full_rows=opts.slab_blocks, small_rows=min(32, opts.slab_blocks))
         transfer = GPUTransfer(self.rank, slab_config=slabs, release_lease=self._release_lease)
         await transfer.set_local_caches(caches, handles.block_dims)
+        if opts.transport == XAVIER_TRANSPORT_NIXL:  # fails the launch, naming the option
+            try:
+                self._endpoint = await open_nixl_endpoint(self.address)
+            except Exception as exc:
+                await transfer.close()
+                storage.close()
+                raise ValueError(f"{XAVIER_TRANSPORT_BACKEND_KEY}: nixl: cannot receive "
+                                 f"through NIXL here: {exc}") from exc
         await tracker.unregister_rank(self.rank)  # blocks of a previous engine are gone
         await tracker.register_rank(self.rank)
         self._tracker, self._storage, self._transfer = tracker, storage, transfer
         self._options, self._device, self._layout = opts, device, layout
         self._engine_views = transfer.local_block_views
+        self._engine_owner = owner
         logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
                     device, layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
@@ -162,6 +180,25 @@ class TransferActor(xo.StatelessActor):
             raise ValueError("xavier_cpu_budget: no storage tier on this device (the GPU tier "
                              "needs a CUDA engine): set xavier_cpu_budget above 0")
         return tiers
+
+    async def release_engine(self, owner: Optional[int] = None) -> bool:
+        """The engine is shutting down (its worker calls this from vLLM's connector
+        shutdown, before the worker process frees its KV caches): close the transfer
+        engine, which unmaps the engine's KV caches and every peer's storage, so that no
+        process still maps memory its owner frees (CUDA IPC: the importer lets go first).
+        The storage stays and keeps serving peers until the actor is destroyed; loads and
+        exports are refused from now on.  ``owner``: the pid given to
+        :meth:`register_engine`; a release from any other worker (an engine that was
+        replaced since) changes nothing.  Returns whether an engine was released."""
+        transfer = self._transfer
+        if transfer is None or owner != self._engine_owner:
+            return False
+        self._transfer, self._engine_views, self._engine_owner = None, {}, None
+        await transfer.close()
+        await self._close_endpoint()
+        logger.info("transfer actor rank %d: engine released; storage serves peers until "
+                    "the actor goes", self.rank)
+        return True
 
     def is_ready(self) -> bool:
         return self._transfer is not None
@@ -195,6 +232,7 @@ class TransferActor(xo.StatelessActor):
             await asyncio.wait([room], timeout=ROOM_CLOSE_TIMEOUT_S)
         if transfer is not None:
             await transfer.close()
+        await self._close_endpoint()
         if storage is not None:
             storage.close()
         if self._tracker is not None:
@@ -202,6 +240,15 @@ class TransferActor(xo.StatelessActor):
                 await self._tracker.unregister_rank(self.rank)
             except Exception as exc:  # the directory may be gone first at termination
                 logger.info("transfer actor rank %d: unregister: %s", self.rank, exc)
+
+    async def _close_endpoint(self) -> None:
+        endpoint, self._endpoint = self._endpoint, None
+        if endpoint is not None:
+            try:
+                await endpoint.close()
+            except Exception as exc:  # a stop that fails leaks a listening port, no more
+                logger.warning("transfer actor rank %d: closing %s: %r", self.rank,
+                               endpoint.address, exc)
 
     # -------------------------------------------------------------- peer view
     def storage_descriptor(self) -> Dict[str, Any]:
@@ -231,16 +278,39 @@ class TransferActor(xo.StatelessActor):
             raise LookupError(f"rank {rank}: no address known (world {self.world_addresses})")
         peer = await xo.actor_ref(self.world_addresses[rank], f"{TRANSFER_ACTOR_UID}-{rank}")
         desc = await peer.storage_descriptor()
-        same_host = desc["host"] == host_id()
+        route = self._peer_route(desc["host"] == host_id())
+        address = self.address
+        if route == "nixl":
+            if self._endpoint is None:
+                self._endpoint = await open_nixl_endpoint(self.address)
+            address = self._endpoint.address
         for tier, (kind, handles) in desc["tiers"].items():
-            if same_host:
+            if route == "ipc":
                 caches = open_shm(handles) if kind == "shm" else open_ipc(handles)
                 await self._transfer.map_storage(rank, Tier(tier), caches)
             else:
                 await self._transfer.map_remote_storage(
-                    rank, Tier(tier), desc["layout"], xoscar_fetch(peer, self.address, tier))
-        logger.info("transfer actor rank %d: mapped rank %d (%s)", self.rank, rank,
-                    "same host" if same_host else "remote")
+                    rank, Tier(tier), desc["layout"], xoscar_fetch(peer, address, tier))
+        self._add_stats({f"peers_mapped_{route}": 1})
+        logger.info("transfer actor rank %d: mapped rank %d (%s)", self.rank, rank, {
+            "ipc": "same host", "nixl": f"copy_to through NIXL into {address}",
+            "sockets": "copy_to over sockets"}[route])
+
+    def _peer_route(self, same_host: bool) -> str:
+        """How a peer's storage is read: ``ipc`` (mapped: CUDA IPC / shared memory, same
+        host only), ``nixl`` (copy_to received at this actor's NIXL endpoint) or
+        ``sockets`` (copy_to over the pools' sockets).  The ``nixl`` transport sends every
+        peer through NIXL (replicas in separate containers of one host share no IPC);
+        otherwise a peer on this host is mapped, one on another host goes through NIXL
+        where NIXL is installed (the ``ipc`` transport: never)."""
+        transport = self._options.transport if self._options is not None else ""
+        if transport == XAVIER_TRANSPORT_NIXL:
+            return "nixl"
+        if same_host:
+            return "ipc"
+        if transport != XAVIER_TRANSPORT_IPC and nixl_importable():
+            return "nixl"
+        return "sockets"
 
     async def _ensure_mapped(self, pairs: Set[Tuple[int, int]]) -> Set[int]:
         """Map every source rank of ``pairs``; returns the ranks that could not be mapped."""
@@ -376,8 +446,8 @@ class TransferActor(xo.StatelessActor):
         The wall time of the copy and publication is counted in ``export_call_us``."""
         if stats:
             self._add_stats(stats)
-        if self._storage is None or not rows:
-            return {}
+        if self._storage is None or self._transfer is None or not rows:
+            return {}  # no engine (released or never registered): nothing to read from
         with elapsed_us(lambda us: self._add_stats({"export_call_us": us})):
             res = await self._storage.export(self._engine_views, list(rows))
         _remember(self._recent_exports, rows)
