@@ -22,3 +22,9 @@ print('xinference', xinference.__version__, 'vllm', vllm.__version__, 'xavier fr
   2>&1 | tee "$out/versions.txt"
 timeout ${XAVIER_GPU_TEST_TIMEOUT:-540} python3 -m pytest -v -s -p no:cacheprovider \
   tests/test_xinference_local.py 2>&1 | tee "$out/xinference-local-gpu.log"
+rc=${PIPESTATUS[0]}
+# teardown order: the transfer actors let go of CUDA IPC mappings before their owners exit
+for needle in "engine released" "Producer process has been terminated" "force killing"; do
+  printf '%-40s %s\n' "$needle" "$(grep -c "$needle" "$out/xinference-local.log" 2>/dev/null)"
+done | tee "$out/teardown.txt"
+exit "$rc"
