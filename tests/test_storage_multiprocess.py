@@ -36,10 +36,9 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
         pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4)
         try:
             # rank 1 exports 4 blocks in two steps: the tiny GPU tier overflows to CPU
-            # (an export never demotes: the second step goes straight to the CPU tier)
             await a.export([(0, 100, 10), (0, 101, 11)])
             r = await a.export([(0, 102, 12), (0, 103, 13)])
-            assert r["demoted"] == 0 and r["exported"] == 2
+            assert r["demoted"] == 2 and r["exported"] == 2
             q = await b.query([100, 101, 102, 103, 555])
             assert q.keys == (100, 101, 102, 103)
             out = await b.load(q, [40, 41, 42, 43])
@@ -48,13 +47,11 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             assert out["digests"] == await a.block_digests([10, 11, 12, 13])
             assert (await tracker.stats())["outstanding_leases"] == 0
 
-            # a peer holds leases on the two oldest CPU-tier blocks while rank 1 exports more
+            # a peer holds leases on two GPU-tier blocks while rank 1 exports more
             held = await b.query([102, 103])
-            r = await a.export([(0, 104, 14), (0, 105, 15)])  # the CPU tier's last free slots
-            assert r["exported"] == 2 and r["skipped_no_slot"] == 0
-            r = await a.export([(0, 106, 16), (0, 107, 17)])  # both tiers full
-            assert r["claims_refused"] == 2  # the leased LRU slots were not reused ...
-            assert r["exported"] == 0 and r["skipped_no_slot"] == 2  # ... the blocks skipped
+            r = await a.export([(0, 104, 14), (0, 105, 15)])
+            assert r["claims_refused"] == 2  # the leased GPU slots were not reused ...
+            assert r["exported"] == 2 and r["skipped_no_slot"] == 0  # ... the CPU tier took them
             out = await b.load(held, [50, 51])
             assert out["error"] is None
             assert out["digests"] == await a.block_digests([12, 13])
@@ -70,7 +67,7 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             stats = await tracker.stats()
             assert stats["outstanding_leases"] == 0 and stats["blocks"] == 0
             record("tier budgets exhausted under leases (3 processes)", 2, 2, 3, 0,
-                   "2 leased CPU slots refused for reuse, the export skipped its blocks")
+                   "2 leased GPU slots refused for reuse, CPU tier took the overflow")
             await a.close()
             await b.close()
         finally:

@@ -80,11 +80,10 @@ def test_cuda_ipc_loads_across_gpus_from_two_source_ranks(placement):
         try:
             await _assert_on_other_gpu(st[1], loader)
             assert (await st[3].cuda_device())["uuid"] == (await loader.cuda_device())["uuid"]
-            # rank 1: 6 blocks into a 4-block GPU tier (the second export: one into the last
-            # free GPU slot, two straight to its CPU tier, nothing demoted); rank 3: 3
+            # rank 1: 6 blocks into a 4-block GPU tier (2 demoted to its CPU tier); rank 3: 3
             await st[1].export([(0, 100 + i, 10 + i) for i in range(3)])
             r = await st[1].export([(0, 103 + i, 13 + i) for i in range(3)])
-            assert (r["exported"], r["demoted"]) == (3, 0)
+            assert r["demoted"] == 2
             await st[3].export([(0, 200 + i, 20 + i) for i in range(3)])
             for rank in (1, 3):
                 await loader.map_peer(rank, await st[rank].handles())

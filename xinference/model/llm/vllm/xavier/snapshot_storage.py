@@ -229,18 +229,12 @@ class SnapshotStorage:
     async def export(self, kv_views: Dict[int, List[torch.Tensor]],
                      blocks: Sequence[Tuple[int, int, int]]) -> ExportResult:
         """Store ``(group, key, block_id)`` blocks of this rank's KV caches (block views,
-        as :func:`~.block_copy.block_view` gives) and publish them once fenced.
-
-        Never demotes (the engine's next step waits for this call): a tier with a tier
-        below it only gives its free slots (:meth:`make_room` frees them ahead, in the
-        background); what it cannot take goes one tier down; the last tier evicts its LRU
-        blocks (a claim, no copy) for the rest; what no tier can take is skipped
-        (``skipped_no_slot``: a later miss, never wrong KV)."""
+        as :func:`~.block_copy.block_view` gives) and publish them once fenced."""
         if self._closed:
             raise RuntimeError(f"export: the snapshot storage of rank {self.rank} is closed")
         async with self._lock:
             res = ExportResult()
-            top, last = self._tiers[min(self._tiers)], max(self._tiers)
+            top = self._tiers[min(self._tiers)]
             by_group: Dict[int, List[Tuple[int, int]]] = {}
             seen = set()
             for group, key, block_id in blocks:
@@ -261,8 +255,7 @@ class SnapshotStorage:
                     if not pending:
                         break
                     t = self._tiers[tier]
-                    slots = await self._slots_for(tier, group, len(pending), res,
-                                                  evict=tier == last)
+                    slots = await self._slots_for(tier, group, len(pending), res)
                     placed, pending = pending[:len(slots)], pending[len(slots):]
                     if not placed:
                         continue
@@ -303,14 +296,12 @@ class SnapshotStorage:
                         break  # every victim leased: the next export copes
         return res
 
-    async def _slots_for(self, tier: Tier, group: int, count: int, res: ExportResult,
-                         evict: bool = True) -> List[int]:
-        """Up to ``count`` slots of ``tier`` ready to be written: free ones, then (if
-        ``evict``) granted LRU victims."""
+    async def _slots_for(self, tier: Tier, group: int, count: int,
+                         res: ExportResult) -> List[int]:
+        """Up to ``count`` slots of ``tier`` ready to be written (free or granted victims)."""
         alloc = self._tiers[tier].allocators[group]
         slots = self._take_free(alloc, count)
-        if evict and len(slots) < count and await self._evict(tier, group, count - len(slots),
-                                                              res):
+        if len(slots) < count and await self._evict(tier, group, count - len(slots), res):
             slots += self._take_free(alloc, count - len(slots))
         return slots
 
