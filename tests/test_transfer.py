@@ -143,3 +143,43 @@ def test_exports_start_a_background_make_room_only_above_a_lower_tier():
 
     c, room, _ = asyncio.run(run([TierConfig(Tier.CPU, 16 * bb)]))
     assert room is None and c["export_evicted"] == 4 and "room_call_us" not in c
+
+
+def test_release_engine_names_its_owner_and_stops_exports_but_keeps_the_storage():
+    """The worker's connector shutdown releases the engine: only the registering worker's
+    pid does; afterwards exports are refused (the engine's caches are no longer mapped) and
+    the storage still holds what was stored (peers read it until the actor goes)."""
+    import asyncio
+
+    from xinference.model.llm.vllm.xavier.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
+    from xinference.model.llm.vllm.xavier.snapshot_storage import (
+        LocalDirectory,
+        SnapshotStorage,
+        TierConfig,
+    )
+
+    cache = {0: [torch.zeros((8, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
+    layout = layout_of(cache)
+    bb = layout.groups[0].block_bytes
+
+    async def run():
+        actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
+        actor._storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb)],
+                                         LocalDirectory())
+        transfer = GPUTransfer(1)
+        await transfer.set_local_caches({0: [("k", t) for t in cache[0]]}, {0: 0})
+        actor._transfer, actor._engine_owner = transfer, 7
+        actor._engine_views = {0: [block_view(t, 0) for t in cache[0]]}
+        stored = await actor.export_blocks([(0, 11, 1)])
+        assert not await actor.release_engine(8)  # another worker's late shutdown
+        assert actor.is_ready() and not transfer.closed
+        assert await actor.release_engine(7)
+        assert not actor.is_ready() and transfer.closed
+        refused = await actor.export_blocks([(0, 12, 2)])
+        kept = actor._storage.lookup(0, 11) is not None
+        await actor._close_runtime()
+        return stored, refused, kept
+
+    stored, refused, kept = asyncio.run(run())
+    assert stored["export_exported"] == 1 and refused == {} and kept

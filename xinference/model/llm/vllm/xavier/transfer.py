@@ -446,7 +446,7 @@ class TransferActor(xo.StatelessActor):
         The wall time of the copy and publication is counted in ``export_call_us``."""
         if stats:
             self._add_stats(stats)
-        if self._storage is None or self._transfer is None or not rows:
+        if self._storage is None or not self._engine_views or not rows:
             return {}  # no engine (released or never registered): nothing to read from
         with elapsed_us(lambda us: self._add_stats({"export_call_us": us})):
             res = await self._storage.export(self._engine_views, list(rows))
