@@ -183,3 +183,70 @@ def test_release_engine_names_its_owner_and_stops_exports_but_keeps_the_storage(
 
     stored, refused, kept = asyncio.run(run())
     assert stored["export_exported"] == 1 and refused == {} and kept
+
+
+@pytest.mark.parametrize("transport,same_host,route", [
+    ("xavier", True, "ipc"), ("xavier", False, "nixl"), ("ipc", True, "ipc"),
+    ("ipc", False, "sockets"), ("nixl", True, "nixl"), ("nixl", False, "nixl")])
+def test_peer_route_follows_the_transport_option(transport, same_host, route):
+    from .support.pools import nixl_available
+
+    actor = TransferActor(1, 3, "127.0.0.1:1", "127.0.0.1", 0, [])
+    actor._options = opts(vllm_transfer_backend_type=transport)
+    want = "sockets" if route == "nixl" and transport == "xavier" and not nixl_available() \
+        else route
+    assert actor._peer_route(same_host) == want
+
+
+class _RemoteMapsRecorded:
+    def __init__(self):
+        self.remote = []
+
+    async def map_remote_storage(self, rank, tier, layout, fetch):
+        self.remote.append((rank, tier, fetch))
+
+
+def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(monkeypatch):
+    """A NIXL endpoint that cannot be opened (a fault this machine cannot cause: NIXL and UCX
+    work here; the real endpoint is in test_nixl_endpoint.py): the automatic transport reads
+    peers on other hosts over sockets from then on; the nixl transport fails the mapping
+    (the load is recomputed) instead of silently using sockets."""
+    import asyncio
+
+    from xinference.model.llm.vllm.xavier import transfer as transfer_mod
+
+    class Peer:
+        async def storage_descriptor(self):
+            return {"host": "another-host/boot", "layout": None, "tiers": {1: ("shm", {})}}
+
+    async def actor_ref(address, uid):
+        return Peer()
+
+    async def no_endpoint(address):
+        raise RuntimeError("UCX: no usable transport")
+
+    monkeypatch.setattr(transfer_mod.xo, "actor_ref", actor_ref)
+    monkeypatch.setattr(transfer_mod, "open_nixl_endpoint", no_endpoint)
+    monkeypatch.setattr(transfer_mod, "nixl_importable", lambda: True)
+    fetch_addresses = []
+    monkeypatch.setattr(transfer_mod, "xoscar_fetch",
+                        lambda peer, address, tier: fetch_addresses.append(address) or address)
+
+    async def run(transport):
+        actor = TransferActor(2, 3, "127.0.0.1:2", "127.0.0.1", 0,
+                              ["127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:2"])
+        actor._options = opts(vllm_transfer_backend_type=transport)
+        actor._transfer = _RemoteMapsRecorded()
+        try:
+            await actor._map_peer(1)
+        except RuntimeError as exc:
+            return actor, exc
+        return actor, None
+
+    actor, err = asyncio.run(run("xavier"))
+    assert err is None and actor._stats == {"peers_mapped_sockets": 1}
+    assert fetch_addresses == [actor.address]  # staging rows under the pool's own address
+    assert [(r, t) for r, t, _ in actor._transfer.remote] == [(1, Tier.CPU)]
+    assert actor._peer_route(False) == "sockets"  # the endpoint is not tried again
+    actor, err = asyncio.run(run("nixl"))
+    assert "no usable transport" in str(err) and actor._stats == {}

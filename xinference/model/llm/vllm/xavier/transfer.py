@@ -99,6 +99,8 @@ class TransferActor(xo.StatelessActor):
         self._engine_owner: Optional[int] = None
         #: the NIXL address peers' copy_to writes into (opened on first need)
         self._endpoint: Optional[NixlEndpoint] = None
+        #: opening the endpoint failed once: the automatic transport uses sockets from then on
+        self._nixl_broken = False
         self._layout: Optional[KVLayout] = None
         self._peer_lock = asyncio.Lock()
         #: rank -> monotonic time before which it is not looked up again
@@ -281,9 +283,17 @@ class TransferActor(xo.StatelessActor):
         route = self._peer_route(desc["host"] == host_id())
         address = self.address
         if route == "nixl":
-            if self._endpoint is None:
-                self._endpoint = await open_nixl_endpoint(self.address)
-            address = self._endpoint.address
+            try:
+                if self._endpoint is None:
+                    self._endpoint = await open_nixl_endpoint(self.address)
+                address = self._endpoint.address
+            except Exception as exc:
+                if self._options is not None and self._options.transport == XAVIER_TRANSPORT_NIXL:
+                    raise  # asked for: the load fails (recomputed), the next one tries again
+                logger.warning("transfer actor rank %d: no NIXL endpoint (%r): peers on other "
+                               "hosts are read over sockets", self.rank, exc)
+                self._nixl_broken = True
+                route = "sockets"
         for tier, (kind, handles) in desc["tiers"].items():
             if route == "ipc":
                 caches = open_shm(handles) if kind == "shm" else open_ipc(handles)
@@ -302,13 +312,13 @@ class TransferActor(xo.StatelessActor):
         ``sockets`` (copy_to over the pools' sockets).  The ``nixl`` transport sends every
         peer through NIXL (replicas in separate containers of one host share no IPC);
         otherwise a peer on this host is mapped, one on another host goes through NIXL
-        where NIXL is installed (the ``ipc`` transport: never)."""
+        where NIXL is installed and its endpoint opened (the ``ipc`` transport: never)."""
         transport = self._options.transport if self._options is not None else ""
         if transport == XAVIER_TRANSPORT_NIXL:
             return "nixl"
         if same_host:
             return "ipc"
-        if transport != XAVIER_TRANSPORT_IPC and nixl_importable():
+        if transport != XAVIER_TRANSPORT_IPC and not self._nixl_broken and nixl_importable():
             return "nixl"
         return "sockets"
 
