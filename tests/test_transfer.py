@@ -5,9 +5,16 @@ import numpy as np
 import pytest
 import torch
 
+from xinference.model.llm.vllm.xavier.block_copy import block_view
+from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.options import XavierOptions
+from xinference.model.llm.vllm.xavier.snapshot_storage import (
+    LocalDirectory,
+    SnapshotStorage,
+    TierConfig,
+)
 from xinference.model.llm.vllm.xavier.transfer import TransferActor, _dests, _without_rows
 
 
@@ -32,6 +39,13 @@ def test_dests_of_malformed_tables():
     assert _dests([[1, 2, 3]]) == []  # too few columns: nothing readable, no exception
     assert _dests("garbage") == []
     assert _dests(np.zeros((0, 6), np.int64)) == []
+
+
+def engine_cache(blocks):
+    """A one-group bf16 engine KV cache of ``blocks`` blocks, its layout, its block bytes."""
+    cache = {0: [torch.zeros((blocks, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
+    layout = layout_of(cache)
+    return cache, layout, layout.groups[0].block_bytes
 
 
 def opts(**kw):
@@ -108,16 +122,7 @@ def test_exports_start_a_background_make_room_only_above_a_lower_tier():
     ahead would only lose blocks).  Close waits for a make-room in flight."""
     import asyncio
 
-    from xinference.model.llm.vllm.xavier.block_copy import block_view
-    from xinference.model.llm.vllm.xavier.snapshot_storage import (
-        LocalDirectory,
-        SnapshotStorage,
-        TierConfig,
-    )
-
-    cache = {0: [torch.zeros((64, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
-    layout = layout_of(cache)
-    bb = layout.groups[0].block_bytes
+    cache, layout, bb = engine_cache(64)
 
     async def run(tiers):
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
@@ -151,17 +156,7 @@ def test_release_engine_names_its_owner_and_stops_exports_but_keeps_the_storage(
     the storage still holds what was stored (peers read it until the actor goes)."""
     import asyncio
 
-    from xinference.model.llm.vllm.xavier.block_copy import block_view
-    from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
-    from xinference.model.llm.vllm.xavier.snapshot_storage import (
-        LocalDirectory,
-        SnapshotStorage,
-        TierConfig,
-    )
-
-    cache = {0: [torch.zeros((8, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
-    layout = layout_of(cache)
-    bb = layout.groups[0].block_bytes
+    cache, layout, bb = engine_cache(8)
 
     async def run():
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
