@@ -38,12 +38,10 @@ async def actor_pool(n_process: int = 1, scheme: str = "",
 
 
 def nixl_available() -> bool:
-    """NIXL's Python API importable (xoscar's nixl channel needs it)."""
-    try:
-        from nixl._api import nixl_agent  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """NIXL's Python API importable (xoscar's nixl channel needs it): the package's check."""
+    from xinference.model.llm.vllm.xavier.nixl_endpoint import nixl_importable
+
+    return nixl_importable()
 
 
 def sub_pool_addresses(pool: xo.MainActorPoolType) -> List[str]:

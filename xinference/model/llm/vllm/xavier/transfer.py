@@ -140,7 +140,7 @@ class TransferActor(xo.StatelessActor):
         await transfer.set_local_caches(caches, handles.block_dims)
         if opts.transport == XAVIER_TRANSPORT_NIXL:  # fails the launch, naming the option
             try:
-                self._endpoint = await open_nixl_endpoint(self.address)
+                await self._nixl_address()
             except Exception as exc:
                 await transfer.close()
                 storage.close()
@@ -243,6 +243,12 @@ class TransferActor(xo.StatelessActor):
             except Exception as exc:  # the directory may be gone first at termination
                 logger.info("transfer actor rank %d: unregister: %s", self.rank, exc)
 
+    async def _nixl_address(self) -> str:
+        """This actor's NIXL endpoint address (the endpoint is opened on first use)."""
+        if self._endpoint is None:
+            self._endpoint = await open_nixl_endpoint(self.address)
+        return self._endpoint.address
+
     async def _close_endpoint(self) -> None:
         endpoint, self._endpoint = self._endpoint, None
         if endpoint is not None:
@@ -284,9 +290,7 @@ class TransferActor(xo.StatelessActor):
         address = self.address
         if route == "nixl":
             try:
-                if self._endpoint is None:
-                    self._endpoint = await open_nixl_endpoint(self.address)
-                address = self._endpoint.address
+                address = await self._nixl_address()
             except Exception as exc:
                 if self._options is not None and self._options.transport == XAVIER_TRANSPORT_NIXL:
                     raise  # asked for: the load fails (recomputed), the next one tries again
