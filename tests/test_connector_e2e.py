@@ -35,9 +35,10 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def world(tiny_model_dir: str) -> Iterator[tuple]:
-    if DEVICE == "cuda":
+    if DEVICE == "cuda":  # vLLM's defaults: CUDA graphs, async scheduling, its model runner
         opts = EngineOptions(model=tiny_model_dir, extra={
-            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
+            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
+            "enforce_eager": os.environ.get("XAVIER_TEST_EAGER") == "1"})
         yield from replicas_in_loop_thread(tiny_model_dir, n=2, gpu_budget="256MiB",
                                            cpu_budget="64MiB", engine=opts,
                                            sequential=GPUS is None, gpus=GPUS)
@@ -71,6 +72,18 @@ def assert_loaded_bytes_exact(lt: LoopThread, r: Replicas, keys_expected: int) -
     stored = lt.run(a.stored_block_digests(list(loaded)))
     assert len(loaded) >= keys_expected
     assert stored == loaded  # every block B loaded holds exactly A's bytes
+
+
+def test_vllm_defaults_are_kept(world):
+    """Xavier leaves vLLM's speed settings as vLLM chooses them: async scheduling where
+    vLLM has it (the GPU; vLLM's CPU platform turns it off), CUDA graphs on the GPU."""
+    lt, r = world
+    settings = lt.run(r.replicas[0].engine_settings())
+    print(f"\nvLLM settings with Xavier: {settings}")
+    if DEVICE == "cuda":
+        assert settings["async_scheduling"] is True
+        if os.environ.get("XAVIER_TEST_EAGER") != "1":
+            assert settings["enforce_eager"] is False and "NONE" not in settings["cudagraph_mode"]
 
 
 def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):

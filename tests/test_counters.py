@@ -1,4 +1,18 @@
-from xinference.model.llm.vllm.xavier.counters import TransferCounters, prometheus_text
+"""Counters: the fixed names, the shared-memory file another process reads, Prometheus."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.counters import (
+    ALL_NAMES,
+    Counters,
+    SharedCounters,
+    TransferCounters,
+    prometheus_text,
+    sum_snapshots,
+)
 
 
 def test_prometheus_text_has_every_counter_with_labels():
@@ -8,3 +22,38 @@ def test_prometheus_text_has_every_counter_with_labels():
     assert 'xavier_useful_bytes_total{model="m",rank="1"} 1024' in text
     for name in c.snapshot():
         assert f"# TYPE xavier_{name}_total counter" in text
+    gauge = prometheus_text({"storage_gpu_used_blocks": 5}, {"rank": "1"})
+    assert "# TYPE xavier_storage_gpu_used_blocks gauge" in gauge
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(KeyError):
+        Counters().add("no_such_counter")
+
+
+def _writer(path: str) -> None:
+    c = SharedCounters.open(path)
+    c.add("blocks_written", 32)
+    c.set("storage_cpu_used_blocks", 7)
+    c.close()
+
+
+def test_another_process_reads_what_the_writer_adds_and_the_file_goes_with_its_owner():
+    owner = SharedCounters.create()
+    owner.add("batch_calls")
+    p = mp.get_context("spawn").Process(target=_writer, args=(owner.path,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    reader = SharedCounters.open(owner.path)
+    snap = reader.snapshot()
+    assert set(snap) == set(ALL_NAMES)
+    assert snap["batch_calls"] == 1 and snap["blocks_written"] == 32
+    assert snap["storage_cpu_used_blocks"] == 7
+    assert os.path.basename(owner.path).startswith(f"xavier-{os.getpid()}-")
+    assert sum_snapshots(snap, {"batch_calls": 2})["batch_calls"] == 3
+    reader.close()
+    owner.close()
+    owner.close()
+    assert not os.path.exists(owner.path)
+    assert TransferCounters.of(Counters()).batch_calls == 0

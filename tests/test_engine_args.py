@@ -32,8 +32,10 @@ def test_kv_transfer_config_seed_and_scheduling(model):
     assert XavierOptions.from_extra_config(ktc.kv_connector_extra_config) == opts
     assert opts.cpu_budget_bytes == 64 * 2**20
     assert env["PYTHONHASHSEED"] == "0" and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # V2 (0.26, GPU) skips load-failure recompute
-    assert args.enable_prefix_caching is True and args.async_scheduling is False
+    # vLLM's own speed settings are left alone: async scheduling as vLLM decides (None:
+    # on where it applies), the model runner vLLM picks
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env
+    assert args.enable_prefix_caching is True and args.async_scheduling is None
     assert args.worker_extension_cls == WORKER_EXTENSION
 
 
@@ -50,12 +52,13 @@ def test_conflicting_or_bad_settings_fail_naming_the_option(model):
         prepare_engine_args(AsyncEngineArgs(model=model), CFG, {"PYTHONHASHSEED": "random"})
 
 
-def test_user_async_scheduling_and_worker_extension_are_kept(model):
-    args = AsyncEngineArgs(model=model, async_scheduling=True, worker_extension_cls="my.Ext")
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    prepare_engine_args(args, CFG, env)
-    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
-    assert args.async_scheduling is True and args.worker_extension_cls == "my.Ext"
+def test_user_scheduling_runner_and_worker_extension_are_kept(model):
+    for asked, runner in ((True, "1"), (False, "0")):
+        args = AsyncEngineArgs(model=model, async_scheduling=asked, worker_extension_cls="my.Ext")
+        env = {"VLLM_USE_V2_MODEL_RUNNER": runner}
+        prepare_engine_args(args, CFG, env)
+        assert env["VLLM_USE_V2_MODEL_RUNNER"] == runner
+        assert args.async_scheduling is asked and args.worker_extension_cls == "my.Ext"
 
 
 def test_gpu_budget_must_fit_next_to_vllm():

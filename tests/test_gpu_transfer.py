@@ -1,7 +1,6 @@
 """The batched load engine on real tensors (CPU here; the same tests run on CUDA
 when a device is present: XAVIER_TEST_DEVICE=cuda)."""
 
-import asyncio
 import os
 import threading
 
@@ -19,7 +18,7 @@ from xinference.model.llm.vllm.xavier.gpu_transfer import (
     LoadRejected,
     TransferClosedError,
 )
-from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError
+from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError, layout_of
 from xinference.model.llm.vllm.xavier.load_batch import NULL_BLOCK_ID, Tier
 from xinference.model.llm.vllm.xavier.plan import ConflictingWriteError, SlabConfig
 
@@ -36,7 +35,7 @@ class Releaser:
     def __init__(self, fail_ids=()):
         self.released, self.fail_ids = [], set(fail_ids)
 
-    async def __call__(self, lease: Lease) -> None:
+    def __call__(self, lease: Lease) -> None:
         self.released.append(lease.lease_id)
         if lease.lease_id in self.fail_ids:
             raise RuntimeError(f"directory unreachable for lease {lease.lease_id}")
@@ -48,11 +47,11 @@ def assert_equal_bits(got, exp):
             assert torch.equal(bits(a.cpu()), bits(b.cpu())), f"group {g} differs"
 
 
-async def engine_with(world, local, releaser=None, cfg=CFG, kernel=None):
+def engine_with(world, local, releaser=None, cfg=CFG, kernel=None):
     eng = GPUTransfer(rank=0, slab_config=cfg, release_lease=releaser, copy_kernel=kernel)
-    await eng.set_local_caches(local, BLOCK_DIM)
+    eng.set_local_caches(local, BLOCK_DIM)
     for (rank, tier), caches in world.storages.items():
-        await eng.map_storage(rank, Tier(tier), caches, BLOCK_DIM)
+        eng.map_storage(rank, Tier(tier), caches, BLOCK_DIM)
     return eng
 
 
@@ -99,14 +98,10 @@ def test_batched_load_bit_exact_and_counters_exact(dtype, scenario, seed):
     expected = expected_after(local, world, dest_key)
     releaser = Releaser()
 
-    async def run():
-        eng = await engine_with(world, local, releaser)
-        leases = [Lease(i, 1) for i in range(3)]
-        res = await eng.load_gpu_requests_v1(loads(rows), leases)
-        await eng.close()
-        return eng, res
-
-    eng, res = asyncio.run(run())
+    eng = engine_with(world, local, releaser)
+    leases = [Lease(i, 1) for i in range(3)]
+    res = eng.load_gpu_requests_v1(loads(rows), leases).wait(30)
+    eng.close()
     assert_equal_bits(local, expected)
     reads = {(g, k) for (g, d), k in dest_key.items()}
     block_bytes = {g: sum(t[0].numel() for t in [[x.select(BLOCK_DIM[g], 0)]
@@ -131,11 +126,8 @@ def test_negative_control_skipped_copy_is_caught(monkeypatch):
     expected = expected_after(local, world, dest_key)
     monkeypatch.setattr(gpu_transfer, "copy_transfer", lambda *a, **k: None)
 
-    async def run():
-        eng = await engine_with(world, local, kernel="torch")
-        return await eng.load_gpu_requests_v1(loads(rows))
-
-    res = asyncio.run(run())
+    eng = engine_with(world, local, kernel="torch")
+    res = eng.load_gpu_requests_v1(loads(rows)).wait(30)
     assert res.blocks_written == 2  # claimed ...
     with pytest.raises(AssertionError, match="differs"):
         assert_equal_bits(local, expected)  # ... but caught
@@ -157,13 +149,9 @@ def test_conflict_rejected_before_any_byte_is_written():
             [(0, 7, 2, 1, s[(2, 1, 0, 7)], 9)]]
     releaser = Releaser()
 
-    async def run():
-        eng = await engine_with(world, local, releaser)
-        with pytest.raises(ConflictingWriteError, match="destination block 9"):
-            await eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
-        return eng
-
-    eng = asyncio.run(run())
+    eng = engine_with(world, local, releaser)
+    with pytest.raises(ConflictingWriteError, match="destination block 9"):
+        eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
     assert_equal_bits(local, before)
     assert releaser.released == [1, 2]
     assert eng.counters.rejected_batches == 1 and eng.counters.batch_calls == 0
@@ -180,55 +168,83 @@ def test_out_of_range_or_unmapped_rejected_and_named(row, field):
     good = (0, 6, 1, 0, world.slot_of[(1, 0, 0, 6)], 4)
     releaser = Releaser()
 
-    async def run():
-        eng = await engine_with(world, local, releaser)
-        with pytest.raises(LoadRejected, match=f"^{field}: "):
-            await eng.load_gpu_requests_v1(loads([[good, row]]), [Lease(1, 1)])
-
-    asyncio.run(run())
+    eng = engine_with(world, local, releaser)
+    with pytest.raises(LoadRejected, match=f"^{field}: "):
+        eng.load_gpu_requests_v1(loads([[good, row]]), [Lease(1, 1)])
     assert_equal_bits(local, before)
     assert releaser.released == [1]
 
 
-def test_repeated_cancellation_waits_for_copy_and_releases():
+def _remote(world, rank, tier, gate=None, fail=False):
+    """A fetch that serves ``world``'s storage of ``(rank, tier)`` as another host would
+    (staging rows), on the completion thread; it waits for ``gate`` and can fail."""
+    caches = world.storages[(rank, tier)]
+
+    def fetch(t):
+        if gate is not None:
+            assert gate.wait(30)
+        if fail:
+            raise ConnectionError("source host unreachable")
+        idx = torch.as_tensor(t.src_slots)
+        return [block_copy.as_byte_rows(block_copy.block_view(x, BLOCK_DIM[t.group])
+                                        .index_select(0, idx.to(x.device)).cpu())
+                for x in caches[t.group]]
+
+    return fetch
+
+
+def test_background_load_finishes_and_releases_after_its_copy_and_close_waits():
+    """A load whose source is another host's: launched, not yet done, leases still held;
+    it completes on the completion thread, then releases; close() waits for it."""
     world, local = _simple()
     s = world.slot_of
     dest_key = {(0, 3): 5, (0, 4): 6, (1, 5): 7}
     rows = [[(g, k, 1, 0, s[(1, 0, g, k)], d) for (g, d), k in dest_key.items()]]
     expected = expected_after(local, world, dest_key)
-    gate, entered = threading.Event(), threading.Event()
-    real_copy = gpu_transfer.copy_transfer
-
-    def gated_copy(*args, **kwargs):
-        entered.set()
-        assert gate.wait(30)
-        return real_copy(*args, **kwargs)
-
+    gate = threading.Event()
     releaser = Releaser()
-
-    async def run():
-        eng = await engine_with(world, local, releaser, kernel="torch")
-        gpu_transfer.copy_transfer = gated_copy
-        try:
-            task = asyncio.ensure_future(eng.load_gpu_requests_v1(loads(rows), [Lease(7, 1)]))
-            while not entered.is_set():
-                await asyncio.sleep(0.01)
-            for _ in range(3):
-                task.cancel()
-                await asyncio.sleep(0.02)
-                assert not task.done()  # still waiting for the copy
-            assert releaser.released == []
-            gate.set()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        finally:
-            gpu_transfer.copy_transfer = real_copy
-        return eng
-
-    eng = asyncio.run(run())
-    assert_equal_bits(local, expected)  # the copy finished before the caller returned
+    eng = GPUTransfer(rank=0, slab_config=CFG, release_lease=releaser)
+    eng.set_local_caches(local, BLOCK_DIM)
+    layout = layout_of(world.storages[(1, 0)], BLOCK_DIM)
+    eng.map_remote_storage(1, Tier.GPU, layout, _remote(world, 1, 0, gate))
+    handle = eng.load_gpu_requests_v1(loads(rows), [Lease(7, 1)])
+    assert not handle.reportable and not handle.done
+    assert releaser.released == []  # the copy has not happened: the source stays leased
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # close() waits for the load in flight
+    gate.set()
+    closer.join(30)
+    assert not closer.is_alive() and eng.closed
+    res = handle.wait(0)
+    assert res.failed == frozenset() and res.blocks_written == 3
+    assert_equal_bits(local, expected)
     assert releaser.released == [7]
     assert eng.counters.batch_calls == 1
+
+
+def test_a_failed_remote_transfer_fails_only_its_blocks():
+    world, local = _simple()
+    s = world.slot_of
+    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 2, 1, s[(2, 1, 0, 6)], 4)]]
+    expected = expected_after(local, world, {(0, 3): 5})
+    releaser = Releaser()
+    eng = GPUTransfer(rank=0, slab_config=CFG, release_lease=releaser)
+    eng.set_local_caches(local, BLOCK_DIM)
+    eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
+    layout = layout_of(world.storages[(2, 1)], BLOCK_DIM)
+    eng.map_remote_storage(2, Tier.CPU, layout, _remote(world, 2, 1, fail=True))
+    res = eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)]).wait(30)
+    assert res.failed == frozenset({4}) and res.blocks_written == 1
+    got = {g: [t.clone() for t in ts] for g, ts in local.items()}
+    for g in got:  # block 4 is whatever it was; compare the rest
+        for a, b in zip(got[g], expected[g]):
+            a.select(BLOCK_DIM[g], 4).copy_(b.select(BLOCK_DIM[g], 4))
+    assert_equal_bits(got, expected)
+    assert sorted(releaser.released) == [1, 2]
+    assert eng.counters.load_failures == 1 and eng.counters.blocks_written == 1
+    eng.close()
 
 
 def test_partial_lease_release_failure_is_reported_and_others_released():
@@ -237,12 +253,8 @@ def test_partial_lease_release_failure_is_reported_and_others_released():
     rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3)]]
     releaser = Releaser(fail_ids={2})
 
-    async def run():
-        eng = await engine_with(world, local, releaser)
-        res = await eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)])
-        return eng, res
-
-    eng, res = asyncio.run(run())
+    eng = engine_with(world, local, releaser)
+    res = eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)]).wait(30)
     assert sorted(releaser.released) == [1, 2, 3, 4]
     assert len(res.lease_release_errors) == 1 and "lease 2" in res.lease_release_errors[0]
     assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
@@ -266,14 +278,13 @@ def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
     monkeypatch.setattr(gpu_transfer, "copy_transfer", failing_second)
     releaser = Releaser()
 
-    async def run():
-        eng = await engine_with(world, local, releaser, kernel="torch")
-        with pytest.raises(LoadError) as ei:
-            await eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
-        return eng, ei.value
-
-    eng, err = asyncio.run(run())
+    eng = engine_with(world, local, releaser, kernel="torch")
+    handle = eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+    with pytest.raises(LoadError) as ei:
+        handle.wait(30)
+    err = ei.value
     assert err.planned[0].tolist() == [3, 4]
+    assert handle.failed == {3, 4}  # every planned destination is suspect
     assert sorted(releaser.released) == [1, 2]
     assert eng.counters.load_failures == 1 and eng.counters.batch_calls == 0
 
@@ -282,17 +293,14 @@ def test_close_twice_then_load_and_map_refused():
     world, local = _simple()
     releaser = Releaser()
 
-    async def run():
-        eng = await engine_with(world, local, releaser)
-        await eng.close()
-        await eng.close()
-        assert eng.closed and eng.mapped() == []
-        with pytest.raises(TransferClosedError, match="load_gpu_requests_v1: .* closed"):
-            await eng.load_gpu_requests_v1(loads([[]]), [Lease(3, 1)])
-        with pytest.raises(TransferClosedError, match="map_storage: .* closed"):
-            await eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
-
-    asyncio.run(run())
+    eng = engine_with(world, local, releaser)
+    eng.close()
+    eng.close()
+    assert eng.closed and eng.mapped() == []
+    with pytest.raises(TransferClosedError, match="load_gpu_requests_v1: .* closed"):
+        eng.load_gpu_requests_v1(loads([[]]), [Lease(3, 1)])
+    with pytest.raises(TransferClosedError, match="map_storage: .* closed"):
+        eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
     assert releaser.released == [3]
 
 
@@ -309,21 +317,18 @@ def test_close_that_fails_halfway_can_be_retried():
             released.append(name)
         return release
 
-    async def run():
-        eng = GPUTransfer(rank=0, slab_config=CFG)
-        await eng.set_local_caches(local, BLOCK_DIM, release=release_of("local"))
-        await eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM, release_of("r1"))
-        await eng.map_storage(2, Tier.CPU, world.storages[(2, 1)], BLOCK_DIM, release_of("r2"))
-        with pytest.raises(CloseError, match="rank 1 GPU storage"):
-            await eng.close()
-        assert sorted(released) == ["local", "r2"] and not eng.closed
-        with pytest.raises(TransferClosedError):
-            await eng.load_gpu_requests_v1(loads([[]]))
-        await eng.close()
-        assert eng.closed
-        await eng.close()
-
-    asyncio.run(run())
+    eng = GPUTransfer(rank=0, slab_config=CFG)
+    eng.set_local_caches(local, BLOCK_DIM, release=release_of("local"))
+    eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM, release_of("r1"))
+    eng.map_storage(2, Tier.CPU, world.storages[(2, 1)], BLOCK_DIM, release_of("r2"))
+    with pytest.raises(CloseError, match="rank 1 GPU storage"):
+        eng.close()
+    assert sorted(released) == ["local", "r2"] and not eng.closed
+    with pytest.raises(TransferClosedError):
+        eng.load_gpu_requests_v1(loads([[]]))
+    eng.close()
+    assert eng.closed
+    eng.close()
     assert sorted(released) == ["local", "r1", "r2"]
     record("one unmapping fails in close() (load engine)", 1, 1, 0, 0,
            "rest released, CloseError, retried close() completes")
@@ -344,14 +349,11 @@ def test_schema_mismatch_refused_nothing_mapped(change):
         peer = make_caches(N_SLOTS, torch.bfloat16, gen, DEVICE, groups=(0,))
         pattern = "group 1 missing"
 
-    async def run():
-        eng = GPUTransfer(rank=0, slab_config=CFG)
-        await eng.set_local_caches(local, BLOCK_DIM)
-        with pytest.raises(SchemaMismatchError, match=pattern):
-            await eng.map_storage(1, Tier.GPU, peer, BLOCK_DIM)
-        assert eng.mapped() == []
-
-    asyncio.run(run())
+    eng = GPUTransfer(rank=0, slab_config=CFG)
+    eng.set_local_caches(local, BLOCK_DIM)
+    with pytest.raises(SchemaMismatchError, match=pattern):
+        eng.map_storage(1, Tier.GPU, peer, BLOCK_DIM)
+    assert eng.mapped() == []
 
 
 def test_slabs_are_bounded_and_full_slab_released_on_close():
@@ -359,18 +361,15 @@ def test_slabs_are_bounded_and_full_slab_released_on_close():
     s = world.slot_of
     rows = [[(0, k, 1, 0, s[(1, 0, 0, k)], 10 + i) for i, k in enumerate((5, 6, 7))]]
 
-    async def run():
-        eng = await engine_with(world, local, kernel="torch")  # the slab-staged path
-        await eng.load_gpu_requests_v1(loads(rows))
-        slabs = eng._slabs
-        per_block = sum(t.numel() * t.element_size() for t in local[0]) // N_BLOCKS
-        assert slabs.allocated_bytes == CFG.full_rows * per_block  # one full slab, group 0
-        await eng.load_gpu_requests_v1(loads(rows))
-        assert slabs.allocated_bytes == CFG.full_rows * per_block  # reused, not grown
-        await eng.close()
-        assert slabs.allocated_bytes == 0
-
-    asyncio.run(run())
+    eng = engine_with(world, local, kernel="torch")  # the slab-staged path
+    eng.load_gpu_requests_v1(loads(rows)).wait(30)
+    slabs = eng._slabs
+    per_block = sum(t.numel() * t.element_size() for t in local[0]) // N_BLOCKS
+    assert slabs.allocated_bytes == CFG.full_rows * per_block  # one full slab, group 0
+    eng.load_gpu_requests_v1(loads(rows)).wait(30)
+    assert slabs.allocated_bytes == CFG.full_rows * per_block  # reused, not grown
+    eng.close()
+    assert slabs.allocated_bytes == 0
 
 
 @pytest.mark.parametrize("shape, dim, word", [((5, 2, 4), 0, torch.int64), ((5, 3), 0, torch.int16),

@@ -1,10 +1,11 @@
-"""CUDA-only: the fused Triton kernel and storages mapped through CUDA IPC.
+"""CUDA-only: the fused Triton kernel, stream ordering without host waits, storages mapped
+through CUDA IPC, the worker's exports and demotions on the GPU.
 
 Skipped without a CUDA device (CI); run on the lent GPU (see doc/gpu.md).  The
 rest of the engine's tests run on CUDA too with XAVIER_TEST_DEVICE=cuda.
 """
 
-import asyncio
+import time
 
 import pytest
 import torch
@@ -32,15 +33,13 @@ SLAB = SlabConfig(32, 8, 2)
 def load_from_peer(local, peer, rows, slab=SLAB, kernel=None):
     """Map ``peer`` as rank 1's GPU tier, load ``rows`` into ``local``, close; counters."""
 
-    async def run():
-        eng = GPUTransfer(0, slab, copy_kernel=kernel)
-        await eng.set_local_caches({0: local})
-        await eng.map_storage(1, Tier.GPU, peer)
-        await eng.load_gpu_requests_v1(loads(rows))
-        await eng.close()
-        return eng.counters
-
-    return asyncio.run(run())
+    eng = GPUTransfer(0, slab, copy_kernel=kernel)
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, peer)
+    eng.load_gpu_requests_v1(loads(rows)).wait(60)
+    eng.close()
+    torch.cuda.synchronize()
+    return eng.counters
 
 
 def produce(queue, done, n, seed):
@@ -76,14 +75,12 @@ def test_negative_control_fused_copy_skipped_is_caught(monkeypatch):
     local, peer = storage(64, 3), storage(64, 4)
     before = [t.clone() for t in local]
 
-    async def run():
-        eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
-        await eng.set_local_caches({0: local})
-        await eng.map_storage(1, Tier.GPU, {0: peer})
-        res = await eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]]))
-        return res
-
-    assert asyncio.run(run()).blocks_written == 1  # claimed, but:
+    eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, {0: peer})
+    res = eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]])).wait(60)
+    torch.cuda.synchronize()
+    assert res.blocks_written == 1  # claimed, but:
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(local, before))
 
 
@@ -93,35 +90,61 @@ def test_triton_kernel_refused_before_copy_when_layout_does_not_fit():
     local = [t.movedim(0, 1).contiguous().movedim(1, 0) for t in storage(32, 1)]  # not block-first
     peer = storage(32, 2)
 
-    async def run():
-        eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
-        await eng.set_local_caches({0: local})
-        await eng.map_storage(1, Tier.GPU, {0: peer})
-        with pytest.raises(LoadRejected, match="^copy_kernel: "):
-            await eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]]))
+    eng = GPUTransfer(0, SlabConfig(32, 8, 2), copy_kernel="triton")
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, {0: peer})
+    with pytest.raises(LoadRejected, match="^copy_kernel: "):
+        eng.load_gpu_requests_v1(loads([[(0, 9, 1, 0, 5, 6)]]))
 
-    asyncio.run(run())
+
+def test_launch_does_not_wait_and_order_makes_the_stream_see_the_bytes():
+    """The engine's host thread never waits for a copy: with the caller's stream busy (a
+    spinning kernel), launching returns at once; after ``order`` the caller's stream sees
+    the loaded bytes; the leases go only once the copy ran."""
+    local, peer = storage(128, 21), storage(128, 22)
+    released = []
+    eng = GPUTransfer(0, SlabConfig(64, 8, 2), release_lease=lambda lease: released.append(
+        lease.lease_id))
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, {0: peer})
+    from xinference.model.llm.vllm.xavier.gpu_transfer import Lease
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the caller's stream busy
+    t0 = time.perf_counter()
+    handle = eng.load_gpu_requests_v1(loads([[(0, 70 + i, 1, 0, i, 10 + i) for i in range(64)]]),
+                                      [Lease(5, 1)])
+    launched_s = time.perf_counter() - t0
+    assert launched_s < 0.2 and handle.reportable and not handle.done
+    assert released == []
+    handle.order(torch.cuda.current_stream())
+    same = all(bool(torch.equal(bits(a[10:74]), bits(b[:64]))) for a, b in zip(local, peer))
+    assert same  # read on the caller's stream, after the copy
+    handle.wait(60)
+    assert released == [5]
+    eng.close()
 
 
 def export_gpu_tier(queue, done):
     """Child process: a snapshot storage with a CUDA tier exports blocks, shares IPC handles."""
     from xinference.model.llm.vllm.xavier.block_copy import block_view
     from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-    from xinference.model.llm.vllm.xavier.snapshot_storage import (
-        LocalDirectory,
-        SnapshotStorage,
-        TierConfig,
-    )
+    from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
+    from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
 
     cache = {0: storage(32, 11)}
     layout = layout_of(cache)
     st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 8 * layout.groups[0].block_bytes,
-                                                device="cuda")], LocalDirectory())
-    asyncio.run(st.export({0: [block_view(t, 0) for t in cache[0]]},
-                          [(0, 500 + i, 3 + i) for i in range(4)]))
-    slots = [st.lookup(0, 500 + i)[1] for i in range(4)]
+                                                device="cuda")])
+    writer = StorageWriter(1, layout, {Tier.GPU: st.caches(Tier.GPU)}, LocalDirectory(),
+                           torch.device("cuda"), stream=torch.cuda.Stream(), room_blocks=0)
+    writer.export({0: [block_view(t, 0) for t in cache[0]]},
+                  [(0, 500 + i, 3 + i) for i in range(4)])
+    assert writer.flush(30)  # published: the copies' event has completed
+    slots = [writer.lookup(0, 500 + i)[1] for i in range(4)]
     queue.put((st.ipc_handles(Tier.GPU), slots))
     done.wait(120)
+    writer.close()
 
 
 def test_snapshot_storage_gpu_tier_over_cuda_ipc():
@@ -164,3 +187,38 @@ def test_cuda_ipc_storage_from_another_process():
     finally:
         done.set()
         proc.join(60)
+
+
+def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
+    """The worker's storage writer on CUDA: a fused gather into the GPU tier (no host
+    wait), published once the bytes landed; room made by demoting to a page-locked CPU
+    tier in the background; stored bytes equal the engine blocks."""
+    from xinference.model.llm.vllm.xavier.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
+    from xinference.model.llm.vllm.xavier.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
+    from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
+
+    cache = {0: storage(64, 31)}
+    layout = layout_of(cache)
+    per_block = layout.groups[0].block_bytes
+    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 8 * per_block, device="cuda"),
+                                     TierConfig(Tier.CPU, 16 * per_block, shared_memory=True,
+                                                pin=True)])
+    d = BlockDirectory()
+    writer = StorageWriter(1, layout, {t: st.caches(t) for t in st.tiers}, LocalDirectory(d),
+                           torch.device("cuda"), stream=torch.cuda.Stream(), room_blocks=4,
+                           background_room=False)
+    views = {0: [block_view(t, 0) for t in cache[0]]}
+    res = writer.export(views, [(0, 100 + i, i) for i in range(8)])
+    assert res.exported == 8 and writer.flush(30) and d.num_blocks == 8
+    assert writer.make_room() == 4  # 4 LRU victims demoted to the CPU tier, then claimed
+    res = writer.export(views, [(0, 200 + i, 20 + i) for i in range(4)])
+    assert res.exported == 4 and res.skipped_no_slot == 0 and writer.flush(30)
+    for key, block in [(100 + i, i) for i in range(8)] + [(200 + i, 20 + i) for i in range(4)]:
+        tier, slot, _ = writer.lookup(0, key)
+        stored = [v[slot].cpu() for v in writer.views(tier, 0)]
+        assert all(torch.equal(s, v[block].cpu()) for s, v in zip(stored, views[0])), key
+    assert {writer.lookup(0, 100 + i)[0] for i in range(4)} == {Tier.CPU}
+    writer.close()
+    st.close()

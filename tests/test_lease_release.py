@@ -1,71 +1,116 @@
-"""CoalescingReleaser: concurrent single releases become one directory call."""
+"""BatchingReleaser: releases asked from several threads become one directory call."""
 
-import asyncio
-
-import pytest
+import concurrent.futures
+import threading
 
 from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.lease_release import CoalescingReleaser
+from xinference.model.llm.vllm.xavier.lease_release import BatchingReleaser
 
 
-def test_concurrent_releases_make_one_call_and_free_every_lease():
+class Loop:
+    """Stands in for the bridge's loop: scheduled callbacks run when ``run`` is called."""
+
+    def __init__(self):
+        self.callbacks = []
+
+    def schedule(self, fn):
+        self.callbacks.append(fn)
+
+    def run(self):
+        callbacks, self.callbacks = self.callbacks, []
+        for fn in callbacks:
+            fn()
+
+
+def done_future(value=None, error=None):
+    fut = concurrent.futures.Future()
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+    return fut
+
+
+def test_releases_of_many_threads_make_one_call_and_free_every_lease():
     d = BlockDirectory()
     d.register_rank(1)
     d.register(1, [(0, 100 + i, 0, i, 1) for i in range(512)])
     q = d.query(0, [100 + i for i in range(512)], exclude_rank=2)
     assert d.outstanding_leases == 512
-    calls = []
+    calls, loop = [], Loop()
 
-    async def release_ids(ids):
+    def send(ids):
         calls.append(list(ids))
-        return d.release(ids)
+        return done_future(d.release(ids))
 
-    async def run():
-        r = CoalescingReleaser(release_ids)
-        await asyncio.gather(*(r.release(i) for i in q.lease_ids))
-        await asyncio.gather(*(r.release(i) for i in ()))
-        return r.calls
+    r = BatchingReleaser(send, loop.schedule)
+    threads = [threading.Thread(target=lambda part=part: [r.release(i) for i in part])
+               for part in (q.lease_ids[:256], q.lease_ids[256:])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    r.release_many(())  # nothing: no call
+    loop.run()
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(q.lease_ids)
+    assert d.outstanding_leases == 0 and r.calls == 1
 
-    assert asyncio.run(run()) == 1
-    assert sorted(calls[0]) == sorted(q.lease_ids)
-    assert d.outstanding_leases == 0
 
+def test_a_failed_call_is_counted_and_the_next_batch_is_separate():
+    attempts, loop = [], Loop()
 
-def test_a_failed_call_fails_every_waiter_of_its_batch_and_the_next_batch_is_separate():
-    attempts = []
-
-    async def release_ids(ids):
+    def send(ids):
         attempts.append(list(ids))
         if len(attempts) == 1:
-            raise ConnectionError("directory unreachable")
+            return done_future(error=ConnectionError("directory unreachable"))
+        return done_future(len(ids))
 
-    async def run():
-        r = CoalescingReleaser(release_ids)
-        first = await asyncio.gather(*(r.release(i) for i in (1, 2, 3)),
-                                     return_exceptions=True)
-        assert all(isinstance(x, ConnectionError) for x in first)
-        await asyncio.gather(r.release(4), r.release(5))
-
-    asyncio.run(run())
-    assert attempts == [[1, 2, 3], [4, 5]]
+    r = BatchingReleaser(send, loop.schedule)
+    r.release_many([1, 2, 3])
+    loop.run()
+    r.release_many([4, 5])
+    loop.run()
+    assert attempts == [[1, 2, 3], [4, 5]] and r.failures == 1
 
 
-def test_a_cancelled_waiter_does_not_stop_the_call():
-    released = []
+def test_flush_sends_what_is_buffered_and_waits_for_the_calls():
+    sent = []
+    gate = concurrent.futures.Future()
 
-    async def release_ids(ids):
-        await asyncio.sleep(0.01)
-        released.extend(ids)
+    def send(ids):
+        sent.append(list(ids))
+        return gate
 
-    async def run():
-        r = CoalescingReleaser(release_ids)
-        t = asyncio.ensure_future(r.release(1))
-        other = asyncio.ensure_future(r.release(2))
-        await asyncio.sleep(0)
-        t.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await t
-        await other
+    r = BatchingReleaser(send, lambda fn: None)  # the loop never runs on its own
+    r.release(7)
+    threading.Timer(0.05, lambda: gate.set_result(1)).start()
+    r.flush(timeout=5)
+    assert sent == [[7]] and gate.done()
 
-    asyncio.run(run())
-    assert sorted(released) == [1, 2]
+
+def test_a_failed_call_is_tried_again_until_the_directory_answers(monkeypatch):
+    """A directory that restarts: the releases of the failed call are sent again, so no
+    lease stays held (a slot under a lost lease would never be reused)."""
+    import time
+
+    from xinference.model.llm.vllm.xavier import lease_release
+
+    monkeypatch.setattr(lease_release, "RETRY_PAUSES_S", (0.01, 0.01))
+    d = BlockDirectory()
+    d.register_rank(1)
+    d.register(1, [(0, 100, 0, 0, 1)])
+    q = d.query(0, [100], exclude_rank=2)
+    attempts = []
+
+    def send(ids):
+        attempts.append(list(ids))
+        if len(attempts) < 3:
+            return done_future(error=ConnectionError("directory restarting"))
+        return done_future(d.release(ids))
+
+    r = BatchingReleaser(send, lambda fn: fn())  # the loop runs callbacks at once
+    r.release_many(q.lease_ids)
+    deadline = time.monotonic() + 5
+    while d.outstanding_leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert attempts == [list(q.lease_ids)] * 3 and d.outstanding_leases == 0

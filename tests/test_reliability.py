@@ -164,6 +164,33 @@ def test_repeated_cancellation_during_loads_then_200_requests(world):
            200 + completed, left, f"{rounds} rounds x 4 cancelled; then 200 of 200 finished")
 
 
+def test_a_request_aborted_while_vllm_waits_for_its_load_releases_everything(world):
+    """vLLM keeps an async-loading request in WAITING_FOR_REMOTE_KVS until the worker
+    reports its load; aborted meanwhile, its blocks stay allocated until then (vLLM's
+    ``delay_free_blocks``) and the worker must still report it.  Here the load is done
+    but its report held back (``hold_finish``) while the request is aborted: no crash, no
+    lease left, the engine serves on, and the blocks come back."""
+    lt, r = world
+    a, b = r.replicas
+    prefix = tokens(8000, 256)
+    base = exported_on_a(lt, r, prefix, prefix + tokens(8001, 20))
+    before = lt.run(b.counters())
+    lt.run(b.inject_fault("hold_finish", 1))
+    cancelled = lt.run(b.generate_then_cancel([prefix + tokens(8002, 20)], after_s=1.0))
+    assert cancelled == 0  # it could not finish: its load was not reported yet
+    after = lt.run(b.counters())
+    assert after.get("faults_hold_finish", 0) - before.get("faults_hold_finish", 0) == 1
+    assert after.get("hit_blocks", 0) - before.get("hit_blocks", 0) == 256 // BLOCK
+    time.sleep(4)  # the hold ends: the load is reported, vLLM frees the aborted request
+    assert _settles(lt, r)
+    out = lt.run(b.generate([prefix + tokens(8001, 20)]))[0]  # the engine serves on
+    assert out["ids"] == base and out["cached"] >= 256 - BLOCK
+    left = leases(lt, r)
+    assert left == 0
+    record("request aborted while its async load is pending", 1, 1, 2, left,
+           "reported after the abort, blocks freed, engine serves on, tokens == baseline")
+
+
 def _settles(lt: LoopThread, r: Replicas, timeout: float = 10.0) -> bool:
     """Leases of aborted requests are released by vLLM's request_finished: allow the
     engine a moment."""

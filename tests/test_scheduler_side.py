@@ -1,6 +1,9 @@
-"""The connector's scheduler half without vLLM: queries beyond the local hit, leases,
-destinations (null blocks skipped), one load batch per step, exports of newly full blocks."""
+"""The connector's scheduler half without vLLM: lookups beyond the local hit, leases,
+destinations (null blocks skipped), one load batch per step, exports of newly full blocks.
+(The lookups' own timing -- batching, bounded waits, late answers -- is in
+test_lookups.py; here the directory answers at once.)"""
 
+import concurrent.futures
 from typing import Dict, List, Sequence
 
 import numpy as np
@@ -8,6 +11,7 @@ import pytest
 
 from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.load_batch import DEST, KEY, RANK, SLOT
+from xinference.model.llm.vllm.xavier.lookups import DirectoryLookups
 from xinference.model.llm.vllm.xavier.scheduler_side import SchedulerSide
 
 BS = 16
@@ -22,7 +26,17 @@ class World:
         self.directory.register_rank(2)
         self.directory.register(1, [(g, k, 1, 100 + i, 1) for g in range(num_groups)
                                     for i, k in enumerate(held_keys)])
-        self.side = SchedulerSide(2, BS, num_groups, self.directory.query, self.release)
+        self.calls: List[int] = []
+        groups = list(range(num_groups))
+
+        def send(batch):
+            self.calls.append(len(batch))
+            fut = concurrent.futures.Future()
+            fut.set_result(self.directory.query_many(groups, [k for _, k in batch], 2))
+            return fut
+
+        self.side = SchedulerSide(2, BS, num_groups, DirectoryLookups(send, self.release),
+                                  self.release)
 
     def release(self, ids: Sequence[int]) -> None:
         self.directory.release(list(ids))
@@ -38,29 +52,33 @@ def keys_of(n: int, base: int = 1000) -> List[int]:
 
 def test_match_queries_beyond_local_hit_and_never_the_last_token_block():
     w = World(held_keys=keys_of(8))
-    w.side.track("r", lambda: keys_of(8))
-    # 8 full blocks, 128 tokens: the block holding token 127 is never offered
+    w.side.track("r", lambda: keys_of(8), 128)
+    # 8 full blocks, 128 tokens: the block holding token 127 is never offered; the lookup
+    # asked from block 0, the local hit covers 2: their leases go back at once
     assert w.side.match("r", num_tokens=128, num_computed_tokens=32) == (7 - 2) * BS
     assert w.leases == 5
-    # asking again (vLLM retries an unscheduled request) first drops the old leases
+    # asking again with the same local hit (vLLM could not allocate): the same answer
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=32) == 5 * BS
+    assert w.leases == 5 and w.calls == [1]
+    # another local hit (preempted, cache evicted): the old hit goes, a new lookup is made
     assert w.side.match("r", num_tokens=129, num_computed_tokens=0) == 8 * BS
-    assert w.leases == 8
+    assert w.leases == 8 and w.calls == [1, 1]
     w.side.finished("r")
     assert w.leases == 0
 
 
 def test_sharing_off_or_not_ready_is_a_miss_without_leases():
     w = World(held_keys=keys_of(4))
-    w.side.track("off", lambda: keys_of(4), sharing=False)
-    w.side.track("on", lambda: keys_of(4))
+    w.side.track("off", lambda: keys_of(4), 100, sharing=False)
+    w.side.track("on", lambda: keys_of(4), 100, ready=False)
     assert w.side.match("off", 100, 0) == 0
     assert w.side.match("on", 100, 0, ready=False) == 0
-    assert w.leases == 0
+    assert w.leases == 0 and w.calls == []
 
 
 def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_step():
     w = World(held_keys=keys_of(6))
-    w.side.track("r", lambda: keys_of(6))
+    w.side.track("r", lambda: keys_of(6), 200)
     assert w.side.match("r", 200, 0) == 6 * BS
     block_ids = [[0, 0, 7, 8, 9, 10, 11]]  # two leading null blocks (sliding window)
     null = [[True, True, False, False, False, False, False]]
@@ -78,13 +96,13 @@ def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_s
 
 def test_fewer_external_tokens_than_offered_releases_the_rest():
     w = World(held_keys=keys_of(6))
-    w.side.track("r", lambda: keys_of(6))
+    w.side.track("r", lambda: keys_of(6), 200)
     w.side.match("r", 200, 0)
     w.side.allocated("r", [list(range(1, 13))], [[False] * 12], 2 * BS)
     assert w.leases == 2
     w.side.allocated("s", [[1]], [[False]], 0)  # unknown request: nothing happens
     with pytest.raises(ValueError, match="num_external_tokens"):
-        w.side.track("t", lambda: keys_of(6))
+        w.side.track("t", lambda: keys_of(6), 200)
         w.side.match("t", 200, 0)
         w.side.allocated("t", [list(range(1, 13))], [[False] * 12], BS + 3)
     assert w.leases == 2  # the bad call released its own leases
@@ -92,7 +110,7 @@ def test_fewer_external_tokens_than_offered_releases_the_rest():
 
 def test_zero_external_tokens_releases_everything():
     w = World(held_keys=keys_of(3))
-    w.side.track("r", lambda: keys_of(3))
+    w.side.track("r", lambda: keys_of(3), 200)
     w.side.match("r", 100, 0)
     w.side.allocated("r", [[1, 2, 3, 4]], [[False] * 4], 0)
     assert w.leases == 0
@@ -102,7 +120,7 @@ def test_zero_external_tokens_releases_everything():
 def test_one_step_carries_every_request_and_exports_newly_full_blocks():
     w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000))
     for rid, base in (("a", 1000), ("b", 2000)):
-        w.side.track(rid, (lambda b=base: keys_of(6, b)))
+        w.side.track(rid, (lambda b=base: keys_of(6, b)), 6 * BS + 5)
         assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
     w.side.allocated("a", [[11, 12, 13, 14, 15, 16, 17]], [[False] * 7], 4 * BS)
     w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
@@ -124,7 +142,7 @@ def test_multi_group_hits_are_the_common_prefix_of_all_groups():
     w.directory.register_rank(1)
     w.directory.register(1, [(0, k, 1, i, 1) for i, k in enumerate(keys_of(5))])
     w.directory.register(1, [(1, k, 1, 50 + i, 1) for i, k in enumerate(keys_of(3))])
-    w.side.track("r", lambda: keys_of(5))
+    w.side.track("r", lambda: keys_of(5), 200)
     assert w.side.match("r", 200, 0) == 3 * BS
     assert w.leases == 6  # three per group; the two extra group-0 leases were released
     w.side.allocated("r", [[1, 2, 3, 4], [5, 6, 7, 8]], [[False] * 4, [False] * 4], 3 * BS)
@@ -136,18 +154,38 @@ def test_multi_group_hits_are_the_common_prefix_of_all_groups():
 
 
 def test_a_failing_directory_is_a_miss():
-    def broken(*_):
+    def broken(batch):
         raise ConnectionError("directory gone")
 
-    side = SchedulerSide(2, BS, 1, broken, lambda ids: None)
-    side.track("r", lambda: keys_of(4))
+    side = SchedulerSide(2, BS, 1, DirectoryLookups(broken, lambda ids: None), lambda ids: None)
+    side.track("r", lambda: keys_of(4), 100)
     assert side.match("r", 100, 0) == 0
     assert side.held_leases == 0
 
 
+def test_new_requests_of_one_moment_share_one_lookup_call_and_the_step_counts_it():
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000) + keys_of(4, 3000))
+    for rid, base in (("a", 1000), ("b", 2000), ("c", 3000)):
+        w.side.track(rid, (lambda b=base: keys_of(4, b)), 100)
+    assert [w.side.match(rid, 100, 0) for rid in "abc"] == [4 * BS] * 3
+    assert w.calls == [3]  # the first match sent all three lookups in one call
+    meta = w.side.build_step([], {})
+    assert meta.stats.lookup_calls == 1 and meta.stats.queries == 3
+
+
+def test_an_answer_that_covers_only_local_blocks_asks_again_from_the_local_hit():
+    """The peer holds blocks 2..5 of a prefix whose blocks 0..1 this replica has: the
+    lookup asked from block 0 finds nothing; a second one from block 2 finds the rest."""
+    w = World(held_keys=[])
+    w.directory.register(1, [(0, k, 1, 50 + k, 1) for k in keys_of(6)[2:]])
+    w.side.track("r", lambda: keys_of(6), 200)
+    assert w.side.match("r", 200, num_computed_tokens=2 * BS) == 4 * BS
+    assert w.calls == [1, 1] and w.leases == 4
+
+
 def test_step_meta_table_is_int64_and_validates():
     w = World(held_keys=keys_of(2))
-    w.side.track("r", lambda: keys_of(3))
+    w.side.track("r", lambda: keys_of(3), 200)
     w.side.match("r", 40, 0)
     w.side.allocated("r", [[5, 6, 7]], [[False] * 3], 2 * BS)
     meta = w.side.build_step([("r", 2 * BS, 8)], {})
@@ -157,8 +195,8 @@ def test_step_meta_table_is_int64_and_validates():
 
 def test_per_request_split_keeps_rows_and_leases_together():
     w = World(held_keys=keys_of(3, 1000) + keys_of(2, 2000))
-    w.side.track("a", lambda: keys_of(4, 1000))
-    w.side.track("b", lambda: keys_of(3, 2000))
+    w.side.track("a", lambda: keys_of(4, 1000), 200)
+    w.side.track("b", lambda: keys_of(3, 2000), 200)
     w.side.match("a", 100, 0)
     w.side.match("b", 100, 0)
     w.side.allocated("a", [[1, 2, 3, 4]], [[False] * 4], 3 * BS)

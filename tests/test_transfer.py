@@ -1,21 +1,25 @@
-"""TransferActor's pure helpers: dropping rows of a load batch, reading destinations of a
-malformed table, and the storage tiers it builds from the options (names in errors)."""
+"""The TransferActor's own parts (storage tiers from the options, the engine's release, how
+peers on other hosts are read) and the worker plane's pure helpers (dropping rows of a
+load, destinations of a malformed table, peer retries and world updates)."""
+
+import asyncio
 
 import numpy as np
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.block_copy import block_view
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier import worker_plane
+from xinference.model.llm.vllm.xavier.actor_bridge import ActorBridge
 from xinference.model.llm.vllm.xavier.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.options import XavierOptions
-from xinference.model.llm.vllm.xavier.snapshot_storage import (
-    LocalDirectory,
-    SnapshotStorage,
-    TierConfig,
+from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.transfer import TransferActor
+from xinference.model.llm.vllm.xavier.worker_plane import (
+    WorkerDataPlane,
+    _dests,
+    _without_rows,
 )
-from xinference.model.llm.vllm.xavier.transfer import TransferActor, _dests, _without_rows
 
 
 def batch():
@@ -74,131 +78,86 @@ def test_tier_configs_from_options():
                                     layout, torch.device("cpu"))
 
 
-class _NoPeersMapped:
-    def mapped(self):
-        return []
-
-    async def unmap_storage(self, rank):
-        return 0
+def plane_of(rank=2, **kw):
+    cache, _, _ = engine_cache(16)
+    options = opts(**kw)
+    options = XavierOptions(**{**vars(options), "rank": rank})
+    return WorkerDataPlane(options, ActorBridge.shared(), {0: [(f"l{i}", t) for i, t in
+                                                               enumerate(cache[0])]}, {0: 0})
 
 
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
     """A dead peer costs one failed lookup, not one per step; a world update that gives it
     a new address (recovery) allows the next try at once."""
-    import asyncio
-
-    from xinference.model.llm.vllm.xavier import transfer as transfer_mod
-
-    actor = TransferActor(rank=2, world_size=3, rank_address="b", store_address="",
-                          store_port=0, world_addresses=["m", "127.0.0.1:1", "b"])
-    actor._transfer = _NoPeersMapped()
+    plane = plane_of()
+    plane.apply_world(["m", "127.0.0.1:1", "b"])
     tries = []
 
-    async def failing_map(rank):
+    def failing_map(rank):
         tries.append(rank)
         raise ConnectionRefusedError("peer gone")
 
-    monkeypatch.setattr(actor, "_map_peer", failing_map)
+    monkeypatch.setattr(plane, "_map_peer", failing_map)
     clock = [100.0]
-    monkeypatch.setattr(transfer_mod, "_monotonic", lambda: clock[0])
-
-    async def run():
-        assert await actor._ensure_mapped({(1, 0)}) == {1}
-        assert await actor._ensure_mapped({(1, 0), (1, 1)}) == {1}  # within the wait
-        assert tries == [1]
-        clock[0] += transfer_mod.PEER_RETRY_S + 0.1
-        assert await actor._ensure_mapped({(1, 0)}) == {1}
-        assert tries == [1, 1]
-        await actor.update_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
-        assert await actor._ensure_mapped({(1, 0)}) == {1}
-        assert tries == [1, 1, 1]
-
-    asyncio.run(run())
+    monkeypatch.setattr(worker_plane, "_monotonic", lambda: clock[0])
+    assert plane._ensure_mapped({1}) == {1}
+    assert plane._ensure_mapped({1}) == {1}  # within the wait: not tried
+    assert tries == [1]
+    clock[0] += worker_plane.PEER_RETRY_S + 0.1
+    assert plane._ensure_mapped({1}) == {1}
+    assert tries == [1, 1]
+    plane.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
+    assert plane._ensure_mapped({1}) == {1}
+    assert tries == [1, 1, 1]
+    assert plane.counters.snapshot()["peer_map_failures"] == 3
+    plane.close()
 
 
-def test_exports_start_a_background_make_room_only_above_a_lower_tier():
-    """After each export the actor frees top-tier slots in the background (two tiers: the
-    victims are demoted first, ``room_*`` counters); with one tier it does not (evicting
-    ahead would only lose blocks).  Close waits for a make-room in flight."""
-    import asyncio
-
-    cache, layout, bb = engine_cache(64)
-
-    async def run(tiers):
-        actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
-        actor._storage = SnapshotStorage(1, layout, tiers, LocalDirectory())
-        actor._engine_views = {0: [block_view(t, 0) for t in cache[0]]}
-        for step in range(4):  # 4 x 4 blocks into a 16-block top tier
-            await actor.export_blocks([(0, 10 * step + i, 1 + 4 * step + i) for i in range(4)])
-            await asyncio.sleep(0.05)  # the engine's next forward pass
-        await actor.export_blocks([(0, 100 + i, 20 + i) for i in range(4)])  # full: evicts
-        room = actor._room_task
-        storage = actor._storage
-        await actor._close_runtime()
-        return actor.counters(), room, storage
-
-    two = [TierConfig(Tier.GPU, 16 * bb), TierConfig(Tier.CPU, 32 * bb)]
-    c, room, storage = asyncio.run(run(two))
-    assert room is not None and room.done()  # close waited for it
-    # the export into the full tier found its 4 slots freed ahead (nothing demoted inline),
-    # make-room demoted and freed them (4 = the largest export, a quarter of the tier)
-    assert c["export_demoted"] == 0 and c["export_evicted"] == 0
-    assert c["room_demoted"] >= 4 and c["room_evicted"] >= 4 and c["room_call_us"] > 0
-    assert storage._closed
-
-    c, room, _ = asyncio.run(run([TierConfig(Tier.CPU, 16 * bb)]))
-    assert room is None and c["export_evicted"] == 4 and "room_call_us" not in c
+def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():
+    plane = plane_of()
+    cache, _, _ = engine_cache(8)
+    plane.apply_world(["m", "h:1", "h:2", "h:3"])
+    for rank in (1, 3):
+        plane.engine.map_storage(rank, Tier.CPU, cache)
+    plane.apply_world(["m", "h:1", "h:2", ""])  # rank 3 died
+    assert plane.engine.mapped() == [(1, Tier.CPU)]
+    plane.close()
+    plane.close()  # idempotent
 
 
-def test_release_engine_names_its_owner_and_stops_exports_but_keeps_the_storage():
+def test_release_engine_names_its_owner_and_keeps_the_storage():
     """The worker's connector shutdown releases the engine: only the registering worker's
-    pid does; afterwards exports are refused (the engine's caches are no longer mapped) and
-    the storage still holds what was stored (peers read it until the actor goes)."""
-    import asyncio
-
-    cache, layout, bb = engine_cache(8)
+    pid does; afterwards the rank is not ready (no hits offered), and the storage still
+    serves peers until the actor goes."""
+    _, layout, bb = engine_cache(8)
 
     async def run():
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
-        actor._storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb)],
-                                         LocalDirectory())
-        transfer = GPUTransfer(1)
-        await transfer.set_local_caches({0: [("k", t) for t in cache[0]]}, {0: 0})
-        actor._transfer, actor._engine_owner = transfer, 7
-        actor._engine_views = {0: [block_view(t, 0) for t in cache[0]]}
-        stored = await actor.export_blocks([(0, 11, 1)])
+        actor._storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb,
+                                                                shared_memory=True)])
+        actor._engine_owner = 7
         assert not await actor.release_engine(8)  # another worker's late shutdown
-        assert actor.is_ready() and not transfer.closed
+        assert actor.is_ready()
         assert await actor.release_engine(7)
-        assert not actor.is_ready() and transfer.closed
-        refused = await actor.export_blocks([(0, 12, 2)])
-        kept = actor._storage.lookup(0, 11) is not None
+        assert not actor.is_ready()
+        kept = actor.storage_descriptor()["tiers"]
         await actor._close_runtime()
-        return stored, refused, kept
+        return kept
 
-    stored, refused, kept = asyncio.run(run())
-    assert stored["export_exported"] == 1 and refused == {} and kept
+    kept = asyncio.run(run())
+    assert list(kept) == [int(Tier.CPU)] and kept[int(Tier.CPU)][0] == "shm"
 
 
-@pytest.mark.parametrize("transport,same_host,route", [
-    ("xavier", True, "ipc"), ("xavier", False, "nixl"), ("ipc", True, "ipc"),
-    ("ipc", False, "sockets"), ("nixl", True, "nixl"), ("nixl", False, "nixl")])
-def test_peer_route_follows_the_transport_option(transport, same_host, route):
+@pytest.mark.parametrize("transport,route", [
+    ("xavier", "nixl"), ("ipc", "sockets"), ("nixl", "nixl")])
+def test_remote_route_follows_the_transport_option(transport, route):
     from .support.pools import nixl_available
 
     actor = TransferActor(1, 3, "127.0.0.1:1", "127.0.0.1", 0, [])
     actor._options = opts(vllm_transfer_backend_type=transport)
     want = "sockets" if route == "nixl" and transport == "xavier" and not nixl_available() \
         else route
-    assert actor._peer_route(same_host) == want
-
-
-class _RemoteMapsRecorded:
-    def __init__(self):
-        self.remote = []
-
-    async def map_remote_storage(self, rank, tier, layout, fetch):
-        self.remote.append((rank, tier, fetch))
+    assert actor._remote_route() == want
 
 
 def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(monkeypatch):
@@ -206,16 +165,10 @@ def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(m
     work here; the real endpoint is in test_nixl_endpoint.py): the automatic transport reads
     peers on other hosts over sockets from then on; the nixl transport fails the mapping
     (the load is recomputed) instead of silently using sockets."""
-    import asyncio
-
     from xinference.model.llm.vllm.xavier import transfer as transfer_mod
 
-    class Peer:
-        async def storage_descriptor(self):
-            return {"host": "another-host/boot", "layout": None, "tiers": {1: ("shm", {})}}
-
     async def actor_ref(address, uid):
-        return Peer()
+        return object()
 
     async def no_endpoint(address):
         raise RuntimeError("UCX: no usable transport")
@@ -223,25 +176,19 @@ def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(m
     monkeypatch.setattr(transfer_mod.xo, "actor_ref", actor_ref)
     monkeypatch.setattr(transfer_mod, "open_nixl_endpoint", no_endpoint)
     monkeypatch.setattr(transfer_mod, "nixl_importable", lambda: True)
-    fetch_addresses = []
-    monkeypatch.setattr(transfer_mod, "xoscar_fetch",
-                        lambda peer, address, tier: fetch_addresses.append(address) or address)
 
     async def run(transport):
         actor = TransferActor(2, 3, "127.0.0.1:2", "127.0.0.1", 0,
                               ["127.0.0.1:0", "127.0.0.1:1", "127.0.0.1:2"])
         actor._options = opts(vllm_transfer_backend_type=transport)
-        actor._transfer = _RemoteMapsRecorded()
         try:
-            await actor._map_peer(1)
+            return actor, await actor.map_remote(1), None
         except RuntimeError as exc:
-            return actor, exc
-        return actor, None
+            return actor, None, exc
 
-    actor, err = asyncio.run(run("xavier"))
-    assert err is None and actor._stats == {"peers_mapped_sockets": 1}
-    assert fetch_addresses == [actor.address]  # staging rows under the pool's own address
-    assert [(r, t) for r, t, _ in actor._transfer.remote] == [(1, Tier.CPU)]
-    assert actor._peer_route(False) == "sockets"  # the endpoint is not tried again
-    actor, err = asyncio.run(run("nixl"))
+    actor, route, err = asyncio.run(run("xavier"))
+    assert err is None and route == "sockets" and actor._stats == {"peers_mapped_sockets": 1}
+    assert actor._remote[1][1] == actor.address  # staging rows under the pool's own address
+    assert actor._remote_route() == "sockets"  # the endpoint is not tried again
+    actor, route, err = asyncio.run(run("nixl"))
     assert "no usable transport" in str(err) and actor._stats == {}

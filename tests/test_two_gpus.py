@@ -80,10 +80,12 @@ def test_cuda_ipc_loads_across_gpus_from_two_source_ranks(placement):
         try:
             await _assert_on_other_gpu(st[1], loader)
             assert (await st[3].cuda_device())["uuid"] == (await loader.cuda_device())["uuid"]
-            # rank 1: 6 blocks into a 4-block GPU tier (2 demoted to its CPU tier); rank 3: 3
+            # rank 1: 6 blocks through a 4-block GPU tier (room made ahead demotes 2 to its
+            # CPU tier: a device-to-host copy on the writer's stream); rank 3: 3
             await st[1].export([(0, 100 + i, 10 + i) for i in range(3)])
+            assert await st[1].make_room(3) == 2
             r = await st[1].export([(0, 103 + i, 13 + i) for i in range(3)])
-            assert r["demoted"] == 2
+            assert r["exported"] == 3
             await st[3].export([(0, 200 + i, 20 + i) for i in range(3)])
             for rank in (1, 3):
                 await loader.map_peer(rank, await st[rank].handles())
@@ -129,7 +131,9 @@ def test_remote_storage_between_two_gpus_through_xoscar_copy_to(scheme):
         try:
             await _assert_on_other_gpu(st[1], loader)
             await st[1].export([(0, 100, 10), (0, 101, 11)])
+            await st[1].make_room(2)
             await st[1].export([(0, 102, 12), (0, 103, 13)])
+            await st[1].make_room(1)
             await st[1].export([(0, 104, 14)])  # GPU tier (CUDA memory): 103, 104; CPU: 100-102
             await loader.map_remote_peer(1, addrs[1], "rank-1", await st[1].storage_layouts())
             q = await loader.query([100, 101, 102, 103, 104])

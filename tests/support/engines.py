@@ -25,6 +25,8 @@ def cpu_engine_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # the data plane's test hooks (faults, digests): tests only, never in production
+        "XAVIER_TEST_HOOKS": "1",
     }
     env.update(extra or {})
     return env

@@ -1,12 +1,13 @@
 """Replica-side actors for the multi-process storage tests: a rank that owns an
 engine KV cache and a snapshot storage (its GPU tier in shared memory, or on the GPU with
-``device="cuda"``), and a rank that loads."""
+``device="cuda"``) and writes it as a worker does, and a rank that loads."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Coroutine, Dict, List, Sequence, Tuple, TypeVar
 
 import torch
 import xoscar as xo
@@ -16,15 +17,35 @@ from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
 from xinference.model.llm.vllm.xavier.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.plan import SlabConfig
-from xinference.model.llm.vllm.xavier.remote_fetch import serve_blocks, xoscar_fetch
+from xinference.model.llm.vllm.xavier.remote_fetch import fetch_into, serve_blocks
 from xinference.model.llm.vllm.xavier.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
-    open_ipc,
-    open_shm,
+    open_tier,
 )
+from xinference.model.llm.vllm.xavier.storage_writer import StorageWriter
 
 LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
+T = TypeVar("T")
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the actor's loop from another thread (the writer's and the load
+    engine's threads call the directory this way, as the worker does through its bridge)."""
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+
+class ActorDirectory:
+    """The storage writer's directory link over the tracker actor ref."""
+
+    def __init__(self, tracker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._tracker, self._loop = tracker, loop
+
+    def register(self, rank: int, entries: Sequence[Any]) -> int:
+        return on_loop(self._loop, self._tracker.register(rank, [list(e) for e in entries]))
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return on_loop(self._loop, self._tracker.claim(rank, tier, group, list(slots)))
 
 
 def engine_cache(seed: int, device: str = "cpu") -> Dict[int, List[torch.Tensor]]:
@@ -66,15 +87,20 @@ class _RankActor(xo.StatelessActor):
 
 
 class StorageRankActor(_RankActor):
+    """An exporting rank: its storage (the transfer actor's part) and the worker's writer of
+    it in one process.  ``room_blocks``: free top-tier slots kept by :meth:`make_room`."""
+
     def __init__(self, rank: int, tracker_address: str, tracker_uid: str, gpu_blocks: int,
-                 cpu_blocks: int, seed: int, device: str = "cpu") -> None:
+                 cpu_blocks: int, seed: int, device: str = "cpu", room_blocks: int = 0) -> None:
         super().__init__()
         self._rank, self._seed, self._device = rank, seed, device
         self._tracker = (tracker_address, tracker_uid)
         self._tiers = (gpu_blocks, cpu_blocks)
+        self._room = room_blocks
 
     async def __post_create__(self) -> None:
         tracker = await xo.actor_ref(address=self._tracker[0], uid=self._tracker[1])
+        await tracker.register_rank(self._rank)
         self.cache = engine_cache(self._seed, self._device)
         layout = layout_of(self.cache)
         per_block = layout.groups[0].block_bytes
@@ -83,21 +109,33 @@ class StorageRankActor(_RankActor):
                  else TierConfig(Tier.GPU, gpu_bytes, shared_memory=True)]
         if self._tiers[1]:
             tiers.append(TierConfig(Tier.CPU, self._tiers[1] * per_block, shared_memory=True))
-        self.storage = SnapshotStorage(self._rank, layout, tiers, tracker)
+        self.storage = SnapshotStorage(self._rank, layout, tiers)
+        device = torch.device(self._device)
+        self.writer = StorageWriter(
+            self._rank, layout, {t: self.storage.caches(t) for t in self.storage.tiers},
+            ActorDirectory(tracker, asyncio.get_running_loop()), device,
+            stream=torch.cuda.Stream() if device.type == "cuda" else None,
+            room_blocks=self._room, background_room=False)
         self.views = {0: [block_view(t, 0) for t in self.cache[0]]}
 
     async def export(self, blocks: List[Tuple[int, int, int]]) -> Dict[str, int]:
-        return vars(await self.storage.export(self.views, blocks))
+        """Export (never waits), then wait until published (the writer's threads call the
+        directory through this actor's loop: never block it)."""
+        res = self.writer.export(self.views, blocks)
+        assert await asyncio.to_thread(self.writer.flush, 30)
+        return vars(res)
+
+    async def make_room(self, free_blocks: int) -> int:
+        """What the worker's room thread does between steps: demote and claim LRU victims."""
+        return await asyncio.to_thread(self.writer.make_room, free_blocks)
+
+    def where(self, key: int) -> Any:
+        hit = self.writer.lookup(0, key)
+        return None if hit is None else (int(hit[0]), hit[1])
 
     def handles(self) -> Dict[int, Any]:
-        """Per tier, ``("shm", handles)`` or ``("cuda_ipc", handles)`` for a CUDA tier."""
-        out: Dict[int, Any] = {}
-        for t in (Tier.GPU, Tier.CPU):
-            if t in self.storage._tiers:
-                cuda = self.storage._tiers[t].config.device != "cpu"
-                out[int(t)] = (("cuda_ipc", self.storage.ipc_handles(t)) if cuda
-                               else ("shm", self.storage.shm_handles(t)))
-        return out
+        """Per tier, ``("shm", handles)`` or ``("ipc", handles)`` for a CUDA tier."""
+        return self.storage.handles()
 
     def storage_layouts(self) -> Dict[int, Any]:
         return {int(t): layout_of(self.storage.caches(t)) for t in self.storage.tiers}
@@ -105,7 +143,8 @@ class StorageRankActor(_RankActor):
     async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any]) -> int:
         return await serve_blocks(self.storage, tier, group, slots, refs)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        await asyncio.to_thread(self.writer.close)
         self.storage.close()
 
 
@@ -119,32 +158,43 @@ class LoaderRankActor(_RankActor):
     async def __post_create__(self) -> None:
         self.tracker = await xo.actor_ref(address=self._tracker_addr[0], uid=self._tracker_addr[1])
         self.cache = engine_cache(1000 + self._rank, self._device)
+        self._loop = asyncio.get_running_loop()
         self.engine = GPUTransfer(self._rank, SlabConfig(16, 4, 2),
                                   release_lease=self._release)
-        await self.engine.set_local_caches(self.cache)
+        self.engine.set_local_caches(self.cache)
 
-    async def _release(self, lease: Lease) -> None:
-        await self.tracker.release([lease.lease_id])
+    def _release(self, lease: Lease) -> None:  # the completion thread
+        on_loop(self._loop, self.tracker.release([lease.lease_id]))
 
-    async def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
+    def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
         """Map a same-host peer's tiers from :meth:`StorageRankActor.handles`."""
         for tier, (kind, h) in handles.items():
-            await self.engine.map_storage(rank, Tier(tier),
-                                          open_ipc(h) if kind == "cuda_ipc" else open_shm(h))
+            caches, release = open_tier(kind, h)
+            self.engine.map_storage(rank, Tier(tier), caches, 0, release)
 
     async def map_remote_peer(self, rank: int, address: str, uid: str,
                               layouts: Dict[int, Any]) -> None:
-        """Map ``rank``'s tiers as another host's: blocks come through xoscar copy_to."""
+        """Map ``rank``'s tiers as another host's: blocks come through xoscar copy_to into
+        staging rows of this process (the transfer actor's part of a real rank)."""
         source = await xo.actor_ref(address=address, uid=uid)
         for tier, layout in layouts.items():
-            await self.engine.map_remote_storage(
-                rank, Tier(tier), layout, xoscar_fetch(source, self.address, Tier(tier)))
+            staging = [torch.empty((16, la.block_bytes), dtype=torch.uint8)
+                       for la in layout.group(0).layers]
+
+            def fetch(t: Any, tier: int = tier, staging: List[torch.Tensor] = staging
+                      ) -> List[torch.Tensor]:
+                rows = [s[:t.rows] for s in staging]
+                on_loop(self._loop, fetch_into(source, self.address, tier, t.group,
+                                               t.src_slots.tolist(), rows))
+                return rows
+
+            self.engine.map_remote_storage(rank, Tier(tier), layout, fetch)
 
     def counters(self) -> Dict[str, int]:
         return self.engine.counters.snapshot()
 
-    async def unmap_peer(self, rank: int) -> int:
-        return await self.engine.unmap_storage(rank)
+    def unmap_peer(self, rank: int) -> int:
+        return self.engine.unmap_storage(rank)
 
     async def query(self, keys: List[int]) -> Any:
         return await self.tracker.query(0, keys, self._rank)
@@ -167,20 +217,20 @@ class LoaderRankActor(_RankActor):
         return samples
 
     async def load(self, result: Any, dests: List[int]) -> Dict[str, Any]:
-        """Load a query result (as the connector will) and report the destinations' bytes."""
+        """Load a query result (as the worker does) and report the destinations' bytes."""
         loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d)
                  for k, loc, d in zip(result.keys, result.locations, dests)]
         leases = [Lease(i, loc.rank) for i, loc in zip(result.lease_ids, result.locations)]
         try:
-            res = await self.engine.load_gpu_requests_v1(
+            handle = self.engine.load_gpu_requests_v1(
                 LoadBatch.from_requests([("req", loads)]), leases)
+            res = await asyncio.to_thread(handle.wait, 60)
             error = None
-        except Exception as exc:  # reported to the test, like the connector would
+        except Exception as exc:  # reported to the test, like the worker would
             res, error = None, f"{type(exc).__name__}: {exc}"
         return {"written": res.blocks_written if res else 0, "error": error,
                 "tiers": [int(loc.tier) for loc in result.locations],
                 "digests": [digest(self.cache[0], d) for d in dests[:len(result.keys)]]}
 
     async def close(self) -> None:
-        await self.engine.close()
-
+        await asyncio.to_thread(self.engine.close)

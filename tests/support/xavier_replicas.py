@@ -43,14 +43,22 @@ class ReplicaActor(xo.StatelessActor):
         os.environ.update(self._env)
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        args = AsyncEngineArgs(**self._opts)
+        if self._xavier_config.get("plain"):
+            # what users have without Xavier: vLLM's AsyncLLM, no KV connector, its defaults
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            self.engine = AsyncLLM.from_engine_args(args)
+            return
         from xinference.model.llm.vllm.xavier.engine import XavierEngine
 
-        args = AsyncEngineArgs(**self._opts)
         self.engine = XavierEngine.from_engine_args(args, xavier_config=self._xavier_config)
 
     async def start_transfer(self, world_addresses: List[str]) -> bool:
         from xinference.model.llm.vllm.xavier.transfer import TransferActor
 
+        if self._xavier_config.get("plain"):
+            return False
         self._transfer = await xo.create_actor(
             TransferActor, address=self.address, uid=f"{TransferActor.default_uid()}-{self.rank}",
             rank=self.rank, world_size=len(world_addresses),
@@ -87,8 +95,17 @@ class ReplicaActor(xo.StatelessActor):
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
+    async def engine_settings(self) -> Dict[str, Any]:
+        """The vLLM settings that decide its speed, as the engine runs them."""
+        cfg = self.engine.vllm_config
+        return {"async_scheduling": bool(cfg.scheduler_config.async_scheduling),
+                "model_runner_v2": bool(getattr(cfg, "use_v2_model_runner", False)),
+                "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
+                "enforce_eager": bool(cfg.model_config.enforce_eager)}
+
     async def set_batched_loads(self, batched: bool) -> None:
-        await self.engine.set_batched_loads(batched)
+        if not self._xavier_config.get("plain"):
+            await self.engine.set_batched_loads(batched)
 
     async def reset_prefix_cache(self) -> None:
         await self.engine.reset_prefix_cache()
@@ -99,45 +116,66 @@ class ReplicaActor(xo.StatelessActor):
     async def metrics_text(self) -> str:
         return await self._transfer.metrics_text()
 
+    async def hook(self, name: str, *args: Any) -> Any:
+        """A test hook of the worker's data plane (``XAVIER_TEST_HOOKS=1``), through vLLM's
+        ``collective_rpc`` (the first worker's answer)."""
+        results = await self.engine.collective_rpc("xavier_hook", args=(name, *args))
+        return results[0]
+
+    async def flush(self) -> None:
+        """Every launched load, export publication and lease release of the worker done."""
+        await self.hook("flush")
+
     async def loaded_block_digests(self) -> Dict[Any, str]:
-        return await self._transfer.loaded_block_digests()
+        return {(g, k): d for g, k, d in await self.hook("loaded_block_digests")}
 
     async def stored_block_digests(self, keys: List[Any]) -> Dict[Any, str]:
-        return await self._transfer.stored_block_digests(keys)
+        rows = await self.hook("stored_block_digests", [list(k) for k in keys])
+        return {(g, k): d for g, k, d in rows}
 
     async def reset_recent_loads(self) -> None:
-        await self._transfer.reset_recent_loads()
+        await self.hook("reset_recent")
 
     async def stored_vs_engine_mismatches(self) -> List[Any]:
-        return await self._transfer.stored_vs_engine_mismatches()
+        return [tuple(x) for x in await self.hook("stored_vs_engine_mismatches")]
 
     async def recorded_faults(self) -> List[Any]:
-        return await self._transfer.recorded_faults()
+        return [tuple(x) for x in await self.hook("recorded_faults")]
 
     async def engine_block_is_zero(self, group: int, block_id: int) -> bool:
-        return await self._transfer.engine_block_is_zero(group, block_id)
+        return await self.hook("engine_block_is_zero", group, block_id)
 
     async def inject_fault(self, mode: str, count: int = 1) -> None:
-        await self._transfer.inject_fault(mode, count)
+        await self.hook("inject_fault", mode, count)
 
     async def raw_load(self, meta: Any) -> Dict[str, Any]:
-        """One ``load_gpu_requests_v1`` call with caller-made metadata (bad-input tests)."""
-        return await self._transfer.load_gpu_requests_v1(meta)
+        """One load with caller-made metadata (bad-input tests)."""
+        import numpy as np
+
+        return await self.hook("raw_load", list(meta.request_ids),
+                               np.asarray(meta.offsets).tolist(), np.asarray(meta.table).tolist(),
+                               [list(x) for x in meta.leases])
 
     async def engine_block_digests(self, group: int, block_ids: List[int]) -> List[str]:
-        return await self._transfer.engine_block_digests(group, block_ids)
+        return await self.hook("engine_block_digests", group, block_ids)
 
     async def recent_export_keys(self) -> List[Any]:
-        return await self._transfer.recent_export_keys()
+        return [tuple(x) for x in await self.hook("recent_export_keys")]
 
     async def engine_num_blocks(self) -> int:
-        return await self._transfer.engine_num_blocks(0)
+        return await self.hook("engine_num_blocks", 0)
 
     async def update_world(self, world_addresses: List[str]) -> None:
         await self._transfer.update_world(world_addresses)
 
     async def transfer_pid(self) -> int:
         return await self._transfer.pid()
+
+    async def engine_pids(self) -> List[int]:
+        """vLLM's engine-core processes of this replica (children of this sub pool)."""
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
 
     async def transfer_ready(self) -> bool:
         return await self._transfer.is_ready()
@@ -187,13 +225,16 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           sequential: bool = False,
                           extra_env: Optional[Dict[str, str]] = None,
                           gpus: Optional[Sequence[str]] = None,
-                          transport: Optional[str] = None) -> AsyncIterator[Replicas]:
+                          transport: Optional[str] = None,
+                          plain: bool = False) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
     ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
     memory profiling of one must not see the other still starting).  ``gpus``: a CUDA
     device id per replica, given to its sub pool as ``CUDA_VISIBLE_DEVICES`` the way
     Xinference places replicas (each then sees one GPU, ``cuda:0``).  ``transport``: the
-    launch's ``vllm_transfer_backend_type``."""
+    launch's ``vllm_transfer_backend_type``.  ``plain``: replicas of vLLM's own
+    ``AsyncLLM`` with no KV connector and vLLM's defaults (what users have without Xavier;
+    the benchmarks' ``plain`` rows)."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env(extra_env)
@@ -209,7 +250,8 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                        "rank": rank, "world_size": n + 1, "rank_address": subs[rank - 1],
                        "store_address": "127.0.0.1", "store_port": 0, "transfer_block_num": 512,
                        "role": "hybrid", "vllm_transfer_backend_type": transport,
-                       "xavier_gpu_budget": gpu_budget, "xavier_cpu_budget": cpu_budget}
+                       "xavier_gpu_budget": gpu_budget, "xavier_cpu_budget": cpu_budget,
+                       "plain": plain}
                 create = xo.create_actor(ReplicaActor, address=subs[rank - 1],
                                          uid=f"replica-{rank}", rank=rank, opts=kwargs,
                                          xavier_config=cfg, env=env)

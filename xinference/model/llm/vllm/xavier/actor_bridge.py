@@ -57,6 +57,11 @@ class ActorBridge:
         """Start an actor call and return at once; the caller waits on the future later."""
         return asyncio.run_coroutine_threadsafe(_wrap(make), self._loop)
 
+    def schedule(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` soon on the bridge's thread (coalescing: everything asked before it
+        runs can be handled by it)."""
+        self._loop.call_soon_threadsafe(fn)
+
     def submit(self, make: Callable[[], Awaitable[Any]], what: str) -> None:
         def done(f: concurrent.futures.Future[Any]) -> None:
             if not f.cancelled() and f.exception() is not None:
@@ -97,6 +102,24 @@ class LazyActor:
             self._ref = self.bridge.call(lambda: xo.actor_ref(self.address, self.uid),
                                          timeout=timeout)
             logger.info("xavier: found actor %s at %s", self.uid, self.address)
+        except Exception as exc:
+            logger.debug("xavier: actor %s at %s not there yet: %s", self.uid, self.address, exc)
+            self._ref = None
+        return self._ref
+
+    async def aget(self) -> Any:
+        """:meth:`get` for coroutines running on the bridge's own loop (where a blocking
+        :meth:`get` would wait for itself)."""
+        if self._ref is not None:
+            return self._ref
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        self._next_try = now + self.retry_seconds
+        try:
+            import xoscar as xo
+
+            self._ref = await xo.actor_ref(self.address, self.uid)
         except Exception as exc:
             logger.debug("xavier: actor %s at %s not there yet: %s", self.uid, self.address, exc)
             self._ref = None

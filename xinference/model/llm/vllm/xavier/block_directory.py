@@ -194,6 +194,31 @@ class BlockDirectory:
         self.stats.leases_granted += len(locs)
         return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
 
+    def query_prefix(self, groups: Sequence[int], keys: Sequence[int],
+                     exclude_rank: Optional[int] = None) -> QueryResult:
+        """The longest prefix of ``keys`` held by other ranks in EVERY group of ``groups``
+        (a hybrid model needs each group's block of a position), leased.  Locations and
+        lease ids are group-major: group ``groups[g]``'s ``j``-th block is at
+        ``g * num_hits + j``.  The leases beyond the common prefix are given back here."""
+        if not groups:
+            raise DirectoryError("groups: at least one KV-cache group")
+        results = [self.query(groups[0], keys, exclude_rank)]
+        for group in groups[1:]:
+            results.append(self.query(group, keys[:results[0].num_hits], exclude_rank))
+        n = min(r.num_hits for r in results)
+        extra = [lid for r in results for lid in r.lease_ids[n:]]
+        if extra:
+            self.release(extra)
+        return QueryResult(tuple(keys[:n]),
+                           tuple(loc for r in results for loc in r.locations[:n]),
+                           tuple(lid for r in results for lid in r.lease_ids[:n]))
+
+    def query_many(self, groups: Sequence[int], requests: Sequence[Sequence[int]],
+                   exclude_rank: Optional[int] = None) -> List[QueryResult]:
+        """:meth:`query_prefix` for each request's keys: a scheduler step's new requests
+        in one call."""
+        return [self.query_prefix(groups, keys, exclude_rank) for keys in requests]
+
     def release(self, lease_ids: Iterable[int]) -> int:
         """Release leases; unknown ids (already released, purged rank) are counted, not errors.
         Returns how many were released."""

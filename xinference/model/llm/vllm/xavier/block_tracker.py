@@ -3,8 +3,8 @@
 Imported by Xinference's supervisor at every start: xoscar and numpy only, no
 torch, no vLLM.  A thin adapter over :class:`~.block_directory.BlockDirectory`;
 every method is synchronous, so each runs atomically in the actor.  Its
-``register`` and ``claim`` match :class:`~.snapshot_storage.DirectoryClient`,
-so a storage can use the actor ref directly.
+``register`` and ``claim`` are what a worker's storage writer calls
+(:class:`~.storage_writer.DirectoryLink`, through :class:`~.worker_plane.TrackerLink`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,13 @@ class VLLMBlockTracker(xo.StatelessActor):
     def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
         keys = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
         return self._directory.query(group, keys, exclude_rank)
+
+    def query_many(self, groups: Sequence[int], requests: Sequence[Any],
+                   exclude_rank: Optional[int] = None) -> List[QueryResult]:
+        """One scheduler step's lookups: for each request's keys, the longest prefix held
+        by other ranks in every group, leased (:meth:`BlockDirectory.query_many`)."""
+        reqs = [r.tolist() if isinstance(r, np.ndarray) else list(r) for r in requests]
+        return self._directory.query_many([int(g) for g in groups], reqs, exclude_rank)
 
     def release(self, lease_ids: Sequence[int]) -> int:
         return self._directory.release(lease_ids)

@@ -1,16 +1,151 @@
-"""Transfer counters and their export as Prometheus metrics."""
+"""Xavier's counters: one fixed list of names, an in-process sink, a shared-memory sink that
+another process of the host reads when asked, and their Prometheus text.
+
+The data plane runs inside vLLM's worker process, which serves no actor; the rank's
+``TransferActor`` (in the replica's sub pool) answers ``counters()``.  So the worker
+writes its counters into a small file in ``/dev/shm`` (:class:`SharedCounters`: one
+int64 per name) and the actor maps the same file and reads it when asked: nothing is
+pushed per step, and a read costs the actor a copy of a few hundred bytes.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import os
+import tempfile
+import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Dict, Iterator, Mapping
+from typing import Callable, Dict, Iterator, Mapping, Optional, Protocol, Tuple
+
+import numpy as np
+
+#: every counter the worker's data plane and the scheduler side keep, in file order
+COUNTER_NAMES: Tuple[str, ...] = (
+    # load engine (see TransferCounters)
+    "logical_requests", "batch_calls", "transfers", "fused_transfers", "useful_bytes",
+    "padded_bytes", "blocks_written", "load_failures", "rejected_batches",
+    "lease_release_failures",
+    # the worker's loads
+    "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
+    "loads_in_background", "load_launch_us", "load_background_us",
+    # scheduler side (they travel with the step's metadata to the worker)
+    "queries", "queried_blocks", "hit_blocks", "hit_tokens", "requests_with_hits",
+    "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
+    "lookup_wait_us", "scheduler_steps", "scheduler_us",
+    # exports
+    "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
+    "export_launch_us", "export_published", "export_publish_failures",
+    # background room in the top tier
+    "room_rounds", "room_demoted", "room_evicted", "room_claims_refused",
+    "room_skipped_no_lower_slot", "room_us",
+    # peers
+    "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
+    "world_updates_seen",
+    # test-only fault switches (XAVIER_TEST_FAULTS=1)
+    "faults_skip_copy", "faults_fail_one_block", "faults_stall_load", "faults_hold_finish",
+)
+#: counters that are levels, not totals (set, not added)
+GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blocks",
+                                "storage_gpu_free_blocks", "storage_cpu_free_blocks",
+                                # written by the transfer actor into its worker's file: the
+                                # world changed (the worker re-reads it before its next load)
+                                "world_epoch")
+ALL_NAMES: Tuple[str, ...] = COUNTER_NAMES + GAUGE_NAMES
+_INDEX: Dict[str, int] = {name: i for i, name in enumerate(ALL_NAMES)}
+
+
+class CounterSink(Protocol):
+    """Where the data plane adds its figures (:class:`Counters` or :class:`SharedCounters`)."""
+
+    def add(self, name: str, value: int = 1) -> None: ...
+
+    def set(self, name: str, value: int) -> None: ...
+
+    def snapshot(self) -> Dict[str, int]: ...
+
+
+class Counters:
+    """In-process counters (thread-safe); unknown names are refused."""
+
+    def __init__(self) -> None:
+        self._values = np.zeros(len(ALL_NAMES), np.int64)
+        self._lock = threading.Lock()
+
+    def add(self, name: str, value: int = 1) -> None:
+        i = _INDEX[name]
+        with self._lock:
+            self._values[i] += int(value)
+
+    def set(self, name: str, value: int) -> None:
+        with self._lock:
+            self._values[_INDEX[name]] = int(value)
+
+    def get(self, name: str) -> int:
+        return int(self._values[_INDEX[name]])
+
+    def snapshot(self) -> Dict[str, int]:
+        with self._lock:
+            return {n: int(v) for n, v in zip(ALL_NAMES, self._values.tolist())}
+
+
+class SharedCounters(Counters):
+    """Counters in a shared-memory file (``xavier-<pid>-<hex>``, swept like the storage's
+    files when its owner died): :meth:`create` in the writing process, :meth:`open` in a
+    reader of the same host.  Aligned int64 words: a reader never sees a torn value."""
+
+    def __init__(self, path: str, values: np.ndarray, mapping: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self._values = values
+        self._mmap = mapping
+        self._lock = threading.Lock()
+        self._owner = owner
+
+    @classmethod
+    def create(cls, directory: Optional[str] = None) -> SharedCounters:
+        directory = directory or _shm_dir()
+        path = os.path.join(directory, f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+        size = 8 * len(ALL_NAMES)
+        with open(path, "wb") as f:
+            f.truncate(size)
+        return cls._map(path, owner=True)
+
+    @classmethod
+    def open(cls, path: str) -> SharedCounters:
+        return cls._map(path, owner=False)
+
+    @classmethod
+    def _map(cls, path: str, owner: bool) -> SharedCounters:
+        with open(path, "r+b") as f:
+            mapping = mmap.mmap(f.fileno(), 8 * len(ALL_NAMES))
+        values = np.frombuffer(mapping, dtype=np.int64, count=len(ALL_NAMES))
+        return cls(path, values, mapping, owner)
+
+    def close(self) -> None:
+        """Unmap (and, in the creating process, remove the file).  Idempotent."""
+        values, self._values = self._values, np.zeros(len(ALL_NAMES), np.int64)
+        del values
+        with contextlib.suppress(BufferError, ValueError):
+            self._mmap.close()
+        if self._owner:
+            self._owner = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def sum_snapshots(*snapshots: Mapping[str, int]) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for snap in snapshots:
+        for k, v in snap.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 @dataclass
 class TransferCounters:
-    """Monotonic counters of one rank's load engine.
+    """Monotonic counters of one rank's load engine (a view of a :class:`CounterSink`).
 
     * ``logical_requests``: requests carried by load calls (a request with
       loads counts once per call that carries it);
@@ -22,7 +157,7 @@ class TransferCounters:
     * ``padded_bytes``: slab capacity of those transfers left unfilled
       (bytes a fixed-shape wire transfer would carry in vain);
     * ``blocks_written``: destination blocks written (one read may feed several);
-    * ``load_failures``: calls that raised after planning (validation or copy);
+    * ``load_failures``: calls whose copies failed after they started;
     * ``rejected_batches``: calls rejected before any copy (conflicts, bad input);
     * ``lease_release_failures``: leases whose release raised.
     """
@@ -38,22 +173,35 @@ class TransferCounters:
     rejected_batches: int = 0
     lease_release_failures: int = 0
 
+    @classmethod
+    def of(cls, sink: CounterSink) -> TransferCounters:
+        snap = sink.snapshot()
+        return cls(**{f.name: snap.get(f.name, 0) for f in fields(cls)})
+
     def snapshot(self) -> Dict[str, int]:
         return asdict(self)
 
 
-_HELP = {f.name: (f.name.replace("_", " ")) for f in fields(TransferCounters)}
+_HELP = {
+    "hit_blocks": "KV blocks found on other replicas and loaded instead of recomputed",
+    "useful_bytes": "bytes of KV blocks read by loads",
+    "blocks_written": "KV blocks written into this replica's cache by loads",
+    "export_exported": "KV blocks this replica stored for its peers",
+    "load_failures": "loads whose copies failed (their blocks were recomputed)",
+}
 
 
 def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
                     prefix: str = "xavier_") -> str:
-    """Prometheus text exposition of a counter snapshot (``*_total`` counters)."""
+    """Prometheus text exposition of a counter snapshot (``*_total`` counters, gauges by
+    their name)."""
     label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     lines = []
     for name, value in counters.items():
-        metric = f"{prefix}{name}_total"
-        lines.append(f"# HELP {metric} Xavier {_HELP.get(name, name)}")
-        lines.append(f"# TYPE {metric} counter")
+        gauge = name in GAUGE_NAMES
+        metric = f"{prefix}{name}" if gauge else f"{prefix}{name}_total"
+        lines.append(f"# HELP {metric} Xavier {_HELP.get(name, name.replace('_', ' '))}")
+        lines.append(f"# TYPE {metric} {'gauge' if gauge else 'counter'}")
         lines.append(f"{metric}{{{label}}} {int(value)}")
     return "\n".join(lines) + "\n"
 
@@ -61,9 +209,13 @@ def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
 @contextlib.contextmanager
 def elapsed_us(add: Callable[[int], None]) -> Iterator[None]:
     """Time the block (wall clock) and pass its microseconds to ``add``, also when it
-    raises: the time counters (``load_call_us``, ``export_copy_us``, ...) are written so."""
+    raises: the time counters (``load_launch_us``, ...) are written so."""
     t0 = time.perf_counter()
     try:
         yield
     finally:
         add(int(1e6 * (time.perf_counter() - t0)))
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

@@ -12,10 +12,13 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
    (:func:`~.hash_seed.ensure_shared_hash_seed`) and makes vLLM spawn its workers;
 3. sets ``engine_args.kv_transfer_config`` to the Xavier connector
    (``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``, options in
-   ``kv_connector_extra_config``), keeps prefix caching on, and turns async
-   scheduling and vLLM's Model Runner V2 off unless the user asked for them (both lose
-   the recovery from a failed load; see :func:`prepare_engine_args`);
+   ``kv_connector_extra_config``) and keeps prefix caching on;
 4. builds vLLM's engine.
+
+Everything else stays as vLLM chooses it: async scheduling, the model runner vLLM picks
+(Model Runner V2 where it is vLLM's default), CUDA graphs.  Loads are asynchronous in
+vLLM's sense (``WAITING_FOR_REMOTE_KVS``), so a failed load is recomputed before the
+request runs, whichever scheduler and runner are used.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "XavierConnector"
 CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.connector"
 WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
-ENV_MODEL_RUNNER_V2 = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def xavier_kv_transfer_config(options: XavierOptions) -> KVTransferConfig:
@@ -60,24 +62,6 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
         raise ValueError("enable_prefix_caching: Xavier shares prefix-cache blocks; it cannot "
                          "run with enable_prefix_caching=False")
     engine_args.enable_prefix_caching = True
-    if getattr(engine_args, "async_scheduling", None) is None:
-        # vLLM (seen on 0.26.0 / H200): with async scheduling, the recovery from a failed
-        # KV load keeps a stale output placeholder and the request's tokens shift by one
-        # (vllm-project/vllm#45138).  A failed load must only cost a recompute.
-        engine_args.async_scheduling = False
-    elif engine_args.async_scheduling:
-        logger.warning("xavier: async_scheduling=True kept as asked; a failed KV load may then "
-                       "produce wrong tokens in this vLLM version (vllm-project/vllm#45138)")
-    if env.get(ENV_MODEL_RUNNER_V2) in (None, ""):
-        # vLLM 0.26.0's experimental Model Runner V2 (its GPU default for Qwen2 and others)
-        # does not recompute blocks reported by get_block_ids_with_load_errors(): measured on
-        # the H200, the failed block kept the bytes the fault left and tokens went wrong.
-        # The V1 runner recomputes them (doc/connector.md).
-        env[ENV_MODEL_RUNNER_V2] = "0"
-    elif env.get(ENV_MODEL_RUNNER_V2) not in ("0", "false", "False"):
-        logger.warning("xavier: %s=%s kept as asked; a failed KV load may then leave wrong KV "
-                       "in place with this vLLM version", ENV_MODEL_RUNNER_V2,
-                       env[ENV_MODEL_RUNNER_V2])
     ensure_shared_hash_seed(env)
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)

@@ -1,56 +1,122 @@
-"""Coalesced lease releases: one directory call for every release asked in one loop tick.
+"""Coalesced lease releases: one directory call for the releases of many threads' moments.
 
-:class:`~.gpu_transfer.GPUTransfer` releases a step's leases one by one (concurrently, so
-that one failure cannot keep the others); a step of 512 loaded blocks holds 512 leases.
-:class:`CoalescingReleaser` turns those concurrent calls into ONE ``release(ids)`` call to
-the block directory: each caller's await completes when that call does, and fails with its
-error.
+A step of 512 loaded blocks holds 512 leases; the load engine releases them one by one
+(so that one failure cannot keep the others) from its completion thread, the scheduler
+side releases unused ones from vLLM's scheduling loop.  :class:`BatchingReleaser` turns
+the releases asked between two runs of the bridge's event loop into ONE
+``release(ids)`` call to the block directory; nobody waits for it (a late release only
+delays an eviction).  A call that fails (the directory restarting, say) is tried again a
+few times with growing pauses: a release the directory does not know is harmless, a
+lost one would keep a slot from ever being reused.  :meth:`BatchingReleaser.flush` waits
+for every call so far (tests, shutdown).
 """
 
 from __future__ import annotations
 
-import asyncio
-from typing import Any, Awaitable, Callable, List, Optional, Sequence, Set, Tuple
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Awaitable, Callable, List, Optional, Sequence
 
-ReleaseIds = Callable[[Sequence[int]], Awaitable[object]]
+logger = logging.getLogger(__name__)
+
+#: starts ``release(ids)`` on the directory and returns its future (or None: no directory)
+SendRelease = Callable[[Sequence[int]], Optional["concurrent.futures.Future[Any]"]]
+#: runs a callback soon on another thread (the bridge's loop)
+Schedule = Callable[[Callable[[], None]], None]
+#: pauses before the retries of a failed release call (seconds)
+RETRY_PAUSES_S = (0.2, 1.0, 3.0, 10.0)
 
 
-class CoalescingReleaser:
-    def __init__(self, release_ids: ReleaseIds) -> None:
-        """``release_ids``: the directory's batched release (e.g. ``tracker.release``)."""
-        self._release_ids = release_ids
-        self._pending: List[Tuple[int, asyncio.Future[None]]] = []
+class BatchingReleaser:
+    def __init__(self, send: SendRelease, schedule: Schedule) -> None:
+        self._send = send
+        self._schedule = schedule
+        self._lock = threading.Lock()
+        self._ids: List[int] = []
         self._scheduled = False
-        self._flushes: Set[asyncio.Task[Any]] = set()  # strong refs while they run
-        self.calls = 0  # directory calls made (for tests and figures)
+        self._inflight: List[concurrent.futures.Future[Any]] = []
+        self.calls = 0  # directory calls made
+        self.failures = 0
 
-    async def release(self, lease_id: int) -> None:
-        """Release one lease; returns (or raises) when the coalesced call has."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._pending.append((int(lease_id), fut))
-        if not self._scheduled:
+    def release(self, lease_id: int) -> None:
+        self.release_many((lease_id,))
+
+    def release_many(self, lease_ids: Sequence[int]) -> None:
+        if not lease_ids:
+            return
+        with self._lock:
+            self._ids.extend(int(x) for x in lease_ids)
+            if self._scheduled:
+                return
             self._scheduled = True
-            loop.call_soon(self._start_flush)
-        await fut
+        self._schedule(self._flush)
 
-    def _start_flush(self) -> None:
-        task = asyncio.ensure_future(self._flush())
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
+    def _flush(self) -> None:
+        with self._lock:
+            ids, self._ids, self._scheduled = self._ids, [], False
+        if ids:
+            self._send_batch(ids, 0)
 
-    async def _flush(self) -> None:
-        batch, self._pending, self._scheduled = self._pending, [], False
-        error: Optional[BaseException] = None
+    def _send_batch(self, ids: List[int], attempt: int) -> None:
+        self.calls += 1
         try:
-            self.calls += 1
-            await self._release_ids([lease_id for lease_id, _ in batch])
+            fut = self._send(ids)
         except Exception as exc:
-            error = exc
-        for _, fut in batch:
-            if fut.done():  # its caller was cancelled
-                continue
-            if error is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(error)
+            self._failed(ids, attempt, exc)
+            return
+        if fut is None:
+            self._failed(ids, attempt, ConnectionError("no block directory"))
+            return
+        with self._lock:
+            self._inflight = [f for f in self._inflight if not f.done()] + [fut]
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                self._failed(ids, attempt, f.exception())
+
+        fut.add_done_callback(done)
+
+    def _failed(self, ids: List[int], attempt: int, exc: Optional[BaseException]) -> None:
+        self.failures += 1
+        if attempt < len(RETRY_PAUSES_S):
+            pause = RETRY_PAUSES_S[attempt]
+            logger.info("xavier: releasing %d leases failed (%r); again in %.1f s", len(ids),
+                        exc, pause)
+            timer = threading.Timer(pause, lambda: self._schedule(
+                lambda: self._send_batch(ids, attempt + 1)))
+            timer.daemon = True
+            timer.start()
+            return
+        logger.warning("xavier: releasing %d leases failed %d times (%r); the directory keeps "
+                       "them until the holder's rank is purged", len(ids), attempt + 1, exc)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Send what is buffered now and wait for every release call so far."""
+        self._flush()
+        with self._lock:
+            pending = list(self._inflight)
+        concurrent.futures.wait(pending, timeout=timeout)
+
+
+def directory_sender(directory: Any, start: Callable[[Callable[[], Awaitable[Any]]],
+                                                    concurrent.futures.Future[Any]]
+                     ) -> SendRelease:
+    """A :data:`SendRelease` calling ``release(ids)`` of the directory actor that
+    ``directory`` (a :class:`~.actor_bridge.LazyActor`) finds, started with ``start``
+    (``ActorBridge.start``).  Safe to call on the bridge's own thread: the lookup of the
+    actor happens inside the coroutine."""
+    async def release(ids: List[int]) -> Any:
+        ref = await directory.aget()
+        if ref is None:
+            raise ConnectionError("block directory not reachable")
+        try:
+            return await ref.release(ids)
+        except Exception:
+            directory.forget()  # looked up again next time (a restarted directory)
+            raise
+
+    def send(ids: Sequence[int]) -> concurrent.futures.Future[Any]:
+        return start(lambda: release(list(ids)))
+
+    return send

@@ -1,12 +1,13 @@
 """Blocks of another host's storage, moved with xoscar's ``copy_to``.
 
-The loading rank registers its CPU staging rows as xoscar buffer refs and asks
-the source rank's transfer actor to send the requested slots into them; the
-source gathers the slots (one contiguous ``uint8`` buffer per layer) and calls
-``xo.copy_to`` once for all layers of the transfer.  ``copy_to`` rides the
-pools' transport: plain sockets by default, NIXL when the pools use xoscar's
-``nixl`` channel (the ``xoscar[nixl]`` extra; GPU machines).  Transfer sizes are
-bounded by the slab: one call per planned transfer.
+The loading rank's transfer actor registers staging rows as xoscar buffer refs and asks
+the source rank's transfer actor to send the requested slots into them
+(:func:`fetch_into`); the source gathers the slots (one contiguous ``uint8`` buffer per
+layer) and calls ``xo.copy_to`` once for all layers of the transfer (:func:`serve_blocks`).
+``copy_to`` picks its channel from the address in the buffer refs: NIXL for a ``nixl://``
+address (:mod:`.nixl_endpoint`), the pools' sockets otherwise.  The staging rows live in
+shared memory that the loading worker maps too: it writes them into its KV cache once the
+fetch returned.  Transfer sizes are bounded by the slab: one call per planned transfer.
 """
 
 from __future__ import annotations
@@ -17,22 +18,18 @@ import numpy as np
 import torch
 import xoscar as xo
 
-from .gpu_transfer import RemoteFetch
 from .load_batch import Tier
-from .plan import Transfer
 from .snapshot_storage import SnapshotStorage
 
 
-def xoscar_fetch(source: Any, local_address: str, tier: Tier) -> RemoteFetch:
-    """A :data:`~.gpu_transfer.RemoteFetch` that asks ``source`` (an actor ref exposing
-    ``serve_blocks``, e.g. via :func:`serve_blocks`) to write into this process."""
-
-    async def fetch(transfer: Transfer, staging_rows: List[torch.Tensor]) -> None:
-        # the views must stay alive until copy_to has written them: they do, in this frame
-        refs = [xo.buffer_ref(local_address, rows) for rows in staging_rows]
-        await source.serve_blocks(int(tier), transfer.group, transfer.src_slots, refs)
-
-    return fetch
+async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
+                     staging_rows: List[torch.Tensor]) -> int:
+    """Loader side: have ``source`` (an actor ref exposing ``serve_blocks``) write
+    ``slots`` of its ``tier``/``group`` into ``staging_rows`` (per layer ``uint8``
+    ``[len(slots), block_bytes]``), received at ``address``.  Returns the bytes moved."""
+    # the rows must stay alive until copy_to has written them: they do, in this frame
+    refs = [xo.buffer_ref(address, rows) for rows in staging_rows]
+    return int(await source.serve_blocks(int(tier), int(group), list(slots), refs))
 
 
 async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,

@@ -1,23 +1,28 @@
-"""The scheduler half of the connector, without vLLM: queries, leases, destinations, exports.
+"""The scheduler half of the connector, without vLLM: lookups, leases, destinations, exports.
 
 :class:`SchedulerSide` is driven by :class:`~.connector.XavierConnector` (scheduler
 role), which translates vLLM's objects into plain values.  Contract:
 
-* :meth:`SchedulerSide.match` asks the directory for blocks beyond the local hit
-  (never the block holding the prompt's last token: vLLM must compute at least one
-  token) and holds the leases of the hit until the request is allocated; asking again
-  for the same request first releases what the previous answer held.
+* :meth:`SchedulerSide.track` (vLLM's ``on_new_request``) queues the request's directory
+  lookup right away; the lookups of all requests that arrived since the last step go to
+  the directory in ONE call (:class:`~.lookups.DirectoryLookups`).
+* :meth:`SchedulerSide.match` answers vLLM's ``get_num_new_matched_tokens``: the blocks
+  beyond the local hit that other ranks hold (never the block holding the prompt's last
+  token: vLLM must compute at least one token), or ``None`` while the lookup is still
+  out (vLLM asks again next step; the wait is bounded per step).  The leases of the hit
+  are held until the request is allocated; asking again for the same request reuses the
+  hit when the local hit did not move, else releases it and looks again.
 * :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
   rows for the destination blocks vLLM allocated (null blocks skipped, their leases
   still carried so they are released after the step's load); with no external tokens
   the leases are released at once.
 * :meth:`SchedulerSide.build_step` returns everything of one step in a
   :class:`StepMeta`: ONE load batch carrying every request's loads, the newly full
-  blocks to export after the forward, and the step's query statistics.
+  blocks to export after the forward, and the step's figures.
 * :meth:`SchedulerSide.finished` drops a request and releases any lease it still holds.
 
-Leases put into a :class:`StepMeta` are owned by the worker from then on (the transfer
-actor releases them after the copy, on every path).
+Leases put into a :class:`StepMeta` are owned by the worker from then on (its load
+engine releases them after the copies, on every path).
 """
 
 from __future__ import annotations
@@ -30,11 +35,10 @@ import numpy as np
 
 from .block_directory import QueryResult
 from .load_batch import COLUMNS, BlockLoad, LoadBatch
+from .lookups import DirectoryLookups, State
 
 logger = logging.getLogger(__name__)
 
-#: (group, keys, exclude_rank) -> QueryResult; blocking (the directory actor, or a local one)
-QueryFn = Callable[[int, Sequence[int], int], QueryResult]
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
 #: (lease_id, source rank)
@@ -45,8 +49,8 @@ ExportRow = Tuple[int, int, int]
 
 @dataclass
 class StepStats:
-    """Figures of one step, summed by the transfer actor: the scheduler side's, and the
-    worker's waits on the actor (µs; they ride with the worker's next call)."""
+    """The scheduler side's figures of one step (the worker adds them to the rank's
+    counters)."""
 
     queries: int = 0
     queried_blocks: int = 0
@@ -54,8 +58,13 @@ class StepStats:
     hit_tokens: int = 0
     requests_with_hits: int = 0
     steps_with_loads: int = 0
-    worker_load_wait_us: int = 0
-    worker_export_wait_us: int = 0
+    lookup_calls: int = 0
+    lookups_deferred: int = 0
+    lookups_given_up: int = 0
+    lookup_wait_us: int = 0
+    #: steps built, and the time vLLM's scheduling loop spent in the connector (µs)
+    scheduler_steps: int = 0
+    scheduler_us: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -98,7 +107,7 @@ class StepMeta:
 class _Hit:
     first_block: int
     keys: Tuple[int, ...]
-    result: QueryResult
+    result: QueryResult  # group-major locations/leases of exactly ``keys``
 
 
 @dataclass
@@ -112,70 +121,108 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, rank: int, block_size: int, num_groups: int, query: QueryFn,
-                 release: ReleaseFn) -> None:
+    """See the module docstring."""
+
+    def __init__(self, rank: int, block_size: int, num_groups: int,
+                 lookups: DirectoryLookups, release: ReleaseFn) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
         self.block_size = block_size
         self.num_groups = num_groups
-        self._query = query
+        self.lookups = lookups
         self._release = release
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
         self._step_loads: List[Tuple[str, List[BlockLoad], List[LeaseRef]]] = []
         self._stats = StepStats()
 
-    # ------------------------------------------------------------------ query
-    def track(self, request_id: str, keys: Callable[[], Sequence[int]],
-              sharing: bool = True) -> None:
-        """Start (or keep) tracking a request; ``keys`` gives its full blocks' keys so far."""
-        if request_id not in self._tracked:
-            self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing)
+    # ----------------------------------------------------------------- lookup
+    def track(self, request_id: str, keys: Callable[[], Sequence[int]], num_tokens: int,
+              sharing: bool = True, ready: bool = True) -> None:
+        """Start tracking a request (vLLM's ``on_new_request``); when sharing and ready,
+        queue its lookup of every block it could load (from its first block)."""
+        if request_id in self._tracked:
+            return
+        self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing)
+        if sharing and ready:
+            last = self._last_block(keys(), num_tokens)
+            if last > 0:
+                self.lookups.ask(request_id, 0, keys()[:last])
+
+    def _last_block(self, keys: Sequence[int], num_tokens: int) -> int:
+        # blocks entirely within the first num_tokens - 1 tokens: vLLM computes >= 1 token
+        return min(len(keys), max(0, num_tokens - 1) // self.block_size)
 
     def match(self, request_id: str, num_tokens: int, num_computed_tokens: int,
-              ready: bool = True) -> int:
-        """External tokens loadable beyond ``num_computed_tokens`` (block aligned)."""
-        self._drop_hit(request_id)
+              ready: bool = True) -> Optional[int]:
+        """External tokens loadable beyond ``num_computed_tokens`` (block aligned), or
+        ``None`` while the lookup is out."""
         tracked = self._tracked.get(request_id)
         if tracked is None or not tracked.sharing or not ready:
+            self._drop_hit(request_id)
+            self.lookups.drop(request_id)
             return 0
         first = num_computed_tokens // self.block_size
         keys = tracked.keys()
-        # blocks entirely within the first num_tokens - 1 tokens: vLLM computes >= 1 token
-        last = min(len(keys), max(0, num_tokens - 1) // self.block_size)
+        last = self._last_block(keys, num_tokens)
+        held = self._hits.get(request_id)
+        if held is not None and held.first_block == first:
+            return len(held.keys) * self.block_size  # vLLM asks again: same answer
+        self._drop_hit(request_id)
         if last <= first:
+            self.lookups.drop(request_id)
             return 0
-        asked = tuple(int(k) for k in keys[first:last])
+        state, lookup = self.lookups.take(request_id)
+        if state is State.NONE:  # arrived before sharing was ready, preempted, or re-asked
+            self.lookups.ask(request_id, first, keys[first:last])
+            state, lookup = self.lookups.take(request_id)
+        if state is State.PENDING:
+            return None
+        if state is State.MISS or lookup is None or lookup.result is None:
+            return 0
         self._stats.queries += 1
-        self._stats.queried_blocks += len(asked)
-        try:
-            result = self._query(0, asked, self.rank)
-        except Exception as exc:  # a directory that cannot answer is a miss, never an error
-            logger.warning("xavier: directory query failed (%s); treating as a miss", exc)
+        self._stats.queried_blocks += len(lookup.keys)
+        result, start = lookup.result, lookup.start
+        end = min(start + result.num_hits, last)
+        if start > first or end <= first:
+            self._release(result.lease_ids)
+            if start != first and end <= first and last > first:
+                # the answer covers only blocks this replica has itself: ask from `first`
+                self.lookups.ask(request_id, first, keys[first:last])
+                state, lookup = self.lookups.take(request_id)
+                if state is State.PENDING:
+                    return None
+                if state is State.DONE and lookup is not None and lookup.result is not None:
+                    result, start = lookup.result, lookup.start
+                    end = min(start + result.num_hits, last)
+                    if end > first:
+                        return self._keep(request_id, keys, first, end, start, result)
+                    self._release(result.lease_ids)
             return 0
-        if self.num_groups > 1:  # every group must hold the same prefix
-            result = self._intersect_groups(asked, result)
-        if result.num_hits == 0:
-            return 0
-        self._hits[request_id] = _Hit(first, asked[:result.num_hits], result)
-        return result.num_hits * self.block_size
+        return self._keep(request_id, keys, first, end, start, result)
 
-    def _intersect_groups(self, asked: Tuple[int, ...], first: QueryResult) -> QueryResult:
-        results = [first]
-        for g in range(1, self.num_groups):
-            try:
-                results.append(self._query(g, asked[:first.num_hits], self.rank))
-            except Exception as exc:
-                logger.warning("xavier: directory query (group %d) failed: %s", g, exc)
-                results.append(QueryResult((), (), ()))
-        n = min(r.num_hits for r in results)
-        extra = [lid for r in results for lid in r.lease_ids[n:]]
-        if extra:
-            self._release(extra)
-        return QueryResult(first.keys[:n],
-                           tuple(loc for r in results for loc in r.locations[:n]),
-                           tuple(lid for r in results for lid in r.lease_ids[:n]))
+    def _keep(self, request_id: str, keys: Sequence[int], first: int, end: int, start: int,
+              result: QueryResult) -> int:
+        """Hold the hit of blocks ``[first, end)`` from ``result`` (which starts at block
+        ``start``); release the leases outside."""
+        hits = result.num_hits
+        groups = len(result.locations) // max(1, hits)
+        keep_locs, keep_ids, drop = [], [], []
+        for g in range(groups):
+            for j in range(hits):
+                i = g * hits + j
+                if first <= start + j < end:
+                    keep_locs.append(result.locations[i])
+                    keep_ids.append(result.lease_ids[i])
+                else:
+                    drop.append(result.lease_ids[i])
+        if drop:
+            self._release(drop)
+        kept = tuple(int(k) for k in keys[first:end])
+        self._hits[request_id] = _Hit(first, kept,
+                                      QueryResult(kept, tuple(keep_locs), tuple(keep_ids)))
+        return (end - first) * self.block_size
 
     # ------------------------------------------------------------ allocation
     def allocated(self, request_id: str, block_ids: Sequence[Sequence[int]],
@@ -251,9 +298,18 @@ class SchedulerSide:
                 for i in range(start, min(end, len(ids))):
                     if not tracked.null[g][i]:
                         exports.append((g, int(keys[i]), int(ids[i])))
+        self.lookups.flush()  # lookups of requests vLLM did not reach this step: on their way
+        self.lookups.new_step()
+        for name, value in self.lookups.take_stats().items():
+            setattr(self._stats, name, getattr(self._stats, name) + value)
+        self._stats.scheduler_steps += 1
         meta = self._take_loads()
         meta.exports = tuple(exports)
         return meta
+
+    def add_time(self, us: int) -> None:
+        """Time (µs) the connector's scheduler methods took (counted per step)."""
+        self._stats.scheduler_us += us
 
     def _take_loads(self) -> StepMeta:
         loads, self._step_loads = self._step_loads, []
@@ -272,6 +328,7 @@ class SchedulerSide:
     # ----------------------------------------------------------------- finish
     def finished(self, request_id: str) -> None:
         self._drop_hit(request_id)
+        self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
 
     def _drop_hit(self, request_id: str) -> None:
@@ -281,9 +338,9 @@ class SchedulerSide:
 
     @property
     def held_leases(self) -> int:
-        """Leases held by queried-but-not-allocated requests (not yet in a step)."""
+        """Leases held by answered-but-not-allocated requests (not yet in a step)."""
         return sum(len(h.result.lease_ids) for h in self._hits.values()) + sum(
-            len(ls) for _, _, ls in self._step_loads)
+            len(ls) for _, _, ls in self._step_loads) + self.lookups.held_leases
 
     @property
     def tracked(self) -> int:

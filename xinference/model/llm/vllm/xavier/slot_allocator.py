@@ -10,7 +10,7 @@ granted slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Container, Dict, List, Optional, Set, Tuple
 
 
 class SlotAllocator:
@@ -43,8 +43,9 @@ class SlotAllocator:
                 return slot
         return None
 
-    def victims(self, count: int, exclude: Tuple[int, ...] = ()) -> List[int]:
-        """Up to ``count`` occupied slots, least recently used first."""
+    def victims(self, count: int, exclude: Container[int] = ()) -> List[int]:
+        """Up to ``count`` occupied slots, least recently used first (keys in ``exclude``
+        are passed over)."""
         out: List[int] = []
         for key, slot in self._lru.items():
             if len(out) >= count:

@@ -1,0 +1,226 @@
+"""The worker's storage writer on real tensors (CPU here; with XAVIER_TEST_DEVICE=cuda the
+engine caches and the GPU tier are on the GPU): exports that never wait, publication only
+after the bytes, room made ahead (demotions, claims that respect leases), loads by a peer
+bit-exact."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from xinference.model.llm.vllm.xavier import storage_writer as writer_mod
+from xinference.model.llm.vllm.xavier.block_copy import block_view
+from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.counters import Counters
+from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
+from xinference.model.llm.vllm.xavier.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.load_batch import Tier
+from xinference.model.llm.vllm.xavier.plan import SlabConfig
+from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
+
+from .kvfixtures import BLOCK_DIM, bits, loads, make_caches
+
+N_BLOCKS = 32
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
+
+
+class World:
+    """Replica A's engine cache and storage (rank 1) with its writer; replica B's cache."""
+
+    def __init__(self, seed: int, gpu_blocks: int, cpu_blocks: int = 0,
+                 directory: object = None, room: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.a_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+        self.b_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+        self.layout = layout_of(self.a_cache, BLOCK_DIM)
+        self.views = {g: [block_view(t, BLOCK_DIM[g]) for t in ts]
+                      for g, ts in self.a_cache.items()}
+        per_block = max(g.block_bytes for g in self.layout.groups) * len(self.layout.groups)
+        cuda = DEVICE == "cuda"
+        tiers = [TierConfig(Tier.GPU, gpu_blocks * per_block, device=DEVICE,
+                            shared_memory=not cuda)]
+        if cpu_blocks:
+            tiers.append(TierConfig(Tier.CPU, cpu_blocks * per_block, shared_memory=True))
+        self.storage = SnapshotStorage(1, self.layout, tiers)
+        self.d = directory if directory is not None else BlockDirectory()
+        self.d.register_rank(1)
+        self.counters = Counters()
+        self.writer = StorageWriter(
+            1, self.layout, {t: self.storage.caches(t) for t in self.storage.tiers},
+            LocalDirectory(self.d), torch.device(DEVICE),
+            stream=torch.cuda.Stream() if cuda else None, counters=self.counters,
+            room_blocks=room, background_room=False)
+
+    def export(self, rows):
+        res = self.writer.export(self.views, rows)
+        assert self.writer.flush(30)
+        return res
+
+    def load_on_b(self, keys, dests, group=0):
+        """Replica B asks the directory and loads what it gets; leases released after."""
+        res = self.d.query(group, keys, exclude_rank=2)
+        eng = GPUTransfer(2, SlabConfig(8, 2, 2),
+                          release_lease=lambda lease: self.d.release([lease.lease_id]))
+        eng.set_local_caches(self.b_cache, BLOCK_DIM)
+        for tier in self.storage.tiers:
+            eng.map_storage(1, tier, self.storage.caches(tier))
+        rows = [(group, k, loc.rank, loc.tier, loc.slot, dest)
+                for k, loc, dest in zip(res.keys, res.locations, dests)]
+        eng.load_gpu_requests_v1(loads([rows]), [Lease(i, 1) for i in res.lease_ids]).wait(30)
+        eng.close()
+        return res
+
+    def close(self):
+        self.writer.close()
+        self.storage.close()
+
+
+def block_of(cache, g, i):
+    return [t.select(BLOCK_DIM[g], i) for t in cache[g]]
+
+
+def assert_block_equal(got, want):
+    for a, b in zip(got, want):
+        assert torch.equal(bits(a.cpu()), bits(b.cpu()))
+
+
+def test_export_then_query_then_load_bit_exact():
+    w = World(0, gpu_blocks=8)
+    r = w.export([(0, 100 + i, 3 + i) for i in range(5)] + [(1, 7, 9)])
+    assert r.exported == 6 and w.d.num_blocks == 6
+    again = w.export([(0, 100, 3)])
+    assert again.already_stored == 1 and again.exported == 0
+    twice = w.export([(0, 200, 1), (0, 200, 1)])  # one block named twice in a step
+    assert twice.exported == 1 and twice.already_stored == 1 and w.writer.used(Tier.GPU) == 7
+    res = w.load_on_b([100, 101, 102, 103, 104, 999], [20, 21, 22, 23, 24])
+    assert res.num_hits == 5
+    for i in range(5):
+        assert_block_equal(block_of(w.b_cache, 0, 20 + i), block_of(w.a_cache, 0, 3 + i))
+    assert w.d.outstanding_leases == 0
+    snap = w.counters.snapshot()
+    assert snap["export_exported"] == 7 and snap["export_published"] == 7
+    w.close()
+    w.close()
+
+
+def test_a_full_tier_skips_the_export_instead_of_waiting():
+    """No free slot and no room made in time: the block is skipped (a later miss), the
+    export returns at once and nothing is published for it."""
+    w = World(1, gpu_blocks=3)
+    w.export([(0, 1, 1), (0, 2, 2), (0, 3, 3)])
+    r = w.export([(0, 4, 4), (0, 5, 5)])
+    assert (r.exported, r.skipped_no_slot) == (0, 2)
+    assert w.d.num_blocks == 3 and w.writer.lookup(0, 4) is None
+    assert w.counters.snapshot()["export_skipped_no_slot"] == 2
+    w.close()
+
+
+def test_make_room_never_reuses_a_leased_slot():
+    w = World(2, gpu_blocks=3)
+    w.export([(0, 1, 1), (0, 2, 2), (0, 3, 3)])
+    held = w.d.query(0, [1], exclude_rank=2)  # a peer is about to read key 1 (the LRU)
+    assert w.writer.make_room(2) == 2  # key 1's slot is refused; keys 2 and 3 go
+    assert w.writer.lookup(0, 1) is not None and w.writer.lookup(0, 2) is None
+    slot = held.locations[0].slot
+    r = w.export([(0, 4, 4), (0, 5, 5)])
+    assert r.exported == 2 and slot not in {w.writer.lookup(0, k)[1] for k in (4, 5)}
+    # the leased slot still holds key 1's bytes
+    assert_block_equal([v[slot] for v in w.writer.views(Tier.GPU, 0)],
+                       [v[1] for v in w.views[0]])
+    assert w.counters.snapshot()["room_claims_refused"] >= 1
+    w.d.release(held.lease_ids)
+    assert w.writer.make_room(1) == 1 and w.writer.lookup(0, 1) is None  # now it could go
+    assert w.d.outstanding_leases == 0
+    w.close()
+
+
+def test_make_room_demotes_ahead_so_the_next_export_only_copies():
+    w = World(3, gpu_blocks=4, cpu_blocks=8)
+    w.export([(0, 1 + i, 1 + i) for i in range(4)])  # GPU tier full
+    assert w.writer.make_room(2) == 2
+    assert w.writer.used(Tier.GPU) == 2 and w.writer.used(Tier.CPU) == 2
+    assert [w.writer.lookup(0, k)[0] for k in (1, 2, 3, 4)] == [Tier.CPU] * 2 + [Tier.GPU] * 2
+    nxt = w.export([(0, 5, 5), (0, 6, 6)])
+    assert (nxt.exported, nxt.skipped_no_slot) == (2, 0)
+    assert w.writer.make_room(100) == 4  # capped by the tier: all of it, in chunks
+    assert w.writer.used(Tier.GPU) == 0 and w.writer.used(Tier.CPU) == 6
+    w.load_on_b([1, 2, 3, 4, 5, 6], list(range(20, 26)))
+    for i in range(6):  # every block loads from the CPU tier, bit-exact
+        assert_block_equal(block_of(w.b_cache, 0, 20 + i), block_of(w.a_cache, 0, 1 + i))
+    snap = w.counters.snapshot()
+    assert snap["room_demoted"] == 6 and snap["room_evicted"] == 6
+    assert w.d.outstanding_leases == 0
+    w.close()
+
+
+def test_a_full_lower_tier_gives_up_its_own_lru_blocks():
+    w = World(4, gpu_blocks=2, cpu_blocks=2)
+    for step in range(3):
+        w.export([(0, 10 + 2 * step + j, 1 + 2 * step + j) for j in range(2)])
+        w.writer.make_room(2)
+    # 6 blocks passed through a 2-slot GPU tier into a 2-slot CPU tier: the newest 2 stay
+    assert w.writer.used(Tier.CPU) == 2 and w.writer.used(Tier.GPU) == 0
+    assert {w.writer.lookup(0, k) is not None for k in (14, 15)} == {True}
+    assert w.d.num_blocks == 2
+    w.close()
+
+
+def test_blocks_are_published_only_after_their_bytes_and_never_taken_before(monkeypatch):
+    """A slow publication: the block is not in the directory yet, and the room thread
+    does not take its slot as a victim meanwhile (a claim must not overtake it)."""
+    gate = threading.Event()
+    d = BlockDirectory()
+    w = World(5, gpu_blocks=2, directory=d)
+    real = LocalDirectory.register
+
+    def slow_register(self, rank, entries):
+        assert gate.wait(30)
+        return real(self, rank, entries)
+
+    monkeypatch.setattr(LocalDirectory, "register", slow_register)
+    r = w.writer.export(w.views, [(0, 1, 1), (0, 2, 2)])
+    assert r.exported == 2
+    time.sleep(0.05)
+    assert d.num_blocks == 0  # not visible yet
+    assert w.writer.make_room(2) == 0  # both pending: no victim
+    gate.set()
+    assert w.writer.flush(30) and d.num_blocks == 2
+    assert w.writer.make_room(2) == 2
+    w.close()
+
+
+def test_background_room_keeps_free_slots_ahead_of_exports(monkeypatch):
+    monkeypatch.setattr(writer_mod, "ROOM_PERIOD_S", 0.05)
+    gen = torch.Generator().manual_seed(6)
+    cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+    lay = layout_of(cache, BLOCK_DIM)
+    per_block = max(g.block_bytes for g in lay.groups) * len(lay.groups)
+    cuda = DEVICE == "cuda"
+    st = SnapshotStorage(1, lay, [TierConfig(Tier.GPU, 8 * per_block, device=DEVICE,
+                                             shared_memory=not cuda)])
+    d = BlockDirectory()
+    writer = StorageWriter(1, lay, {Tier.GPU: st.caches(Tier.GPU)}, LocalDirectory(d),
+                           torch.device(DEVICE), stream=torch.cuda.Stream() if cuda else None,
+                           room_blocks=2)
+    views = {g: [block_view(t, BLOCK_DIM[g]) for t in ts] for g, ts in cache.items()}
+    for step in range(6):
+        r = writer.export(views, [(0, 100 + 2 * step, 1), (0, 101 + 2 * step, 2)])
+        assert r.exported == 2, step  # the room thread freed 2 slots in time
+        deadline = time.monotonic() + 10
+        while writer.free(Tier.GPU, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    writer.close()
+    st.close()
+    assert d.num_blocks <= 8
+
+
+def test_export_of_a_group_not_stored_is_refused_by_name():
+    w = World(7, gpu_blocks=2)
+    with pytest.raises(ValueError, match="^group: KV-cache group 5 is not stored"):
+        w.writer.export(w.views, [(5, 1, 1)])
+    w.close()
+    with pytest.raises(RuntimeError, match="export: the storage writer of rank 1 is closed"):
+        w.writer.export(w.views, [(0, 1, 1)])

@@ -1,0 +1,493 @@
+"""This rank's snapshot storage as its vLLM worker writes it: slots, exports, room.
+
+The storage's memory belongs to the rank's ``TransferActor`` (:mod:`.snapshot_storage`);
+the worker maps every tier and keeps the bookkeeping (one :class:`~.slot_allocator.
+SlotAllocator` per tier and group: which key each slot holds, LRU order, generations).
+
+:meth:`StorageWriter.export` runs on the worker's step thread after the forward that
+computed the blocks, and never waits:
+
+1. blocks already stored (any tier) are only touched (LRU);
+2. free slots of the top tier are taken in O(1); a block that finds none is skipped (a
+   later miss, never a stalled step: ``export_skipped_no_slot``);
+3. the copies are queued on the engine's copy stream after the forward (one fused gather
+   per group on CUDA), and the caller's stream is made to wait for them, so vLLM cannot
+   hand a block to a new request and overwrite it before it was read;
+4. the publisher thread waits for the copies' event, then registers the blocks with the
+   block directory (one call per export): a block is never visible before its bytes.
+
+The room thread keeps free slots in the top tier ahead of the exports: it takes LRU
+victims, copies them into the next tier down (when there is one; in chunks, on a stream
+of its own, after the last export's copies) and registers them there, then claims the
+victims from the directory (a slot under lease is refused and kept), so that the next
+export finds free slots.  Victims whose publication is still pending are never taken (a
+claim must not overtake the registration it would undo).
+
+A CPU tier on a CPU engine is written by the step thread directly (no stream).  A CPU
+top tier on a CUDA engine (no GPU tier) is written in two halves: the gather and a copy
+into page-locked rows on the stream, the scatter into the tier on the publisher thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Set, Tuple
+
+import torch
+
+from . import block_copy_triton
+from .block_copy import as_byte_rows, block_view, slab_as
+from .block_directory import BlockDirectory
+from .counters import Counters, CounterSink, elapsed_us
+from .kv_schema import KVLayout
+from .load_batch import Tier
+from .slot_allocator import SlotAllocator
+
+logger = logging.getLogger(__name__)
+
+#: (group, key, tier, slot, generation), as the block directory records it
+Entry = Tuple[int, int, int, int, int]
+#: (group, key, engine block id) of a newly computed full block
+ExportRow = Tuple[int, int, int]
+
+#: blocks the room thread demotes and claims per round (per group)
+ROOM_CHUNK_BLOCKS = 64
+#: how often the room thread looks even when no export woke it
+ROOM_PERIOD_S = 0.5
+
+
+class DirectoryLink(Protocol):
+    """What the writer needs of the block directory.  Both are called off the step thread
+    and may block (the worker's link calls the ``VLLMBlockTracker`` actor)."""
+
+    def register(self, rank: int, entries: Sequence[Entry]) -> int: ...
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]: ...
+
+
+class LocalDirectory:
+    """An in-process :class:`DirectoryLink` over a :class:`~.block_directory.
+    BlockDirectory` (tests, benchmarks)."""
+
+    def __init__(self, directory: Optional[BlockDirectory] = None) -> None:
+        self.directory = directory or BlockDirectory()
+
+    def register(self, rank: int, entries: Sequence[Entry]) -> int:
+        return self.directory.register(rank, list(entries))
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return self.directory.claim(rank, tier, group, list(slots))
+
+
+@dataclass
+class ExportResult:
+    """What one export did."""
+
+    exported: int = 0
+    already_stored: int = 0
+    skipped_no_slot: int = 0
+
+
+@dataclass
+class _Publication:
+    entries: List[Entry]
+    keys: List[Tuple[int, int]]  # (group, key) pending until published
+    event: Optional[torch.cuda.Event] = None
+    #: CPU top tier of a CUDA engine: (tier views, slots, page-locked rows) to scatter
+    scatter: List[Tuple[List[torch.Tensor], torch.Tensor, List[torch.Tensor]]] = field(
+        default_factory=list)
+
+
+class StorageWriter:
+    """See the module docstring.  ``tiers``: this rank's mapped tiers, top first, each
+    ``{group: [layer tensor [slots, *block_shape]]}``."""
+
+    def __init__(self, rank: int, layout: KVLayout,
+                 tiers: Dict[Tier, Dict[int, List[torch.Tensor]]],
+                 directory: DirectoryLink, device: torch.device,
+                 stream: Optional[torch.cuda.Stream] = None,
+                 counters: Optional[CounterSink] = None, room_blocks: int = 512,
+                 background_room: bool = True) -> None:
+        if not tiers:
+            raise ValueError("tiers: at least one storage tier is needed")
+        self.rank = rank
+        self.layout = layout
+        self.device = device
+        self.stream = stream
+        self.sink: CounterSink = counters if counters is not None else Counters()
+        self._directory = directory
+        self._order = sorted(tiers)
+        self._views = {t: {g: [block_view(x, 0) for x in layers] for g, layers in groups.items()}
+                       for t, groups in tiers.items()}
+        self._slots = {t: min(layers[0].shape[0] for layers in groups.values())
+                       for t, groups in tiers.items()}
+        self._alloc: Dict[Tier, Dict[int, SlotAllocator]] = {
+            t: {g.group: SlotAllocator(self._slots[t]) for g in layout.groups} for t in tiers}
+        self._tables: Dict[Tuple[Tier, int], torch.Tensor] = {}
+        self._engine_tables: Dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
+        self._last_event: Optional[torch.cuda.Event] = None
+        self._room_target = min(room_blocks, self._slots[self._order[0]] // 4)
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._publications: queue.Queue[Optional[_Publication]] = queue.Queue()
+        self._unpublished = 0
+        self._closed = False
+        self._room_stream: Optional[torch.cuda.Stream] = None
+        if device.type == "cuda":
+            self._room_stream = torch.cuda.Stream(device=device)
+        self._publisher = threading.Thread(target=self._publish_loop, daemon=True,
+                                           name=f"xavier-publish-{rank}")
+        self._publisher.start()
+        self._room: Optional[threading.Thread] = None
+        if background_room and self._room_target > 0:
+            self._room = threading.Thread(target=self._room_loop, daemon=True,
+                                          name=f"xavier-room-{rank}")
+            self._room.start()
+        self._gauges()
+
+    # ------------------------------------------------------------------ views
+    @property
+    def tiers(self) -> List[Tier]:
+        return list(self._order)
+
+    def slots(self, tier: Tier) -> int:
+        return self._slots[Tier(tier)]
+
+    def used(self, tier: Tier) -> int:
+        with self._lock:
+            return sum(a.used for a in self._alloc[Tier(tier)].values())
+
+    def free(self, tier: Tier, group: int = 0) -> int:
+        with self._lock:
+            return self._alloc[Tier(tier)][group].free
+
+    def lookup(self, group: int, key: int) -> Optional[Tuple[Tier, int, int]]:
+        """``(tier, slot, generation)`` of a stored block (top tier first), or None."""
+        with self._lock:
+            for tier in self._order:
+                hit = self._alloc[tier][group].lookup(key, touch=False)
+                if hit is not None:
+                    return tier, hit[0], hit[1]
+        return None
+
+    def views(self, tier: Tier, group: int) -> List[torch.Tensor]:
+        return self._views[Tier(tier)][group]
+
+    # ----------------------------------------------------------------- export
+    def export(self, engine_views: Dict[int, List[torch.Tensor]],
+               rows: Sequence[ExportRow]) -> ExportResult:
+        """Store newly computed full blocks ``(group, key, engine block)`` (engine views as
+        :func:`~.block_copy.block_view` gives); see the module docstring.  Never waits."""
+        if self._closed:
+            raise RuntimeError(f"export: the storage writer of rank {self.rank} is closed")
+        res = ExportResult()
+        top = self._order[0]
+        placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
+        entries: List[Entry] = []
+        with elapsed_us(lambda us: self.sink.add("export_launch_us", us)):
+            with self._lock:
+                for group, key, block in rows:
+                    if group not in self._alloc[top]:
+                        raise ValueError(f"group: KV-cache group {group} is not stored")
+                    if any(self._alloc[t][group].lookup(key) is not None for t in self._order):
+                        res.already_stored += 1
+                        continue
+                    alloc = self._alloc[top][group]
+                    slot = alloc.take_free()
+                    if slot is None:
+                        res.skipped_no_slot += 1
+                        continue
+                    gen = alloc.assign(key, slot)
+                    blocks, slots = placed.setdefault(group, ([], []))
+                    blocks.append(int(block))
+                    slots.append(slot)
+                    entries.append((group, key, int(top), slot, gen))
+                    self._pending.add((group, key))
+            if entries:
+                pub = _Publication(entries, [(g, k) for g, k, _, _, _ in entries])
+                self._copy_out(engine_views, top, placed, pub)
+                with self._lock:
+                    self._unpublished += 1
+                self._publications.put(pub)
+        res.exported = len(entries)
+        self.sink.add("export_calls")
+        self.sink.add("export_exported", res.exported)
+        self.sink.add("export_already_stored", res.already_stored)
+        self.sink.add("export_skipped_no_slot", res.skipped_no_slot)
+        if res.exported or res.skipped_no_slot:
+            self._wake.set()
+        self._gauges()
+        return res
+
+    def _copy_out(self, engine_views: Dict[int, List[torch.Tensor]], tier: Tier,
+                  placed: Dict[int, Tuple[List[int], List[int]]], pub: _Publication) -> None:
+        """Queue the copies engine blocks -> ``tier`` slots (see the module docstring)."""
+        if self.stream is None:  # CPU engine: copy now
+            for group, (blocks, slots) in placed.items():
+                _copy_rows(engine_views[group], self._views[tier][group], blocks, slots)
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            for group, (blocks, slots) in placed.items():
+                src, dst = engine_views[group], self._views[tier][group]
+                src_idx = torch.tensor(blocks, dtype=torch.int64).pin_memory().to(
+                    self.device, non_blocking=True)
+                if dst[0].device.type == "cuda":
+                    dst_idx = torch.tensor(slots, dtype=torch.int64).pin_memory().to(
+                        self.device, non_blocking=True)
+                    if block_copy_triton.supports(src, dst):
+                        block_copy_triton.gather_scatter(
+                            self._engine_table(group, src), self._tier_table(tier, group, dst),
+                            len(dst), int(dst[0].shape[1]), src[0].stride(0), dst[0].stride(0),
+                            src_idx, dst_idx)
+                    else:
+                        _copy_rows_device(src, dst, src_idx, dst_idx)
+                else:  # CPU top tier: gather, then into page-locked rows; scatter later
+                    host = [torch.empty(as_byte_rows(s[:1]).shape[1] * len(blocks),
+                                        dtype=torch.uint8, pin_memory=True).view(len(blocks), -1)
+                            for s in src]
+                    for s, h in zip(src, host):
+                        h.copy_(as_byte_rows(s.index_select(0, src_idx)), non_blocking=True)
+                    pub.scatter.append((dst, torch.tensor(slots, dtype=torch.int64), host))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        caller.wait_event(event)  # vLLM reuses none of these blocks before they were read
+        pub.event = event
+        self._last_event = event
+
+    def _engine_table(self, group: int, views: List[torch.Tensor]) -> torch.Tensor:
+        table = self._engine_tables.get(group)
+        if table is None:
+            table = self._engine_tables[group] = block_copy_triton.pointer_table(views)
+        return table
+
+    def _tier_table(self, tier: Tier, group: int, views: List[torch.Tensor]) -> torch.Tensor:
+        table = self._tables.get((tier, group))
+        if table is None:
+            table = self._tables[(tier, group)] = block_copy_triton.pointer_table(views)
+        return table
+
+    # ------------------------------------------------------------ publication
+    def _publish_loop(self) -> None:
+        while True:
+            pub = self._publications.get()
+            if pub is None:
+                return
+            try:
+                if pub.event is not None:
+                    pub.event.synchronize()
+                for dst, slots, host in pub.scatter:
+                    for d, h in zip(dst, host):
+                        d.index_copy_(0, slots, slab_as(h, len(slots), d))
+                self._directory.register(self.rank, pub.entries)
+                self.sink.add("export_published", len(pub.entries))
+            except Exception as exc:  # unpublished blocks are only a later miss
+                self.sink.add("export_publish_failures", len(pub.entries))
+                logger.warning("rank %d: publishing %d exported blocks failed: %r", self.rank,
+                               len(pub.entries), exc)
+            finally:
+                with self._lock:
+                    self._pending.difference_update(pub.keys)
+                    self._unpublished -= 1
+
+    # ------------------------------------------------------------------- room
+    def _room_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait(ROOM_PERIOD_S)
+            self._wake.clear()
+            if self._closed:
+                return
+            self._idle.clear()
+            try:
+                self.make_room()
+            except Exception as exc:  # the next round tries again; exports skip meanwhile
+                logger.warning("rank %d: making room failed: %r", self.rank, exc)
+            finally:
+                self._idle.set()
+
+    def make_room(self, free_blocks: Optional[int] = None) -> int:
+        """Free up to ``free_blocks`` (default: the room target) slots of the top tier of
+        every group: demote LRU victims one tier down, then claim them.  Returns the
+        slots freed.  Runs on the room thread (tests may call it directly)."""
+        target = self._room_target if free_blocks is None else free_blocks
+        top = self._order[0]
+        freed = 0
+        t0 = time.perf_counter()
+        for group in self._alloc[top]:
+            refused_rounds = 0
+            while not self._closed:
+                with self._lock:
+                    alloc = self._alloc[top][group]
+                    need = min(target, alloc.num_slots) - alloc.free
+                    if need <= 0:
+                        break
+                    victims = alloc.victims(min(need, ROOM_CHUNK_BLOCKS),
+                                            exclude=self._pending_keys(group))
+                if not victims:
+                    break
+                self.sink.add("room_rounds")
+                got = self._evict(top, group, victims)
+                freed += got
+                if got == 0:
+                    refused_rounds += 1
+                    if refused_rounds >= 2:
+                        break  # everything left is leased: try again later
+        if freed:
+            self.sink.add("room_us", int(1e6 * (time.perf_counter() - t0)))
+        self._gauges()
+        return freed
+
+    def _pending_keys(self, group: int) -> FrozenSet[int]:
+        """Keys of ``group`` exported but not yet published (never victims)."""
+        return frozenset(k for g, k in self._pending if g == group)
+
+    def _evict(self, tier: Tier, group: int, victims: List[int]) -> int:
+        """Demote ``victims`` of ``tier`` one tier down (if any), then claim them; refused
+        (leased) victims are touched so that the next round takes others."""
+        lower = [t for t in self._order if t > tier]
+        if lower:
+            self._demote(tier, lower[0], group, victims)
+        granted = self._directory.claim(self.rank, int(tier), group, victims)
+        refused = set(victims) - set(granted)
+        with self._lock:
+            alloc = self._alloc[tier][group]
+            for slot in granted:
+                alloc.release(slot)
+            for slot in refused:
+                key = alloc.key_of(slot)
+                if key is not None:
+                    alloc.lookup(key, touch=True)
+        self.sink.add("room_evicted", len(granted))
+        self.sink.add("room_claims_refused", len(refused))
+        return len(granted)
+
+    def _demote(self, src_tier: Tier, dst_tier: Tier, group: int, victims: List[int]) -> None:
+        with self._lock:
+            src_alloc, dst_alloc = self._alloc[src_tier][group], self._alloc[dst_tier][group]
+            todo = [(k, s) for s in victims if (k := src_alloc.key_of(s)) is not None
+                    and dst_alloc.lookup(k, touch=False) is None]
+            slots = _take_free(dst_alloc, len(todo))
+        if len(slots) < len(todo):  # the lower tier is full too: claim its LRU victims
+            with self._lock:
+                lower_victims = dst_alloc.victims(len(todo) - len(slots),
+                                                  exclude=self._pending_keys(group))
+            if lower_victims:
+                granted = self._directory.claim(self.rank, int(dst_tier), group, lower_victims)
+                with self._lock:
+                    for slot in granted:
+                        dst_alloc.release(slot)
+                    slots += _take_free(dst_alloc, len(todo) - len(slots))
+                self.sink.add("room_evicted", len(granted))
+        if len(slots) < len(todo):
+            self.sink.add("room_skipped_no_lower_slot", len(todo) - len(slots))
+            todo = todo[:len(slots)]
+        if not todo:
+            return
+        self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
+        with self._lock:
+            gens = [dst_alloc.assign(k, slot) for (k, _), slot in zip(todo, slots)]
+        self._directory.register(self.rank, [(group, k, int(dst_tier), slot, gen)
+                                             for (k, _), slot, gen in zip(todo, slots, gens)])
+        self.sink.add("room_demoted", len(todo))
+
+    def _copy_between(self, src_tier: Tier, dst_tier: Tier, group: int,
+                      src_slots: List[int], dst_slots: List[int]) -> None:
+        """Copy slots between two tiers of this storage, complete on return (room thread)."""
+        src, dst = self._views[src_tier][group], self._views[dst_tier][group]
+        if self._room_stream is None or src[0].device.type != "cuda":
+            _copy_rows(src, dst, src_slots, dst_slots)
+            return
+        with torch.cuda.stream(self._room_stream):
+            last = self._last_event
+            if last is not None:  # read the victims after the exports that wrote them
+                self._room_stream.wait_event(last)
+            idx = torch.tensor(src_slots, dtype=torch.int64).to(self.device)
+            host = [torch.empty(as_byte_rows(s[:1]).shape[1] * len(src_slots),
+                                dtype=torch.uint8, pin_memory=True).view(len(src_slots), -1)
+                    for s in src]
+            for s, h in zip(src, host):
+                h.copy_(as_byte_rows(s.index_select(0, idx)), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._room_stream)
+        event.synchronize()
+        slots = torch.tensor(dst_slots, dtype=torch.int64)
+        for d, h in zip(dst, host):
+            d.index_copy_(0, slots.to(d.device), slab_as(h, len(dst_slots), d).to(d.device))
+
+    def _gauges(self) -> None:
+        for tier in self._order:
+            name = tier.name.lower()
+            with self._lock:
+                used = sum(a.used for a in self._alloc[tier].values())
+                free = sum(a.free for a in self._alloc[tier].values())
+            self.sink.set(f"storage_{name}_used_blocks", used)
+            self.sink.set(f"storage_{name}_free_blocks", free)
+
+    # ------------------------------------------------------------------ close
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every export so far is published and the room thread is idle."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                pending = self._unpublished
+            if pending == 0 and self._idle.is_set():
+                return True
+            time.sleep(0.005)
+        return False
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Publish what is pending, stop the threads, drop the tier views.  Idempotent."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        self._wake.set()
+        self._publications.put(None)
+        self._publisher.join(timeout)
+        if self._room is not None:
+            self._room.join(timeout)
+        self._views.clear()
+        self._tables.clear()
+        self._engine_tables.clear()
+
+
+def _take_free(alloc: SlotAllocator, count: int) -> List[int]:
+    slots: List[int] = []
+    while len(slots) < count:
+        free = alloc.take_free()
+        if free is None:
+            break
+        slots.append(free)
+    return slots
+
+
+def _copy_rows(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+               src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every layer (block views, any layouts);
+    complete on return for host tensors."""
+    if not src_rows:
+        return
+    si = torch.tensor(list(src_rows), dtype=torch.int64)
+    di = torch.tensor(list(dst_rows), dtype=torch.int64)
+    for s, d in zip(src, dst):
+        rows = as_byte_rows(s.index_select(0, si.to(s.device)))
+        d.index_copy_(0, di.to(d.device), slab_as(rows, len(src_rows), d).to(d.device))
+
+
+def _copy_rows_device(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                      src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """The torch fallback of the fused gather (same device, any layouts), on the current
+    stream."""
+    n = int(src_idx.shape[0])
+    for s, d in zip(src, dst):
+        rows = as_byte_rows(s.index_select(0, src_idx))
+        d.index_copy_(0, dst_idx, slab_as(rows, n, d))
+

@@ -1,0 +1,205 @@
+"""Test-only switches and readers of a worker's data plane (``XAVIER_TEST_HOOKS=1``).
+
+Faults a real engine cannot be made to produce on demand, and digests that let a test
+compare bytes across replicas.  They exist only when the engine's environment has
+``XAVIER_TEST_HOOKS=1`` (the test harness sets it); a production worker has no hooks and
+refuses the calls.  Reached through vLLM's ``collective_rpc("xavier_hook", ...)``
+(:class:`~.connector.XavierWorkerExtension`), with plain values in and out.
+
+* faults: ``skip_copy`` (the step's loads claim success but copy nothing: the destinations
+  are zeroed -- the negative control), ``fail_one_block`` (one block of the step is zeroed
+  and reported failed: vLLM must recompute it), ``stall_load`` (the step's load waits
+  :data:`STALL_LOAD_S` after its leases were granted, before any peer is mapped or byte
+  copied: the window in which a test kills the source), ``hold_finish`` (the step's loads
+  are done but reported to vLLM only :data:`HOLD_FINISH_S` later: the window in which a
+  test aborts a request whose load vLLM still waits for);
+* readers: SHA-256 of engine blocks, of stored blocks, of the blocks recent loads wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+
+from .load_batch import DEST, GROUP, KEY, LoadBatch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .worker_plane import WorkerDataPlane
+
+FAULTS = ("skip_copy", "fail_one_block", "stall_load", "hold_finish")
+STALL_LOAD_S = 3.0
+#: how long a ``hold_finish`` fault keeps the step's loads from being reported finished
+HOLD_FINISH_S = 3.0
+RECENT = 4096
+
+
+class WorkerHooks:
+    def __init__(self, plane: WorkerDataPlane) -> None:
+        self._plane = plane
+        self._faults: Dict[str, int] = {}
+        self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
+        self._recent_exports: OrderedDict[Tuple[int, int], int] = OrderedDict()
+        self.fault_blocks: List[Tuple[int, int]] = []
+        self._hold_until = 0.0
+
+    # ----------------------------------------------------------------- faults
+    def inject_fault(self, mode: str, count: int = 1) -> None:
+        if mode not in FAULTS:
+            raise ValueError(f"mode: expected one of {FAULTS}, got {mode!r}")
+        self._faults[mode] = int(count)
+
+    def _take(self, mode: str) -> bool:
+        if self._faults.get(mode, 0) <= 0:
+            return False
+        self._faults[mode] -= 1
+        self._plane.counters.add(f"faults_{mode}")
+        return True
+
+    def before_load(self, batch: LoadBatch) -> None:
+        if batch.num_rows and self._take("stall_load"):
+            time.sleep(STALL_LOAD_S)
+        if batch.num_rows and self._take("hold_finish"):
+            self._hold_until = time.monotonic() + HOLD_FINISH_S
+
+    def holding(self) -> bool:
+        """Whether loads must not be reported finished yet (``hold_finish``)."""
+        return time.monotonic() < self._hold_until
+
+    def apply_faults(self, batch: LoadBatch, failed: Set[int]) -> Optional[LoadBatch]:
+        """The batch to load after the faults (None: nothing to load)."""
+        if batch.num_rows and self._take("skip_copy"):
+            for g in {int(x) for x in batch.table[:, GROUP]}:
+                self._zero(g, batch.table[batch.table[:, GROUP] == g][:, DEST])
+            return None  # claims success: nothing reported failed
+        if batch.num_rows and self._take("fail_one_block"):
+            victim = batch.num_rows // 2
+            row = batch.table[victim]
+            self._zero(int(row[GROUP]), [int(row[DEST])])  # garbage stays if not redone
+            self.fault_blocks.append((int(row[GROUP]), int(row[DEST])))
+            failed.add(int(row[DEST]))
+            keep = np.ones(batch.num_rows, bool)
+            keep[victim] = False
+            req = batch.row_request_index()[keep]
+            counts = np.bincount(req, minlength=batch.num_requests)
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            batch = LoadBatch(batch.request_ids, offsets, batch.table[keep].copy())
+        _remember(self._recent_loads, zip(batch.table[:, GROUP].tolist(),
+                                          batch.table[:, KEY].tolist(),
+                                          batch.table[:, DEST].tolist()))
+        return batch
+
+    def loaded_failed(self, failed: Set[int]) -> None:
+        for gk in [gk for gk, b in self._recent_loads.items() if b in failed]:
+            del self._recent_loads[gk]
+
+    def exported(self, rows: Sequence[Tuple[int, int, int]]) -> None:
+        _remember(self._recent_exports, rows)
+
+    def _zero(self, group: int, block_ids: Any) -> None:
+        idx = torch.as_tensor(np.asarray(block_ids, np.int64))
+        for v in self._plane.engine_views.get(group, []):
+            v.index_fill_(0, idx.to(v.device), 0)
+        if self._plane.device.type == "cuda":
+            torch.cuda.synchronize(self._plane.device)
+
+    # ---------------------------------------------------------------- readers
+    def loaded_block_digests(self) -> List[Tuple[int, int, str]]:
+        """``(group, key, sha256)`` of the engine blocks recent loads wrote."""
+        self._plane.flush()
+        views = self._plane.engine_views
+        return [(g, k, _digest(views.get(g, []), b)) for (g, k), b in self._recent_loads.items()]
+
+    def stored_block_digests(self, keys: Sequence[Sequence[int]]) -> List[Tuple[int, int, str]]:
+        """``(group, key, sha256)`` of the stored bytes of the ``(group, key)`` blocks this
+        rank's storage holds."""
+        self._plane.flush()
+        writer = self._plane.writer
+        out = []
+        for group, key in keys:
+            hit = writer.lookup(int(group), int(key)) if writer is not None else None
+            if hit is not None and writer is not None:
+                tier, slot, _ = hit
+                out.append((int(group), int(key),
+                            _digest(writer.views(tier, int(group)), slot)))
+        return out
+
+    def stored_vs_engine_mismatches(self) -> List[Tuple[int, int]]:
+        """Recently exported ``(group, key)`` whose stored bytes differ from the engine block
+        they were exported from (empty unless wrong KV was published, or vLLM has since
+        reused that engine block)."""
+        stored = {(g, k): d for g, k, d in self.stored_block_digests(list(self._recent_exports))}
+        views = self._plane.engine_views
+        return [gk for gk, block in self._recent_exports.items()
+                if gk in stored and stored[gk] != _digest(views[gk[0]], block)]
+
+    def engine_block_digests(self, group: int, block_ids: Sequence[int]) -> List[str]:
+        views = self._plane.engine_views.get(int(group), [])
+        return [_digest(views, int(b)) for b in block_ids]
+
+    def engine_block_is_zero(self, group: int, block_id: int) -> bool:
+        views = self._plane.engine_views.get(int(group), [])
+        return all(not bool(v[int(block_id)].any()) for v in views)
+
+    def engine_num_blocks(self, group: int = 0) -> int:
+        views = self._plane.engine_views.get(int(group), [])
+        return int(views[0].shape[0]) if views else 0
+
+    def recent_export_keys(self) -> List[Tuple[int, int]]:
+        return list(self._recent_exports)
+
+    def recorded_faults(self) -> List[Tuple[int, int]]:
+        return list(self.fault_blocks)
+
+    def reset_recent(self) -> None:
+        self._recent_exports.clear()
+        self._recent_loads.clear()
+        self.fault_blocks.clear()
+
+    def flush(self) -> None:
+        """Every launched load, export publication and lease release done."""
+        self._plane.flush()
+
+    def raw_load(self, request_ids: Sequence[str], offsets: Any, table: Any,
+                 leases: Sequence[Sequence[int]]) -> Dict[str, Any]:
+        """One load with caller-made metadata (bad-input tests), outside vLLM's steps:
+        ``failed`` destinations, ``written`` blocks and the ``error`` that refused it."""
+        from .scheduler_side import StepMeta
+
+        plane = self._plane
+        meta = StepMeta(request_ids=tuple(request_ids), offsets=np.asarray(offsets),
+                        table=np.asarray(table),
+                        leases=tuple((int(a), int(b)) for a, b in leases))
+        pending, error = plane.run_detached(meta)
+        written = 0
+        for h in pending.handles:
+            try:
+                written += h.wait(60).blocks_written
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        failed = set(pending.failed)
+        for h in pending.handles:
+            failed |= h.failed
+        plane.flush()
+        return {"failed": sorted(failed), "written": written, "error": error}
+
+
+def _digest(views: Sequence[torch.Tensor], block: int) -> str:
+    h = hashlib.sha256()
+    for v in views:
+        h.update(v[block].contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _remember(recent: OrderedDict[Tuple[int, int], int],
+              rows: Iterable[Tuple[int, int, int]]) -> None:
+    for group, key, block in rows:
+        gk = (int(group), int(key))
+        recent[gk] = int(block)
+        recent.move_to_end(gk)
+    while len(recent) > RECENT:
+        recent.popitem(last=False)
