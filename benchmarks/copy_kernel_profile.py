@@ -11,7 +11,6 @@ device time), against a plain copy of the same bytes.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import statistics
 import sys
@@ -66,9 +65,8 @@ def main() -> None:
     local = make_layers(shape, n + 64, "cuda", 0)
     peer = make_layers(shape, n, "cuda", 1)
     eng = GPUTransfer(0, SlabConfig(max(512, n), 32, 2), copy_kernel="triton")
-    loop = asyncio.new_event_loop()
-    loop.run_until_complete(eng.set_local_caches({0: local}))
-    loop.run_until_complete(eng.map_storage(1, Tier.GPU, {0: peer}))
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, {0: peer})
     batch = make_step(max(1, n // 16), min(16, n), n, n + 64, seed=1)
     plan, _ = plan_step(batch, eng.slab_config)
     t = plan.transfers[0]
@@ -93,15 +91,16 @@ def main() -> None:
         "fused kernel launch (host)": host_median(launch),
         "index upload, one pinned copy (host)": host_median(
             lambda: eng._indices.upload([t.src_slots[t.dst_rows], t.dst_blocks])),
-        "whole _run_transfers (device, as transfer_bench)": events_median(
-            lambda: eng._run_transfers(plan)),
-        "whole _run_transfers (host)": host_median(lambda: eng._run_transfers(plan)),
+        "whole step launch (device, as transfer_bench)": events_median(
+            lambda: eng._launch(eng._split(plan)[0])),
+        "whole step launch (host: what the worker's step pays)": host_median(
+            lambda: eng._launch(eng._split(plan)[0])),
     }
     print(f"{n} blocks x {shape.layers} layers, {moved / 2**20:.0f} MiB read+written")
     for k, us in rows.items():
         rate = f"{moved / us / 1e3:8.1f} GB/s" if "device" in k else ""
         print(f"  {k:<50} {us:9.1f} us {rate}")
-    loop.run_until_complete(eng.close())
+    eng.close()
 
 
 if __name__ == "__main__":

@@ -1,23 +1,18 @@
-"""What one step's export costs once the snapshot storage is full.
+"""What a step's export costs the engine once the snapshot storage is full.
 
     python benchmarks/export_bench.py [--device cuda] [--shape qwen2.5-0.5b]
-        [--gpu-gib 8] [--cpu-gib 1] [--step-blocks 512] [--steps 8] [--variants base,pinned]
+        [--gpu-gib 8] [--cpu-gib 1] [--step-blocks 512] [--steps 16] [--step-ms 20]
 
-Builds a rank's storage as ``TransferActor`` does (a GPU tier under ``--gpu-gib`` on the
-device, a CPU tier of ``--cpu-gib`` in shared memory, the block directory in process),
-an engine KV cache of the model's shape (TRITON_ATTN layout, bf16), fills the GPU tier
-with steps of ``--step-blocks`` new blocks (a long prefill: 8192 tokens = 512 blocks),
-then times ``--steps`` more steps, each of which must evict and demote a step's worth
-of blocks.  Prints per variant: ms per step while filling and when full, and where the
-full steps spend their time (cProfile, cumulative, storage functions).  Variants:
-
-* ``pinned``: the CPU tier page-locked (``TierConfig.pin``, what ``TransferActor`` sets on
-  a CUDA engine): a demotion's device-to-host copy runs at full speed;
-* ``pageable``: the same tier not page-locked (the storage before 2026-11-29, session 4).
-
-The full steps' time is also split as the storage reports it (``ExportResult.copy_us``:
-block copies and fences; ``directory_us``: claims and registrations; the rest is
-bookkeeping).
+Builds a rank's storage as the transfer actor does (a GPU tier under ``--gpu-gib`` on the
+device, a page-locked CPU tier of ``--cpu-gib`` in shared memory), the worker's storage
+writer over it (the block directory in process), an engine KV cache of the model's shape
+(TRITON_ATTN layout, bf16); fills the top tier with steps of ``--step-blocks`` new blocks
+(a long prefill: 8192 tokens = 512 blocks), then runs ``--steps`` more, one every
+``--step-ms`` (the engine's step), while the writer's room thread demotes and claims in
+the background.  Prints, while filling and when full: the host time an export costs
+the step (``launch``: what the worker's ``wait_for_save`` pays), the time until the
+blocks are published, the blocks skipped for want of a free slot (the hit rate the
+never-wait rule costs), and what the room thread did.
 
 Writes ``doc/results/export_bench-<device>.json``.
 """
@@ -25,13 +20,10 @@ Writes ``doc/results/export_bench-<device>.json``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import cProfile
-import io
 import json
 import os
 import platform
-import pstats
+import statistics
 import sys
 import time
 from typing import Any, Dict, List
@@ -42,12 +34,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from xinference.model.llm.vllm.xavier.block_copy import block_view  # noqa: E402
+from xinference.model.llm.vllm.xavier.counters import Counters  # noqa: E402
 from xinference.model.llm.vllm.xavier.kv_schema import layout_of  # noqa: E402
 from xinference.model.llm.vllm.xavier.load_batch import Tier  # noqa: E402
 from xinference.model.llm.vllm.xavier.snapshot_storage import (  # noqa: E402
-    LocalDirectory,
     SnapshotStorage,
     TierConfig,
+)
+from xinference.model.llm.vllm.xavier.storage_writer import (  # noqa: E402
+    LocalDirectory,
+    StorageWriter,
 )
 
 #: layers, KV heads, head size (block size 16)
@@ -60,60 +56,66 @@ def engine_cache(shape: str, blocks: int, device: str) -> Dict[int, List[torch.T
                 for _ in range(layers)]}
 
 
-PROFILE_FILTER = "snapshot_storage|block_directory|index_|to\\b|synchronize"
-
-
-async def run_variant(args: argparse.Namespace, variant: str) -> Dict[str, Any]:
+def run(args: argparse.Namespace) -> Dict[str, Any]:
     cache = engine_cache(args.shape, args.engine_blocks, args.device)
     layout = layout_of(cache)
     bb = layout.groups[0].block_bytes
+    cuda = args.device != "cpu"
     tiers = [TierConfig(Tier.CPU, int(args.cpu_gib * 2**30) // bb * bb, shared_memory=True,
-                        pin=variant == "pinned")]
-    if args.device != "cpu":
+                        pin=cuda)]
+    if cuda:
         tiers.insert(0, TierConfig(Tier.GPU, int(args.gpu_gib * 2**30) // bb * bb,
                                    device=args.device))
-    st = SnapshotStorage(1, layout, tiers, LocalDirectory())
+    st = SnapshotStorage(1, layout, tiers)
+    counters = Counters()
+    stream = torch.cuda.Stream() if cuda else None
+    writer = StorageWriter(1, layout, {t: st.caches(t) for t in st.tiers}, LocalDirectory(),
+                           torch.device(args.device), stream=stream, counters=counters,
+                           room_blocks=args.step_blocks)
     views = {0: [block_view(t, 0) for t in cache[0]]}
     top = st.tiers[0]
     capacity = st.slots(top)
     next_key = 0
 
-    split = {"copy_us": 0, "directory_us": 0}
-
-    async def step() -> float:
+    def step() -> Dict[str, float]:
         nonlocal next_key
         rows = [(0, next_key + i, 1 + (next_key + i) % (args.engine_blocks - 1))
                 for i in range(args.step_blocks)]
         next_key += args.step_blocks
         t0 = time.perf_counter()
-        res = await st.export(views, rows)
-        for k in split:
-            split[k] += getattr(res, k)
-        return time.perf_counter() - t0
+        res = writer.export(views, rows)
+        launch = time.perf_counter() - t0
+        writer.flush(60) if args.wait_publish else None
+        published = time.perf_counter() - t0
+        time.sleep(max(0.0, args.step_ms / 1e3 - (time.perf_counter() - t0)))
+        return {"launch_us": 1e6 * launch, "published_ms": 1e3 * published,
+                "exported": res.exported, "skipped": res.skipped_no_slot}
 
-    fill = []
-    while st.used(top) + args.step_blocks <= capacity:
-        fill.append(await step())
+    fill: List[Dict[str, float]] = []
+    while counters.snapshot()["room_evicted"] == 0:  # until the room thread had to evict
+        fill.append(step())
         if len(fill) % 20 == 0:
-            print(f"[export_bench] {variant}: filled {st.used(top)}/{capacity} blocks", flush=True)
-    await step()  # the first step that evicts
-    prof = cProfile.Profile()
-    split.update(copy_us=0, directory_us=0)
-    full = []
-    prof.enable()
-    for _ in range(args.steps):
-        full.append(await step())
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(PROFILE_FILTER, 14)
+            print(f"[export_bench] filled {writer.used(top)}/{capacity} blocks", flush=True)
+    before = counters.snapshot()
+    full = [step() for _ in range(args.steps)]
+    writer.flush(60)
+    after = counters.snapshot()
+    room = {k: after[k] - before[k] for k in after if k.startswith("room_")}
+    writer.close()
     st.close()
-    return {"variant": variant, "block_bytes": bb, "top_tier_blocks": capacity,
-            "fill_steps": len(fill), "fill_ms_per_step": 1e3 * sum(fill) / max(1, len(fill)),
-            "full_ms_per_step": 1e3 * sum(full) / len(full),
-            "full_us_per_block": 1e6 * sum(full) / (len(full) * args.step_blocks),
-            "full_copy_ms_per_step": split["copy_us"] / 1e3 / len(full),
-            "full_directory_ms_per_step": split["directory_us"] / 1e3 / len(full),
-            "profile": out.getvalue()}
+
+    def summary(rows: List[Dict[str, float]]) -> Dict[str, float]:
+        n = sum(r["exported"] + r["skipped"] for r in rows) or 1
+        return {"steps": len(rows),
+                "launch_us_p50": statistics.median(r["launch_us"] for r in rows),
+                "launch_us_max": max(r["launch_us"] for r in rows),
+                "published_ms_p50": statistics.median(r["published_ms"] for r in rows),
+                "skipped_fraction": sum(r["skipped"] for r in rows) / n}
+
+    return {"block_bytes": bb, "top_tier": top.name, "top_tier_blocks": capacity,
+            "fill": summary(fill) if fill else {}, "full": summary(full), "room": room,
+            "demote_gbps": (room.get("room_demoted", 0) * bb / (room["room_us"] / 1e6) / 1e9
+                            if room.get("room_us") else 0.0)}
 
 
 def main(argv: Any = None) -> int:
@@ -124,25 +126,26 @@ def main(argv: Any = None) -> int:
     ap.add_argument("--cpu-gib", type=float, default=1)
     ap.add_argument("--engine-blocks", type=int, default=4096)
     ap.add_argument("--step-blocks", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--variants", default="pinned,pageable")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--wait-publish", action="store_true",
+                    help="also wait for each step's publication (time it)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    rows = [asyncio.run(run_variant(args, v)) for v in args.variants.split(",")]
-    print(f"\n{'variant':<9}{'block KiB':>10}{'top blocks':>11}{'fill ms/step':>13}"
-          f"{'full ms/step':>13}{'us/block':>9}{'copies ms':>10}{'directory ms':>13}")
-    for r in rows:
-        print(f"{r['variant']:<9}{r['block_bytes'] / 1024:>10.0f}{r['top_tier_blocks']:>11}"
-              f"{r['fill_ms_per_step']:>13.1f}{r['full_ms_per_step']:>13.1f}"
-              f"{r['full_us_per_block']:>9.0f}{r['full_copy_ms_per_step']:>10.1f}"
-              f"{r['full_directory_ms_per_step']:>13.1f}")
-    for r in rows:
-        print(f"\n--- {r['variant']}: where a full step goes\n{r['profile']}")
+    r = run(args)
+    print(f"\n{'phase':<6}{'steps':>6}{'launch us p50':>14}{'launch us max':>14}"
+          f"{'published ms':>13}{'skipped':>9}")
+    for phase in ("fill", "full"):
+        s = r[phase]
+        if s:
+            print(f"{phase:<6}{s['steps']:>6}{s['launch_us_p50']:>14.0f}{s['launch_us_max']:>14.0f}"
+                  f"{s['published_ms_p50']:>13.1f}{100 * s['skipped_fraction']:>8.1f}%")
+    print(f"room while full: {r['room']}  demotion rate {r['demote_gbps']:.2f} GB/s")
     device = args.device.split(":")[0]
     out = args.out or os.path.join(REPO, "doc", "results", f"export_bench-{device}.json")
     with open(out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-                   "args": vars(args), "rows": rows}, f, indent=1)
+                   "args": vars(args), "result": r}, f, indent=1)
     print(f"wrote {out}")
     return 0
 

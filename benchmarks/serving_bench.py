@@ -1,20 +1,29 @@
 """Two real vLLM replicas behind a round-robin router, with and without Xavier.
 
     python benchmarks/serving_bench.py [--quick] [--device cpu|cuda] [--concurrency 1,8,16,32]
-        [--prefix-tokens 1024,4096] [--modes none,per_request,batched] [--model DIR]
-        [--gpus 0,1]
+        [--prefix-tokens 1024,4096] [--modes plain,local-hit,none,per_request,batched]
+        [--unique] [--model DIR] [--gpus 0,1] [--eager]
 
 Workload: groups of requests share a long prefix (a system prompt or a conversation's
-history) and differ in a short suffix; request ``i`` goes to replica ``i % 2``, so the
-second request of a group lands on the replica that did *not* compute its prefix.
+history) and differ in a short suffix; the turns of a group alternate between the two
+replicas, so a group's follow-up lands on the replica that did *not* compute its prefix.
 Output length is fixed (``ignore_eos``).  Modes:
 
-* ``none``: no sharing (requests opt out: ``kv_transfer_params={"xavier": False}``), each
-  replica only has its local prefix cache;
+* ``plain``: what users have without Xavier: two replicas of vLLM's own ``AsyncLLM``, no KV
+  connector, vLLM's defaults (a second engine pair, in the same run);
+* ``local-hit``: the plain replicas, each group's follow-up sent to the replica that
+  computed its prefix (a local prefix-cache hit): the floor for any cross-replica hit;
+* ``none``: Xavier's replicas, sharing off (requests opt out:
+  ``kv_transfer_params={"xavier": False}``), each replica only has its local prefix cache;
 * ``batched``: Xavier, one load call per scheduler step;
 * ``per_request``: Xavier, one load call per request (the baseline; switched on the same
   warm engines with ``XavierEngine.set_batched_loads(False)``, as ``XAVIER_BATCHED_LOADS=0``
   would at launch).
+
+``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
+for ``plain`` and ``batched``: what Xavier costs when there is nothing to share.
+
+GPU runs use CUDA graphs (vLLM's default); ``--eager`` turns them off.
 
 Every mode uses fresh prefixes, so no mode profits from another's exports.  A short
 unmeasured warm-up (both replicas, sharing on) runs first after the engines start: it maps
@@ -47,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -85,11 +95,18 @@ def workload(seed: int, groups: int, per_group: int, prefix: int, suffix: int,
     return prompts
 
 
+def unique_workload(seed: int, n: int, length: int, vocab: int) -> List[List[int]]:
+    """``n`` prompts of ``length`` tokens that share no block."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
 async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concurrency: int,
-                   max_tokens: int, xavier: bool) -> Dict[str, Any]:
+                   max_tokens: int, xavier: bool, sticky: bool = False) -> Dict[str, Any]:
     """Send ``prompts`` (turn-major: ``groups`` prompts per turn) with at most
     ``concurrency`` in flight.  Routing alternates each group between the replicas turn by
-    turn, so every follow-up turn lands on the replica that did not serve the one before."""
+    turn, so every follow-up turn lands on the replica that did not serve the one before;
+    ``sticky``: a group always goes to the same replica (local hits)."""
     sem = asyncio.Semaphore(concurrency)
     before = [await x.counters() for x in r.replicas]
     results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
@@ -97,7 +114,7 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     async def one(i: int) -> None:
         turn, group = divmod(i, groups)
         async with sem:
-            replica = r.replicas[(turn + group) % len(r.replicas)]
+            replica = r.replicas[(group if sticky else turn + group) % len(r.replicas)]
             out = await replica.generate([prompts[i]], max_tokens=max_tokens, xavier=xavier)
             results[i] = out[0]
 
@@ -119,7 +136,16 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     hit_tokens = sum(d.get("hit_tokens", 0) for d in delta)
     prompt_tokens = sum(len(p) for p in prompts)
     calls = sum(d.get("batch_calls", 0) for d in delta)
+    steps = sum(d.get("scheduler_steps", 0) for d in delta)
+    worker_us = {k: sum(d.get(k, 0) for d in delta) for k in (
+        "load_launch_us", "export_launch_us", "scheduler_us", "lookup_wait_us")}
     return {
+        "load_launch_us_per_call": worker_us["load_launch_us"] / max(1, calls),
+        # the host time a step spends in Xavier, over the run's wall time (both replicas)
+        "export_launch_share": worker_us["export_launch_us"] / 1e6 / (2 * wall),
+        "load_launch_share": worker_us["load_launch_us"] / 1e6 / (2 * wall),
+        "scheduler_us_per_step": worker_us["scheduler_us"] / max(1, steps),
+        "lookup_wait_us_per_step": worker_us["lookup_wait_us"] / max(1, steps),
         "requests": len(done), "wall_s": wall,
         "output_tokens_per_s": sum(len(x["ids"]) for x in done) / wall,
         "ttft_p50_ms": 1000 * _pct(ttft, 50), "ttft_p95_ms": 1000 * _pct(ttft, 95),
@@ -142,51 +168,88 @@ def _pct(values: Sequence[float], p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
+PLAIN_MODES = ("plain", "local-hit")
+
+
 async def bench_modes(model: str, device: str, modes: Sequence[str],
                       concurrencies: Sequence[int], prefixes: Sequence[int], groups: int,
                       per_group: int, max_tokens: int, gpus: Optional[Sequence[str]] = None,
                       steady_state: bool = False, budgets: Optional[Dict[str, str]] = None,
+                      eager: bool = False, unique: bool = False,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
                       ) -> List[Dict[str, Any]]:
-    """All modes on ONE pair of warm engines, interleaved per (prefix, concurrency), so
-    that their ratios come from the same run.  ``on_row`` sees the rows so far after each
-    measurement (the JSON is rewritten then: a run cut short keeps what it measured)."""
-    rows = []
+    """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
+    ``local-hit`` on a pair of plain vLLM engines started beside them; rows interleaved per
+    (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
+    sees the rows so far after each measurement (the JSON is rewritten then: a run cut
+    short keeps what it measured)."""
+    rows: List[Dict[str, Any]] = []
     seed = 1000
+    want_plain = any(m in PLAIN_MODES for m in modes) or unique
+    want_xavier = any(m not in PLAIN_MODES for m in modes) or unique
     opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
     kw: Dict[str, Any]
     if device == "cuda":
-        opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=0.3,
-                          max_num_batched_tokens=8192)
-        kw = dict(gpu_budget="8GiB", cpu_budget="1GiB", sequential=gpus is None, gpus=gpus)
+        # two pairs share the GPU when plain rows are asked for
+        util = 0.2 if want_plain and want_xavier and not gpus else 0.3
+        opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
+                          max_num_batched_tokens=8192, enforce_eager=eager)
+        # Xavier's own defaults (1 GiB GPU tier, 1 GiB CPU tier) unless asked otherwise
+        kw = dict(gpu_budget="1GiB", cpu_budget="1GiB", sequential=gpus is None, gpus=gpus)
     else:
         kw = dict(cpu_budget="512MiB")
     kw.update({k: v for k, v in (budgets or {}).items() if v})
     where = f"GPUs {','.join(gpus)}" if gpus else device
-    print(f"[serving_bench] starting 2 replicas ({where})", flush=True)
-    t0 = time.perf_counter()
-    async with xavier_replicas(model, n=2, engine=opts, **kw) as r:
-        print(f"[serving_bench] replicas up in {time.perf_counter() - t0:.0f} s", flush=True)
-        vocab = 2000
-        for mode in ("per_request", "batched"):
-            # warm-up, not measured: first peer mappings, kernel compilation, allocator growth
-            await _set_mode(r, mode)
-            await run_mode(r, workload(7 + len(mode), 2, 2, min(prefixes), 64, vocab), 2, 2,
-                           max_tokens, xavier=True)
-        if steady_state:
-            await fill_tiers(r, max(prefixes), vocab)
+    vocab = 2000
+    async with contextlib.AsyncExitStack() as stack:
+        pairs: Dict[str, Replicas] = {}
+        for kind in ("plain", "xavier"):
+            if not (want_plain if kind == "plain" else want_xavier):
+                continue
+            print(f"[serving_bench] starting 2 {kind} replicas ({where})", flush=True)
+            t0 = time.perf_counter()
+            pairs[kind] = await stack.enter_async_context(
+                xavier_replicas(model, n=2, engine=opts, plain=kind == "plain", **kw))
+            print(f"[serving_bench] {kind} replicas up in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        if "xavier" in pairs:
+            for mode in ("per_request", "batched"):
+                # warm-up, not measured: first peer mappings, kernel compilation, allocator growth
+                await _set_mode(pairs["xavier"], mode)
+                await run_mode(pairs["xavier"], workload(7 + len(mode), 2, 2, min(prefixes), 64,
+                                                         vocab), 2, 2, max_tokens, xavier=True)
+            if steady_state:
+                await fill_tiers(pairs["xavier"], max(prefixes), vocab)
+        if "plain" in pairs:
+            await run_mode(pairs["plain"], workload(5, 2, 2, min(prefixes), 64, vocab), 2, 2,
+                           max_tokens, xavier=False)
+
+        async def measure(mode: str, prompts: List[List[int]], c: int, prefix: int,
+                          work: str) -> None:
+            r = pairs["plain" if mode in PLAIN_MODES else "xavier"]
+            if mode not in PLAIN_MODES:
+                await _set_mode(r, mode)
+            res = await run_mode(r, prompts, groups if work == "shared" else len(prompts), c,
+                                 max_tokens, xavier=mode not in ("none",) + PLAIN_MODES,
+                                 sticky=mode == "local-hit")
+            res.update(mode=mode, concurrency=c, prefix_tokens=prefix, workload=work)
+            rows.append(res)
+            print(_row(res), flush=True)
+            on_row(rows)
+
         for prefix in prefixes:
             for c in concurrencies:
                 for mode in modes:
                     seed += 1
-                    await _set_mode(r, mode)
-                    prompts = workload(seed, groups, per_group, prefix, 64, vocab)
-                    res = await run_mode(r, prompts, groups, c, max_tokens,
-                                         xavier=mode != "none")
-                    res.update(mode=mode, concurrency=c, prefix_tokens=prefix)
-                    rows.append(res)
-                    print(_row(res), flush=True)
-                    on_row(rows)
+                    await measure(mode, workload(seed, groups, per_group, prefix, 64, vocab), c,
+                                  prefix, "shared")
+        if unique:
+            for c in (concurrencies[0], concurrencies[-1]):
+                for mode in ("plain", "batched"):
+                    seed += 1
+                    await measure(mode, unique_workload(seed, groups * per_group,
+                                                        max(prefixes) + 64, vocab), c,
+                                  max(prefixes), "unique")
     return rows
 
 
@@ -196,7 +259,7 @@ async def fill_tiers(r: Replicas, prefix: int, vocab: int, max_rounds: int = 200
     t0 = time.perf_counter()
     for i in range(max_rounds):
         counters = [await x.counters() for x in r.replicas]
-        evicted = [c.get("export_evicted", 0) + c.get("room_evicted", 0) for c in counters]
+        evicted = [c.get("room_evicted", 0) for c in counters]
         if all(evicted):
             print(f"[serving_bench] storage tiers full after {i} fill rounds "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -214,16 +277,19 @@ async def _set_mode(r: Replicas, mode: str) -> None:
     await asyncio.gather(*(x.set_batched_loads(mode != "per_request") for x in r.replicas))
 
 
-HEADER = (f"{'mode':<12}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}{'TTFT p50':>10}"
-          f"{'TTFT p95':>10}{'fu tok/s':>9}{'fu TTFT50':>10}{'ext hit':>9}{'calls/req':>10}")
+HEADER = (f"{'mode':<12}{'work':>7}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}"
+          f"{'TTFT p50':>10}{'TTFT p95':>10}{'fu tok/s':>9}{'fu TTFT50':>10}{'ext hit':>9}"
+          f"{'calls/req':>10}{'load us/call':>13}{'export %':>9}")
 
 
 def _row(r: Dict[str, Any]) -> str:
-    return (f"{r['mode']:<12}{r['concurrency']:>5}{r['prefix_tokens']:>7}{r['requests']:>5}"
+    return (f"{r['mode']:<12}{r.get('workload', 'shared'):>7}{r['concurrency']:>5}"
+            f"{r['prefix_tokens']:>7}{r['requests']:>5}"
             f"{r['output_tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>9.0f}ms"
             f"{r['ttft_p95_ms']:>8.0f}ms{r['followup_tokens_per_s']:>9.1f}"
             f"{r['followup_ttft_p50_ms']:>8.0f}ms{100 * r['external_hit_rate']:>8.1f}%"
-            f"{r['load_calls_per_request']:>10.2f}")
+            f"{r['load_calls_per_request']:>10.2f}{r['load_launch_us_per_call']:>13.0f}"
+            f"{100 * r['export_launch_share']:>8.2f}%")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -234,19 +300,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--concurrency", default="1,8,16,32")
     ap.add_argument("--prefix-tokens", default="1024,4096")
-    ap.add_argument("--modes", default="none,per_request,batched")
+    ap.add_argument("--modes", default="plain,local-hit,none,per_request,batched")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--unique", action="store_true",
+                    help="add rows of a workload with no shareable prefix (plain, batched)")
+    ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs")
     ap.add_argument("--steady-state", action="store_true",
                     help="fill every replica's top storage tier before measuring")
-    ap.add_argument("--gpu-budget", help="GPU tier per replica (default 8GiB on cuda)")
+    ap.add_argument("--gpu-budget", help="GPU tier per replica (default 1GiB on cuda)")
     ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.concurrency, args.prefix_tokens, args.modes = "8", "512", "none,batched"
+        args.concurrency, args.prefix_tokens, args.modes = "8", "512", "plain,none,batched"
         args.groups, args.per_group, args.max_tokens = 8, 2, 16
     if args.model:
         model = args.model
@@ -281,21 +350,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
                                    args.per_group, args.max_tokens, gpus, args.steady_state,
                                    {"gpu_budget": args.gpu_budget,
-                                    "cpu_budget": args.cpu_budget}, on_row=write))
+                                    "cpu_budget": args.cpu_budget}, eager=args.eager,
+                                   unique=args.unique, on_row=write))
     write(rows)
     print()
     print(HEADER)
     for r in rows:
         print(_row(r))
     for r in rows:
-        if r["mode"] != "none":
+        if r["mode"] not in ("none",) + PLAIN_MODES:
             print(f"\ncounters ({r['mode']}, C{r['concurrency']}, prefix {r['prefix_tokens']}):")
             for rank, d in enumerate(r["counters"], start=1):
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
-                        "logical_requests", "blocks_written", "export_exported",
-                        "load_failures", "rejected_batches", "load_call_us",
-                        "export_call_us", "export_copy_us", "export_directory_us",
-                        "export_demoted", "worker_load_wait_us", "worker_export_wait_us")
+                        "logical_requests", "blocks_written", "rows_from_gpu_tier",
+                        "rows_from_cpu_tier", "export_exported", "export_skipped_no_slot",
+                        "load_failures", "rejected_batches", "load_launch_us",
+                        "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
+                        "scheduler_steps", "lookup_calls", "lookups_deferred")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
     print(f"\nwrote {out}")
     return 0

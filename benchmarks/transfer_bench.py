@@ -1,22 +1,19 @@
 """Batched vs per-request KV loads on the same data.
 
-    python benchmarks/transfer_bench.py [--device cpu|cuda] [--quick] [--no-rpc]
+    python benchmarks/transfer_bench.py [--device cpu|cuda] [--quick]
 
 Per-request mode issues one ``load_gpu_requests_v1`` per request (the
 baseline); batched mode issues one call carrying every request of the step.
 Both load the same blocks into the same destinations from the same source
 storages (two source ranks, GPU tier), with a vLLM-shaped KV cache
-(24 layers, block size 16, 2 KV heads x 64, bf16 by default).
+(24 layers, block size 16, 2 KV heads x 64, bf16 by default).  The engine runs in
+this process, as it does in the vLLM worker.
 
-Parts:
-* ``inprocess``: the engine in this process (device copies, planning, thread
-  hand-off), a sweep over requests per step and blocks per request;
-* ``rpc`` (CPU): the engine inside a real xoscar actor in a separate process,
-  called as the vLLM worker will call it: the empty-call cost, the batched
-  metadata call (encoded as one int64 table), and full loads, per-request vs
-  batched;
-* ``copy_ceiling``: a plain device-to-device copy measured in the same run, to
-  compare the achieved copy rate against.
+Reported per mode: ``launch`` (the host time the caller's step spends: planning,
+validation, index upload, kernel launches; what a live worker's ``load_launch_us``
+counts), ``seconds`` (until the copies are complete and every lease released), and on
+CUDA the device time of one planned step's copies.  ``copy_ceiling``: a plain
+device-to-device copy measured in the same run, to compare the achieved copy rate with.
 
 Prints tables and writes JSON to ``doc/results/transfer_bench-<device>.json``
 (``...-quick.json`` with ``--quick``).
@@ -25,7 +22,6 @@ Prints tables and writes JSON to ``doc/results/transfer_bench-<device>.json``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -108,46 +104,37 @@ class Bench:
         self.kernel = kernel
         self.engine: Optional[GPUTransfer] = None
 
-    async def open(self) -> None:
+    def open(self) -> None:
         self.engine = GPUTransfer(rank=0, slab_config=self.slab, copy_kernel=self.kernel)
-        await self.engine.set_local_caches({0: make_layers(self.shape, self.n_dest,
-                                                           self.device, 0)})
+        self.engine.set_local_caches({0: make_layers(self.shape, self.n_dest, self.device, 0)})
         for rank in (1, 2):
-            await self.engine.map_storage(rank, Tier.GPU, {0: make_layers(
+            self.engine.map_storage(rank, Tier.GPU, {0: make_layers(
                 self.shape, self.n_slots, self.device, rank)})
 
-    async def run(self, batch: LoadBatch, mode: str) -> Dict[str, Any]:
+    def run(self, batch: LoadBatch, mode: str) -> Dict[str, Any]:
         eng = self.engine
         assert eng is not None
         before = eng.counters.snapshot()
         t0 = time.perf_counter()
-        if mode == "batched":
-            await eng.load_gpu_requests_v1(batch)
-        else:
-            for one in batch.split():
-                await eng.load_gpu_requests_v1(one)
+        parts = [batch] if mode == "batched" else batch.split()
+        handles = [eng.load_gpu_requests_v1(one) for one in parts]
+        launch = time.perf_counter() - t0
+        for h in handles:
+            h.wait(60)
         seconds = time.perf_counter() - t0
         after = eng.counters.snapshot()
-        delta = {k: after[k] - before[k] for k in after}
+        delta: Dict[str, Any] = {k: after[k] - before[k] for k in after}
         delta["seconds"] = seconds
+        delta["launch_seconds"] = launch
         return delta
 
 
 def median_run(bench: Bench, batch: LoadBatch, mode: str, reps: int) -> Dict[str, Any]:
-    async def go() -> List[Dict[str, Any]]:
-        out = []
-        for _ in range(reps):
-            out.append(await bench.run(batch, mode))
-        return out
-
-    runs = _LOOP.run_until_complete(go())
-    best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-    best = dict(best)
+    runs = [bench.run(batch, mode) for _ in range(reps)]
+    best = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
     best["seconds_all"] = [r["seconds"] for r in runs]
+    best["launch_seconds"] = statistics.median(r["launch_seconds"] for r in runs)
     return best
-
-
-_LOOP = asyncio.new_event_loop()
 
 
 def copy_ceiling(device: str, mib: int = 512, reps: int = 10) -> Dict[str, float]:
@@ -180,12 +167,13 @@ def device_step_time(bench: Bench, batch: LoadBatch, reps: int) -> float:
     eng = bench.engine
     assert eng is not None and eng._stream is not None
     plan, _ = plan_step(batch, eng.slab_config)
+    jobs, _ = eng._split(plan)
     times = []
     for _ in range(reps + 3):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(eng._stream):
             s.record()
-        eng._run_transfers(plan)
+        eng._launch(jobs)
         with torch.cuda.stream(eng._stream):
             e.record()
         e.synchronize()
@@ -203,7 +191,7 @@ def inprocess_sweep(args: argparse.Namespace, shape: Shape,
     max_blocks = max(r * b for r, b, _ in sweep)
     bench = Bench(shape, args.device, n_dest=max_blocks + 64, n_slots=max_blocks, slab=slab,
                   kernel=kernel)
-    _LOOP.run_until_complete(bench.open())
+    bench.open()
     rows = []
     for requests, blocks, peers in sweep:
         batch = make_step(requests, blocks, bench.n_slots, bench.n_dest, seed=requests * blocks,
@@ -217,81 +205,8 @@ def inprocess_sweep(args: argparse.Namespace, shape: Shape,
         if args.device == "cuda":
             row["batched_device_s"] = device_step_time(bench, batch, args.reps * 4)
         rows.append(row)
-    _LOOP.run_until_complete(bench.engine.close())  # type: ignore[union-attr]
+    bench.engine.close()  # type: ignore[union-attr]
     return rows
-
-
-# ------------------------------------------------------------------ RPC part (CPU)
-async def rpc_part(args: argparse.Namespace, shape: Shape) -> Dict[str, Any]:
-    import xoscar as xo
-
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [REPO, os.path.join(REPO, "benchmarks"), os.environ.get("PYTHONPATH", "")])
-    import socket
-
-    from bench_actor import LoadBenchActor  # type: ignore[import-not-found]
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    pool = await xo.create_actor_pool(f"127.0.0.1:{port}", n_process=1,
-                                      subprocess_start_method="spawn")
-    try:
-        sub = list(pool._config.get_external_addresses())[1]
-        requests, blocks = 32, 16
-        n = requests * blocks
-        ref = await xo.create_actor(LoadBenchActor, shape.__dict__, n + 64, n,
-                                    address=sub, uid="load-bench")
-        batch = make_step(requests, blocks, n, n + 64, seed=7)
-        tuples = [tuple(int(v) for v in row) for row in batch.table]
-
-        async def timed(coro_factory, reps: int) -> float:
-            for _ in range(3):
-                await coro_factory()
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                await coro_factory()
-                ts.append(time.perf_counter() - t0)
-            return statistics.median(ts)
-
-        reps = max(args.reps * 4, 20)
-        empty = await timed(lambda: ref.noop(), reps)
-        meta_table = await timed(lambda: ref.accept_batch(batch), reps)
-        plan_call = await timed(lambda: ref.plan_only(batch), reps)
-        meta_tuples = await timed(lambda: ref.accept_tuples(tuples), reps)
-        splits = batch.split()
-
-        async def per_request_meta() -> None:
-            for one in splits:
-                await ref.accept_batch(one)
-
-        meta_per_request = await timed(per_request_meta, max(args.reps, 5))
-
-        async def per_request_load() -> None:
-            for one in splits:
-                await ref.load(one)
-
-        load_batched = await timed(lambda: ref.load(batch), args.reps)
-        load_per_request = await timed(per_request_load, args.reps)
-        counters = await ref.counters()
-        await xo.destroy_actor(ref)
-        return {
-            "requests": requests, "blocks": blocks,
-            "empty_call_s": empty,
-            "batched_metadata_call_s": meta_table,
-            "batched_metadata_over_empty": meta_table / empty,
-            "batched_metadata_and_plan_call_s": plan_call,
-            "python_tuples_call_s": meta_tuples,
-            "per_request_metadata_calls_s": meta_per_request,
-            "load_batched_s": load_batched,
-            "load_per_request_s": load_per_request,
-            "load_ratio": load_batched / load_per_request,
-            "actor_counters": counters,
-        }
-    finally:
-        await pool.stop()
 
 
 # --------------------------------------------------------------------------- output
@@ -305,8 +220,8 @@ def fmt_bytes(n: float) -> str:
 
 def print_sweep(rows: List[Dict[str, Any]], ceiling: Dict[str, float]) -> None:
     head = (f"{'kernel':>6} {'req x blk':>10} {'peers':>5} {'mode':>12} {'calls':>6} "
-            f"{'xfers':>6} {'useful':>10} {'padded':>10} {'ms':>9} {'GB/s r+w':>9} "
-            f"{'% ceil':>7} {'ratio':>6}")
+            f"{'xfers':>6} {'useful':>10} {'padded':>10} {'launch ms':>9} {'ms':>9} "
+            f"{'GB/s r+w':>9} {'% ceil':>7} {'ratio':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -316,14 +231,15 @@ def print_sweep(rows: List[Dict[str, Any]], ceiling: Dict[str, float]) -> None:
             print(f"{r['kernel']:>6} {r['requests']:>4} x {r['blocks']:<4} {r['peers']:>5} "
                   f"{mode:>12} {m['batch_calls']:>6} "
                   f"{m['transfers']:>6} {fmt_bytes(m['useful_bytes']):>10} "
-                  f"{fmt_bytes(m['padded_bytes']):>10} {m['seconds'] * 1e3:>9.2f} "
+                  f"{fmt_bytes(m['padded_bytes']):>10} {m['launch_seconds'] * 1e3:>9.3f} "
+                  f"{m['seconds'] * 1e3:>9.2f} "
                   f"{rate / 1e9:>9.2f} {100 * rate / ceiling['rw_bytes_per_s']:>6.1f}% "
                   f"{(r['ratio'] if mode == 'batched' else 1.0):>6.2f}")
         if "batched_device_s" in r:
             dev = r["batched_device_s"]
             rate = 2 * r["batched"]["useful_bytes"] / dev
             print(f"{'':>6} {'':>10} {'':>5} {'device time':>12} {'':>6} {'':>6} {'':>10} {'':>10} "
-                  f"{dev * 1e3:>9.3f} {rate / 1e9:>9.1f} "
+                  f"{'':>9} {dev * 1e3:>9.3f} {rate / 1e9:>9.1f} "
                   f"{100 * rate / ceiling['rw_bytes_per_s']:>6.1f}%")
 
 
@@ -332,7 +248,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="only 32 x 16")
-    ap.add_argument("--no-rpc", action="store_true", help="skip the xoscar part")
     ap.add_argument("--out", default=None, help="JSON path (default doc/results/...)")
     args = ap.parse_args()
     shape = Shape()
@@ -354,16 +269,6 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "copy_ceiling": ceiling, "inprocess": rows}
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name(0)
-    if not args.no_rpc and args.device == "cpu":
-        rpc = _LOOP.run_until_complete(rpc_part(args, shape))
-        result["rpc"] = rpc
-        print("\nxoscar, engine in a separate actor process (32 requests x 16 blocks):")
-        for k in ("empty_call_s", "batched_metadata_call_s", "batched_metadata_and_plan_call_s",
-                  "python_tuples_call_s",
-                  "per_request_metadata_calls_s", "load_batched_s", "load_per_request_s"):
-            print(f"  {k:<32} {rpc[k] * 1e3:9.3f} ms")
-        print(f"  batched metadata / empty call     {rpc['batched_metadata_over_empty']:9.2f}x")
-        print(f"  load batched / per-request        {rpc['load_ratio']:9.2f}")
     suffix = "-quick" if args.quick else ""  # keep the full sweep's results apart
     out = args.out or os.path.join(REPO, "doc", "results",
                                    f"transfer_bench-{args.device}{suffix}.json")
