@@ -62,3 +62,18 @@ def test_lazy_actor_found_later_and_called_synchronously(pool_address):
 
 async def _record(ref, done):
     done.append(await ref.echo(5))
+
+
+def test_an_unchecked_ref_reaches_an_actor_again_once_it_is_back(pool_address):
+    """The block directory's way: no lookup to wait for; a call fails while the actor is
+    gone and succeeds at once when it is back at its address."""
+    bridge = ActorBridge.shared()
+    later = LazyActor(bridge, pool_address, "comes-later", checked=False)
+    ref = later.get()
+    assert ref is not None
+    with pytest.raises(Exception):
+        bridge.call(lambda: ref.echo(1), timeout=10)
+    later.forget()
+    bridge.call(lambda: xo.create_actor(Echo, address=pool_address, uid="comes-later"),
+                timeout=30)
+    assert bridge.call(lambda: later.get().echo(2), timeout=10) == 2

@@ -125,7 +125,7 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     # the engine keeps serving, and right
     got = lt.run(b.generate([asked]))[0]
     assert got["ids"] == base
-    record("malformed step metadata (live actor)", len(cases) + 1, survived + 1, 1,
+    record("malformed step metadata (live worker)", len(cases) + 1, survived + 1, 1,
            leases(lt, r), f"{len(cases)} refused naming the field, dedup ok, tokens == baseline")
 
 

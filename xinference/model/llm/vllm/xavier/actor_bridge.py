@@ -80,16 +80,31 @@ async def _wrap(make: Callable[[], Awaitable[T]]) -> T:
 
 
 class LazyActor:
-    """An actor ref found on first use; ``None`` while the actor does not exist."""
+    """An actor ref found on first use; ``None`` while the actor does not exist.
+
+    ``checked=False``: an actor that is meant to be there (the block directory): the ref is
+    made without asking the pool, so a call fails fast while the actor is gone and reaches
+    it again as soon as it is back at its address (a restarted directory), with no lookup
+    to wait for or retry."""
 
     def __init__(self, bridge: ActorBridge, address: str, uid: str,
-                 retry_seconds: float = 1.0) -> None:
+                 retry_seconds: float = 1.0, checked: bool = True) -> None:
         self.bridge, self.address, self.uid = bridge, address, uid
         self.retry_seconds = retry_seconds
+        self.checked = checked
         self._ref: Any = None
         self._next_try = 0.0
 
+    def _unchecked(self) -> Any:
+        import xoscar as xo
+
+        if self._ref is None:
+            self._ref = xo.create_actor_ref(self.address, self.uid)
+        return self._ref
+
     def get(self, timeout: float = 10.0) -> Any:
+        if not self.checked:
+            return self._unchecked()
         if self._ref is not None:
             return self._ref
         now = time.monotonic()
@@ -110,6 +125,8 @@ class LazyActor:
     async def aget(self) -> Any:
         """:meth:`get` for coroutines running on the bridge's own loop (where a blocking
         :meth:`get` would wait for itself)."""
+        if not self.checked:
+            return self._unchecked()
         if self._ref is not None:
             return self._ref
         now = time.monotonic()
@@ -127,5 +144,7 @@ class LazyActor:
 
     def forget(self) -> None:
         """Drop the ref (its actor went away); the next ``get`` looks it up again."""
+        if not self.checked:
+            return  # the same address and uid reach the actor when it is back
         self._ref = None
         self._next_try = 0.0

@@ -133,7 +133,7 @@ class XavierConnector(KVConnectorBase_V1):
         self._ready = False
         self._next_ready_check = 0.0
         self._directory = LazyActor(self._bridge, self.options.block_tracker_address,
-                                    self.options.block_tracker_uid)
+                                    self.options.block_tracker_uid, checked=False)
         if role == KVConnectorRole.SCHEDULER:
             releaser = BatchingReleaser(directory_sender(self._directory, self._bridge.start),
                                         self._bridge.schedule)

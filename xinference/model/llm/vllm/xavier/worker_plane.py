@@ -128,7 +128,7 @@ class WorkerDataPlane:
         self._bridge = bridge
         self._transfer = LazyActor(bridge, options.rank_address, options.transfer_actor_uid)
         self._tracker = LazyActor(bridge, options.block_tracker_address,
-                                  options.block_tracker_uid)
+                                  options.block_tracker_uid, checked=False)
         self.counters = SharedCounters.create()
         self.layout: KVLayout = layout_of(caches, block_dims)
         self.device = next(t for layers in caches.values() for _, t in layers).device
