@@ -300,7 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     ap.add_argument("--concurrency", default="1,8,16,32")
     ap.add_argument("--prefix-tokens", default="1024,4096")
-    ap.add_argument("--modes", default="plain,local-hit,none,per_request,batched")
+    ap.add_argument("--modes", help="default plain,local-hit,none,per_request,batched "
+                    "(--quick: plain,none,batched)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -315,7 +316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.concurrency, args.prefix_tokens, args.modes = "8", "512", "plain,none,batched"
+        args.concurrency, args.prefix_tokens = "8", "512"
+        args.modes = args.modes or "plain,none,batched"
         args.groups, args.per_group, args.max_tokens = 8, 2, 16
     if args.model:
         model = args.model
@@ -326,7 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(f"[serving_bench] building the {args.shape}-shaped model", flush=True)
         model = build_tiny_qwen2(os.path.join(REPO, ".cache", args.shape), SHAPES[args.shape])
-    modes = args.modes.split(",")
+    modes = (args.modes or "plain,local-hit,none,per_request,batched").split(",")
     conc = [int(x) for x in args.concurrency.split(",")]
     prefixes = [int(x) for x in args.prefix_tokens.split(",")]
     gpus = args.gpus.split(",") if args.gpus else None

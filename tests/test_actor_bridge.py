@@ -71,7 +71,9 @@ def test_an_unchecked_ref_reaches_an_actor_again_once_it_is_back(pool_address):
     later = LazyActor(bridge, pool_address, "comes-later", checked=False)
     ref = later.get()
     assert ref is not None
-    with pytest.raises(Exception):
+    from xoscar.errors import ActorNotExist
+
+    with pytest.raises(ActorNotExist):
         bridge.call(lambda: ref.echo(1), timeout=10)
     later.forget()
     bridge.call(lambda: xo.create_actor(Echo, address=pool_address, uid="comes-later"),
