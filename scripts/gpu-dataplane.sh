@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issues #16/#17 on the GPU machine (nvidia-h200), one device call: the worker-side data plane
+# and vLLM's defaults, checked and measured.  Run by the device tool:
+#
+#   carry: .vbundle .whl
+#   command: bash scripts/gpu-dataplane.sh [tests|bench|steady|all]
+#
+# tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
+#        CUDA-only tests included), then the connector end to end with vLLM's defaults (CUDA
+#        graphs, async scheduling, the model runner vLLM picks), then transfer_bench,
+#        copy_kernel_profile and export_bench;
+# bench: serving_bench, Qwen2.5-0.5B shape, 8K prefixes, C1/C8/C32, plain / local-hit /
+#        none / per_request / batched, the unique-prompt rows, tiers full (--steady-state)
+#        with Xavier's default budgets.
+# Logs and JSON go to $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/xavier-gpu-out}
+mkdir -p "$out"
+what=${1:-tests}
+source .vbundle/use-vllm-bundle.sh .vbundle || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  XAVIER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_transfer.py tests/test_gpu_transfer_cuda.py tests/test_storage_writer.py \
+    tests/test_snapshot_storage.py tests/test_plan.py tests/test_load_batch.py \
+    tests/test_lookups.py tests/test_block_directory.py 2>&1 | tee "$out/pytest-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
+  XAVIER_TEST_DEVICE=cuda timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
+    tests/test_connector_e2e.py 2>&1 | tee "$out/e2e-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
+  timeout 60 python3 benchmarks/copy_kernel_profile.py 2>&1 | tee "$out/copy_kernel_profile.log"
+  timeout 90 python3 benchmarks/transfer_bench.py --device cuda --reps 5 \
+    --out "$out/transfer_bench-cuda.json" 2>&1 | tee "$out/transfer_bench-cuda.log"
+  timeout 90 python3 benchmarks/export_bench.py --device cuda --gpu-gib 1 --cpu-gib 1 \
+    --steps 24 --out "$out/export_bench-cuda.json" 2>&1 | tee "$out/export_bench-cuda.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+    --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
+    --unique --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
+    | grep -v "it/s]" > "$out/serving_bench.log"
+  rc=$((rc | PIPESTATUS[0]))
+  grep -E "^\[serving|^(plain|local-hit|none|per_request|batched) " "$out/serving_bench.log"
+fi
+exit "$rc"
