@@ -222,16 +222,16 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 await fill_tiers(pairs["xavier"], max(prefixes), vocab)
         if "plain" in pairs:
             await run_mode(pairs["plain"], workload(5, 2, 2, min(prefixes), 64, vocab), 2, 2,
-                           max_tokens, xavier=False)
+                           max_tokens, xavier=True)
 
         async def measure(mode: str, prompts: List[List[int]], c: int, prefix: int,
                           work: str) -> None:
             r = pairs["plain" if mode in PLAIN_MODES else "xavier"]
             if mode not in PLAIN_MODES:
                 await _set_mode(r, mode)
+            # only "none" opts out; plain engines get no Xavier parameter at all
             res = await run_mode(r, prompts, groups if work == "shared" else len(prompts), c,
-                                 max_tokens, xavier=mode not in ("none",) + PLAIN_MODES,
-                                 sticky=mode == "local-hit")
+                                 max_tokens, xavier=mode != "none", sticky=mode == "local-hit")
             res.update(mode=mode, concurrency=c, prefix_tokens=prefix, workload=work)
             rows.append(res)
             print(_row(res), flush=True)

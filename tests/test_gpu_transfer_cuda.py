@@ -109,7 +109,8 @@ def test_launch_does_not_wait_and_order_makes_the_stream_see_the_bytes():
     eng.map_storage(1, Tier.GPU, {0: peer})
     from xinference.model.llm.vllm.xavier.gpu_transfer import Lease
 
-    torch.cuda.synchronize()
+    eng.load_gpu_requests_v1(loads([[(0, 60, 1, 0, 100, 120)]])).wait(60)  # first-use
+    torch.cuda.synchronize()  # allocations (slabs, pointer tables, caching allocators) done
     torch.cuda._sleep(2_000_000_000)  # ~1 s of the caller's stream busy
     t0 = time.perf_counter()
     handle = eng.load_gpu_requests_v1(loads([[(0, 70 + i, 1, 0, i, 10 + i) for i in range(64)]]),
@@ -212,7 +213,7 @@ def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
     views = {0: [block_view(t, 0) for t in cache[0]]}
     res = writer.export(views, [(0, 100 + i, i) for i in range(8)])
     assert res.exported == 8 and writer.flush(30) and d.num_blocks == 8
-    assert writer.make_room() == 4  # 4 LRU victims demoted to the CPU tier, then claimed
+    assert writer.make_room(4) == 4  # 4 LRU victims demoted to the CPU tier, then claimed
     res = writer.export(views, [(0, 200 + i, 20 + i) for i in range(4)])
     assert res.exported == 4 and res.skipped_no_slot == 0 and writer.flush(30)
     for key, block in [(100 + i, i) for i in range(8)] + [(200 + i, 20 + i) for i in range(4)]:

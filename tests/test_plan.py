@@ -206,3 +206,53 @@ def test_slab_config_validation_names_field():
         SlabConfig(full_rows=8, small_rows=9)
     with pytest.raises(ValueError, match="switch_after"):
         SlabConfig(switch_after=0)
+
+
+@st.composite
+def one_source_steps(draw):
+    """Steps of the common kind: one (source rank, tier, group), distinct keys and
+    destinations, no null block; several requests."""
+    n = draw(st.integers(1, 60))
+    keys = draw(st.lists(st.integers(1, 2**40), min_size=n, max_size=n, unique=True))
+    dests = draw(st.lists(st.integers(1, 500), min_size=n, max_size=n, unique=True))
+    slots = draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
+    rank, tier, group = draw(st.integers(1, 3)), draw(st.integers(0, 1)), draw(st.integers(0, 1))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
+    rows = [(group, k, rank, tier, s, d) for k, s, d in zip(keys, slots, dests)]
+    bounds = [0] + cuts + [n]
+    return batch_of(*[rows[a:b] for a, b in zip(bounds, bounds[1:])])
+
+
+@settings(max_examples=200, deadline=None)
+@given(one_source_steps(), st.integers(0, 3))
+def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batch, small):
+    from xinference.model.llm.vllm.xavier.plan import _plan_general, _plan_one_source
+
+    state = SlabState({int(batch.table[0][2]): PeerSlabState(small, small >= 2)})
+    fast = _plan_one_source(batch, CFG, state)
+    assert fast is not None
+    (fp, fs), (gp, gs) = fast, _plan_general(batch, CFG, state)
+    assert fs == gs
+    assert [(t.source_rank, t.tier, t.group, t.slab_rows, t.rows) for t in fp.transfers] == \
+        [(t.source_rank, t.tier, t.group, t.slab_rows, t.rows) for t in gp.transfers]
+
+    def copies(plan):
+        return sorted((int(t.src_slots[r]), int(d)) for t in plan.transfers
+                      for r, d in zip(t.dst_rows, t.dst_blocks))
+
+    assert copies(fp) == copies(gp)
+    assert {g: v.tolist() for g, v in fp.written.items()} == \
+        {g: v.tolist() for g, v in gp.written.items()}
+    assert (fp.padded_rows, fp.blocks_written, fp.request_ids) == \
+        (gp.padded_rows, gp.blocks_written, gp.request_ids)
+    assert all(t.identity_rows for t in fp.transfers)
+
+
+def test_steps_of_another_kind_take_the_general_path():
+    from xinference.model.llm.vllm.xavier.plan import _plan_one_source
+
+    two_ranks = batch_of([(0, 1, 1, 0, 5, 10), (0, 2, 2, 0, 6, 11)])
+    null = batch_of([(0, 1, 1, 0, 5, NULL_BLOCK_ID)])
+    same_dest = batch_of([(0, 1, 1, 0, 5, 10)], [(0, 1, 1, 0, 5, 10)])
+    for b in (two_ranks, null, same_dest):
+        assert _plan_one_source(b, CFG, SlabState()) is None

@@ -59,9 +59,11 @@ def supports(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch.Tens
 
 
 def pointer_table(layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 device tensor of the layers' base addresses (build once per mapping)."""
-    return torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64,
-                        device=layers[0].device)
+    """int64 device tensor of the layers' base addresses (build once per mapping), copied
+    on the current stream from page-locked memory: the host never waits for the stream
+    (a pageable copy would wait for everything queued before it)."""
+    host = torch.tensor([t.data_ptr() for t in layers], dtype=torch.int64)
+    return host.pin_memory().to(layers[0].device, non_blocking=True)
 
 
 def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: int,

