@@ -5,6 +5,7 @@
 #   carry: .vbundle .whl
 #   command: bash scripts/gpu-dataplane.sh [tests|bench|steady|all]
 #
+# units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
 #        CUDA-only tests included), then the connector end to end with vLLM's defaults (CUDA
 #        graphs, async scheduling, the model runner vLLM picks), then transfer_bench,
@@ -23,12 +24,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = units ] || [ "$what" = all ]; then
   XAVIER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_transfer.py tests/test_gpu_transfer_cuda.py tests/test_storage_writer.py \
     tests/test_snapshot_storage.py tests/test_plan.py tests/test_load_batch.py \
     tests/test_lookups.py tests/test_block_directory.py 2>&1 | tee "$out/pytest-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
   XAVIER_TEST_DEVICE=cuda timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_connector_e2e.py 2>&1 | tee "$out/e2e-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
@@ -41,7 +44,7 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
-    --unique --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
+    --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" --unique --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched) " "$out/serving_bench.log"

@@ -152,3 +152,14 @@ class DirectoryMachine(RuleBasedStateMachine):
 
 TestDirectoryMachine = DirectoryMachine.TestCase
 TestDirectoryMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_demotion_registers_the_lower_copy_and_claims_the_upper_slot_in_one_call():
+    d = BlockDirectory()
+    d.register(1, [(0, 7, 0, 3, 1), (0, 8, 0, 4, 1)])
+    held = d.query(0, [8], exclude_rank=2)  # a peer reads key 8 from GPU slot 4
+    granted = d.move(1, [(0, 7, 1, 10, 1), (0, 8, 1, 11, 1)], 0, 0, [3, 4])
+    assert granted == [3]  # slot 4 is leased: refused, kept
+    again = d.query(0, [7, 8], exclude_rank=2)
+    assert [(loc.tier, loc.slot) for loc in again.locations] == [(1, 10), (1, 11)]
+    d.release(held.lease_ids + again.lease_ids)

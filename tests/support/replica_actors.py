@@ -47,6 +47,11 @@ class ActorDirectory:
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return on_loop(self._loop, self._tracker.claim(rank, tier, group, list(slots)))
 
+    def move(self, rank: int, entries: Sequence[Any], tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        return on_loop(self._loop, self._tracker.move(rank, [list(e) for e in entries], tier,
+                                                      group, list(slots)))
+
 
 def engine_cache(seed: int, device: str = "cpu") -> Dict[int, List[torch.Tensor]]:
     """Random bf16 bit patterns (NaNs included), the same for a seed on every device."""

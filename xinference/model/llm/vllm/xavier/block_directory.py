@@ -159,6 +159,13 @@ class BlockDirectory:
             granted.append(slot)
         return granted
 
+    def move(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]], tier: int,
+             group: int, slots: Sequence[int]) -> List[int]:
+        """A demotion in one atomic step: :meth:`register` the lower copies ``entries``,
+        then :meth:`claim` ``slots`` of ``tier``/``group`` (returns the granted ones)."""
+        self.register(rank, entries)
+        return self.claim(rank, tier, group, slots)
+
     def query(self, group: int, keys: Sequence[int],
               exclude_rank: Optional[int] = None) -> QueryResult:
         """Longest prefix of ``keys`` of ``group`` held by ranks other than ``exclude_rank``,

@@ -53,6 +53,14 @@ class VLLMBlockTracker(xo.StatelessActor):
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._directory.claim(rank, tier, group, [int(s) for s in slots])
 
+    def move(self, rank: int, entries: Any, tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        """A demotion: register the lower copies, then claim ``slots`` (one call)."""
+        rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
+        return self._directory.move(
+            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
+            tier, group, [int(s) for s in slots])
+
     def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
         keys = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
         return self._directory.query(group, keys, exclude_rank)

@@ -55,7 +55,7 @@ Entry = Tuple[int, int, int, int, int]
 ExportRow = Tuple[int, int, int]
 
 #: blocks the room thread demotes and claims per round (per group)
-ROOM_CHUNK_BLOCKS = 64
+ROOM_CHUNK_BLOCKS = 512
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
 
@@ -67,6 +67,12 @@ class DirectoryLink(Protocol):
     def register(self, rank: int, entries: Sequence[Entry]) -> int: ...
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]: ...
+
+    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        """``register(entries)`` then ``claim(tier, group, slots)`` in one call (a demotion:
+        the lower copies become the blocks' locations, the upper slots are given up)."""
+        ...
 
 
 class LocalDirectory:
@@ -81,6 +87,10 @@ class LocalDirectory:
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self.directory.claim(rank, tier, group, list(slots))
+
+    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        return self.directory.move(rank, list(entries), tier, group, list(slots))
 
 
 @dataclass
@@ -353,9 +363,9 @@ class StorageWriter:
         """Demote ``victims`` of ``tier`` one tier down (if any), then claim them; refused
         (leased) victims are touched so that the next round takes others."""
         lower = [t for t in self._order if t > tier]
-        if lower:
-            self._demote(tier, lower[0], group, victims)
-        granted = self._directory.claim(self.rank, int(tier), group, victims)
+        entries = self._demote(tier, lower[0], group, victims) if lower else []
+        # one directory call: the lower copies are registered, then the victims claimed
+        granted = self._directory.move(self.rank, entries, int(tier), group, victims)
         refused = set(victims) - set(granted)
         with self._lock:
             alloc = self._alloc[tier][group]
@@ -369,7 +379,10 @@ class StorageWriter:
         self.sink.add("room_claims_refused", len(refused))
         return len(granted)
 
-    def _demote(self, src_tier: Tier, dst_tier: Tier, group: int, victims: List[int]) -> None:
+    def _demote(self, src_tier: Tier, dst_tier: Tier, group: int,
+                victims: List[int]) -> List[Entry]:
+        """Copy ``victims``' blocks one tier down; returns the lower copies' entries (the
+        caller registers them with the claim of the victims)."""
         with self._lock:
             src_alloc, dst_alloc = self._alloc[src_tier][group], self._alloc[dst_tier][group]
             todo = [(k, s) for s in victims if (k := src_alloc.key_of(s)) is not None
@@ -390,13 +403,13 @@ class StorageWriter:
             self.sink.add("room_skipped_no_lower_slot", len(todo) - len(slots))
             todo = todo[:len(slots)]
         if not todo:
-            return
+            return []
         self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
         with self._lock:
             gens = [dst_alloc.assign(k, slot) for (k, _), slot in zip(todo, slots)]
-        self._directory.register(self.rank, [(group, k, int(dst_tier), slot, gen)
-                                             for (k, _), slot, gen in zip(todo, slots, gens)])
         self.sink.add("room_demoted", len(todo))
+        return [(group, k, int(dst_tier), slot, gen)
+                for (k, _), slot, gen in zip(todo, slots, gens)]
 
     def _copy_between(self, src_tier: Tier, dst_tier: Tier, group: int,
                       src_slots: List[int], dst_slots: List[int]) -> None:

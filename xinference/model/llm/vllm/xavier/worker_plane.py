@@ -103,6 +103,17 @@ class TrackerLink:
             self._tracker.forget()
             raise
 
+    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        ref, ids = self._ref(), [int(s) for s in slots]
+        rows = [tuple(int(x) for x in e) for e in entries]
+        try:
+            return list(self._bridge.call(lambda: ref.move(rank, rows, tier, group, ids),
+                                          CALL_TIMEOUT_S))
+        except Exception:
+            self._tracker.forget()
+            raise
+
 
 @dataclass
 class _StepLoad:
