@@ -11,6 +11,9 @@ Output length is fixed (``ignore_eos``).  Modes:
 
 * ``plain``: what users have without Xavier: two replicas of vLLM's own ``AsyncLLM``, no KV
   connector, vLLM's defaults (a second engine pair, in the same run);
+* ``noop-connector`` (only when asked): plain replicas with a KV connector that does nothing
+  (``tests/support/noop_connector.py``): what vLLM's own connector machinery costs, with no
+  Xavier code in the engine (a third engine pair);
 * ``local-hit``: the plain replicas, each group's follow-up sent to the replica that
   computed its prefix (a local prefix-cache hit): the floor for any cross-replica hit;
 * ``none``: Xavier's replicas, sharing off (requests opt out:
@@ -21,7 +24,8 @@ Output length is fixed (``ignore_eos``).  Modes:
   would at launch).
 
 ``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
-for ``plain`` and ``batched``: what Xavier costs when there is nothing to share.
+for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` when asked): what Xavier costs
+when there is nothing to share.
 
 GPU runs use CUDA graphs (vLLM's default); ``--eager`` turns them off.
 
@@ -49,7 +53,7 @@ tiers (a smaller GPU tier fills sooner).  Without it, rows after the tier fills 
 evictions the earlier rows did not (see doc/benchmarks.md, "Two GPUs").
 
 ``--quick`` (the README's main job): the tiny local model on CPU, prefix 512, concurrency 8,
-modes ``none`` and ``batched``.
+modes ``plain``, ``noop-connector``, ``none`` and ``batched``, and the unique-prompt rows.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -168,7 +173,7 @@ def _pct(values: Sequence[float], p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
-PLAIN_MODES = ("plain", "local-hit")
+PLAIN_MODES = ("plain", "local-hit", "noop-connector")
 
 
 async def bench_modes(model: str, device: str, modes: Sequence[str],
@@ -185,7 +190,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     short keeps what it measured)."""
     rows: List[Dict[str, Any]] = []
     seed = 1000
-    want_plain = any(m in PLAIN_MODES for m in modes) or unique
+    want_plain = any(m in ("plain", "local-hit") for m in modes) or unique
+    want_noop = "noop-connector" in modes
     want_xavier = any(m not in PLAIN_MODES for m in modes) or unique
     opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
     kw: Dict[str, Any]
@@ -203,13 +209,18 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
         pairs: Dict[str, Replicas] = {}
-        for kind in ("plain", "xavier"):
-            if not (want_plain if kind == "plain" else want_xavier):
+        for kind, wanted in (("plain", want_plain), ("noop", want_noop), ("xavier", want_xavier)):
+            if not wanted:
                 continue
             print(f"[serving_bench] starting 2 {kind} replicas ({where})", flush=True)
             t0 = time.perf_counter()
+            engine = opts
+            if kind == "noop":
+                engine = dataclasses.replace(opts, extra=dict(opts.extra, kv_transfer_config={
+                    "kv_connector": "NoopConnector", "kv_role": "kv_both",
+                    "kv_connector_module_path": "tests.support.noop_connector"}))
             pairs[kind] = await stack.enter_async_context(
-                xavier_replicas(model, n=2, engine=opts, plain=kind == "plain", **kw))
+                xavier_replicas(model, n=2, engine=engine, plain=kind != "xavier", **kw))
             print(f"[serving_bench] {kind} replicas up in {time.perf_counter() - t0:.0f} s",
                   flush=True)
         if "xavier" in pairs:
@@ -226,7 +237,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
 
         async def measure(mode: str, prompts: List[List[int]], c: int, prefix: int,
                           work: str) -> None:
-            r = pairs["plain" if mode in PLAIN_MODES else "xavier"]
+            r = pairs["noop" if mode == "noop-connector" else
+                      "plain" if mode in PLAIN_MODES else "xavier"]
             if mode not in PLAIN_MODES:
                 await _set_mode(r, mode)
             # only "none" opts out; plain engines get no Xavier parameter at all
@@ -244,8 +256,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                     await measure(mode, workload(seed, groups, per_group, prefix, 64, vocab), c,
                                   prefix, "shared")
         if unique:
-            for c in (concurrencies[0], concurrencies[-1]):
-                for mode in ("plain", "batched"):
+            unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
+            for c in sorted({concurrencies[0], concurrencies[-1]}):
+                for mode in unique_modes + ["batched"]:
                     seed += 1
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,
@@ -277,13 +290,13 @@ async def _set_mode(r: Replicas, mode: str) -> None:
     await asyncio.gather(*(x.set_batched_loads(mode != "per_request") for x in r.replicas))
 
 
-HEADER = (f"{'mode':<12}{'work':>7}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}"
+HEADER = (f"{'mode':<15}{'work':>7}{'conc':>5}{'prefix':>7}{'req':>5}{'tok/s':>9}"
           f"{'TTFT p50':>10}{'TTFT p95':>10}{'fu tok/s':>9}{'fu TTFT50':>10}{'ext hit':>9}"
           f"{'calls/req':>10}{'load us/call':>13}{'export %':>9}")
 
 
 def _row(r: Dict[str, Any]) -> str:
-    return (f"{r['mode']:<12}{r.get('workload', 'shared'):>7}{r['concurrency']:>5}"
+    return (f"{r['mode']:<15}{r.get('workload', 'shared'):>7}{r['concurrency']:>5}"
             f"{r['prefix_tokens']:>7}{r['requests']:>5}"
             f"{r['output_tokens_per_s']:>9.1f}{r['ttft_p50_ms']:>9.0f}ms"
             f"{r['ttft_p95_ms']:>8.0f}ms{r['followup_tokens_per_s']:>9.1f}"
@@ -301,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--concurrency", default="1,8,16,32")
     ap.add_argument("--prefix-tokens", default="1024,4096")
     ap.add_argument("--modes", help="default plain,local-hit,none,per_request,batched "
-                    "(--quick: plain,none,batched)")
+                    "(--quick: plain,noop-connector,none,batched, and --unique)")
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -317,7 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.prefix_tokens = "8", "512"
-        args.modes = args.modes or "plain,none,batched"
+        args.modes = args.modes or "plain,noop-connector,none,batched"
+        args.unique = True
         args.groups, args.per_group, args.max_tokens = 8, 2, 16
     if args.model:
         model = args.model
