@@ -122,26 +122,6 @@ class LazyActor:
             self._ref = None
         return self._ref
 
-    async def aget(self) -> Any:
-        """:meth:`get` for coroutines running on the bridge's own loop (where a blocking
-        :meth:`get` would wait for itself)."""
-        if not self.checked:
-            return self._unchecked()
-        if self._ref is not None:
-            return self._ref
-        now = time.monotonic()
-        if now < self._next_try:
-            return None
-        self._next_try = now + self.retry_seconds
-        try:
-            import xoscar as xo
-
-            self._ref = await xo.actor_ref(self.address, self.uid)
-        except Exception as exc:
-            logger.debug("xavier: actor %s at %s not there yet: %s", self.uid, self.address, exc)
-            self._ref = None
-        return self._ref
-
     def forget(self) -> None:
         """Drop the ref (its actor went away); the next ``get`` looks it up again."""
         if not self.checked:

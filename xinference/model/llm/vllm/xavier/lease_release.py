@@ -103,13 +103,14 @@ def directory_sender(directory: Any, start: Callable[[Callable[[], Awaitable[Any
                                                     concurrent.futures.Future[Any]]
                      ) -> SendRelease:
     """A :data:`SendRelease` calling ``release(ids)`` of the directory actor that
-    ``directory`` (a :class:`~.actor_bridge.LazyActor`) finds, started with ``start``
-    (``ActorBridge.start``).  Safe to call on the bridge's own thread: the lookup of the
-    actor happens inside the coroutine."""
+    ``directory`` (an unchecked :class:`~.actor_bridge.LazyActor`: its ref needs no lookup,
+    so this is safe on the bridge's own thread) names, started with ``start``
+    (``ActorBridge.start``)."""
+    if getattr(directory, "checked", False):
+        raise ValueError("directory: an unchecked LazyActor (checked=False) is needed here")
+
     async def release(ids: List[int]) -> Any:
-        ref = await directory.aget()
-        if ref is None:
-            raise ConnectionError("block directory not reachable")
+        ref = directory.get()
         try:
             return await ref.release(ids)
         except Exception:

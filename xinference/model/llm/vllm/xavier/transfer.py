@@ -38,8 +38,12 @@ from .nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
 from .options import TRANSFER_ACTOR_UID, XavierOptions
 from .remote_fetch import fetch_into, serve_blocks
 from .snapshot_storage import ShmHandles, SnapshotStorage, TierConfig, shm_dir
-from .transport import XAVIER_TRANSPORT_BACKEND_KEY, XAVIER_TRANSPORT_IPC, XAVIER_TRANSPORT_NIXL
-from .worker_plane import host_id
+from .transport import (
+    XAVIER_TRANSPORT_BACKEND_KEY,
+    XAVIER_TRANSPORT_IPC,
+    XAVIER_TRANSPORT_NIXL,
+    host_id,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -50,3 +50,16 @@ def get_xavier_transport_backend(xavier_config: Optional[Dict[str, Any]]) -> str
     return normalize_xavier_transport_backend(
         xavier_config.get(XAVIER_TRANSPORT_BACKEND_KEY,
                           xavier_config.get(XAVIER_TRANSPORT_BACKEND_ALIAS_KEY)))
+
+
+def host_id() -> str:
+    """Same value in every process of one booted host (peers compare it to decide whether
+    they can map each other's memory)."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"

@@ -61,18 +61,6 @@ _monotonic = time.monotonic  # the peer-retry clock (tests move it)
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
 
-def host_id() -> str:
-    """Same value in every process of one booted host."""
-    import socket
-
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 class TrackerLink:
     """The storage writer's :class:`~.storage_writer.DirectoryLink`: blocking calls to the
     ``VLLMBlockTracker`` through the bridge (made off the step thread)."""
@@ -81,10 +69,7 @@ class TrackerLink:
         self._bridge, self._tracker = bridge, tracker
 
     def _ref(self) -> Any:
-        ref = self._tracker.get(timeout=CALL_TIMEOUT_S)
-        if ref is None:
-            raise ConnectionError("block directory not reachable")
-        return ref
+        return self._tracker.get()  # unchecked: a ref without a lookup
 
     def register(self, rank: int, entries: Sequence[Entry]) -> int:
         ref, rows = self._ref(), [tuple(int(x) for x in e) for e in entries]
