@@ -280,6 +280,9 @@ def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
 
     eng = engine_with(world, local, releaser, kernel="torch")
     handle = eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+    # reportable at once (nothing runs in the background): already known failed, before the
+    # completion thread has run, so nobody can report these blocks as loaded
+    assert handle.reportable and handle.failed == {3, 4}
     with pytest.raises(LoadError) as ei:
         handle.wait(30)
     err = ei.value

@@ -132,9 +132,9 @@ class _Job:
 class LoadHandle:
     """One launched ``load_gpu_requests_v1``.
 
-    * :attr:`reportable`: every destination is written (or known failed) as far as the
-      caller's stream is concerned once it called :meth:`order`: copies still running on
-      the engine's stream are ordered before anything the caller queues next;
+    * :attr:`reportable`: every destination is written (or known failed: :attr:`failed`) as
+      far as the caller's stream is concerned once it called :meth:`order`: copies still
+      running on the engine's stream are ordered before anything the caller queues next;
     * :meth:`wait`: everything finished and every lease released; the result, or the
       error of a load that failed after it started (:class:`LoadError`).
     """
@@ -356,6 +356,8 @@ class GPUTransfer:
                 error = exc
                 event = self._record_event()
             handle = LoadHandle(plan.request_ids, plan.written, event, bool(background))
+            if error is not None:  # known now: reportable at once, so failed at once
+                handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)
         self._jobs.put(_Job(handle, plan, event, background, leases, error))
         return handle
