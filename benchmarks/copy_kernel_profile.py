@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xinference.model.llm.vllm.xavier import block_copy_triton  # noqa: E402
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer  # noqa: E402
-from xinference.model.llm.vllm.xavier.load_batch import Tier  # noqa: E402
-from xinference.model.llm.vllm.xavier.plan import SlabConfig, plan_step  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism import block_copy_triton  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig, plan_step  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transfer_bench import Shape, make_layers, make_step  # noqa: E402

@@ -20,8 +20,8 @@ import tracemalloc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory  # noqa: E402
-from xinference.model.llm.vllm.xavier.slot_allocator import SlotAllocator  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator  # noqa: E402
 
 
 def main() -> None:

@@ -33,18 +33,18 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from xinference.model.llm.vllm.xavier.block_copy import block_view  # noqa: E402
-from xinference.model.llm.vllm.xavier.counters import Counters  # noqa: E402
-from xinference.model.llm.vllm.xavier.kv_schema import layout_of  # noqa: E402
-from xinference.model.llm.vllm.xavier.load_batch import Tier  # noqa: E402
-from xinference.model.llm.vllm.xavier.snapshot_storage import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (  # noqa: E402
     SnapshotStorage,
     TierConfig,
 )
-from xinference.model.llm.vllm.xavier.storage_writer import (  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (  # noqa: E402
     LocalDirectory,
     StorageWriter,
 )
+from xinference.model.llm.vllm.xavier.planning.counters import Counters  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier  # noqa: E402
 
 #: layers, KV heads, head size (block size 16)
 SHAPES = {"qwen2.5-0.5b": (24, 2, 64), "tiny": (2, 2, 16)}

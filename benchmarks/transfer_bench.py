@@ -37,9 +37,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer  # noqa: E402
-from xinference.model.llm.vllm.xavier.load_batch import LoadBatch, Tier  # noqa: E402
-from xinference.model.llm.vllm.xavier.plan import SlabConfig  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.load_batch import LoadBatch, Tier  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def copy_ceiling(device: str, mib: int = 512, reps: int = 10) -> Dict[str, float
 def device_step_time(bench: Bench, batch: LoadBatch, reps: int) -> float:
     """CUDA: device time of one planned step's copies (index uploads included,
     planning and the thread hand-off excluded), median over ``reps``."""
-    from xinference.model.llm.vllm.xavier.plan import plan_step
+    from xinference.model.llm.vllm.xavier.planning.plan import plan_step
 
     eng = bench.engine
     assert eng is not None and eng._stream is not None

@@ -7,7 +7,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, LoadBatch
+from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
 
 # group 0: two layers, block dim 0 (CPU_ATTN-like); group 1: one layer, block dim 1 (CUDA-like)
 GROUP_SHAPES = {0: [((4, 8, 2), 0), ((4, 8, 2), 0)], 1: [((2, 4, 8), 1)]}
@@ -88,3 +90,16 @@ def expected_after(local: Dict[int, List[torch.Tensor]], world: World,
 def loads(rows) -> LoadBatch:
     return LoadBatch.from_requests(
         (f"req{i}", [BlockLoad(*r) for r in req]) for i, req in enumerate(rows))
+
+
+def engine_cache(blocks):
+    """A one-group bf16 engine KV cache of ``blocks`` blocks, its layout, its block bytes."""
+    cache = {0: [torch.zeros((blocks, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
+    layout = layout_of(cache)
+    return cache, layout, layout.groups[0].block_bytes
+
+
+def opts(**kw):
+    base = {"rank": 1, "rank_address": "a", "block_tracker_address": "b",
+            "block_tracker_uid": "t"}
+    return XavierOptions.from_xavier_config({**base, **kw}, {})

@@ -7,7 +7,7 @@ import time
 import pytest
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.actor_bridge import ActorBridge, LazyActor
+from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge, LazyActor
 
 from .support.pools import actor_pool
 

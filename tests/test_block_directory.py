@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from xinference.model.llm.vllm.xavier.block_directory import (
+from xinference.model.llm.vllm.xavier.planning.block_directory import (
     BlockDirectory,
     DirectoryError,
     Location,

@@ -1,6 +1,6 @@
 import pytest
 
-from xinference.model.llm.vllm.xavier.budget import parse_bytes, validate_budget
+from xinference.model.llm.vllm.xavier.planning.budget import parse_bytes, validate_budget
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.counters import (
+from xinference.model.llm.vllm.xavier.planning.counters import (
     ALL_NAMES,
     Counters,
     SharedCounters,

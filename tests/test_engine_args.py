@@ -9,7 +9,7 @@ from xinference.model.llm.vllm.xavier.engine import (
     WORKER_EXTENSION,
     prepare_engine_args,
 )
-from xinference.model.llm.vllm.xavier.options import XavierOptions
+from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xinference.model.llm.vllm.xavier import block_copy, gpu_transfer
-from xinference.model.llm.vllm.xavier.gpu_transfer import (
+from xinference.model.llm.vllm.xavier.mechanism import block_copy, gpu_transfer
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import (
     CloseError,
     GPUTransfer,
     Lease,
@@ -18,9 +18,9 @@ from xinference.model.llm.vllm.xavier.gpu_transfer import (
     LoadRejected,
     TransferClosedError,
 )
-from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError, layout_of
-from xinference.model.llm.vllm.xavier.load_batch import NULL_BLOCK_ID, Tier
-from xinference.model.llm.vllm.xavier.plan import ConflictingWriteError, SlabConfig
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import SchemaMismatchError, layout_of
+from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Tier
+from xinference.model.llm.vllm.xavier.planning.plan import ConflictingWriteError, SlabConfig
 
 from .kvfixtures import BLOCK_DIM, bits, expected_after, loads, make_caches, make_world
 from .support.reliability import record

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer
-from xinference.model.llm.vllm.xavier.load_batch import Tier
-from xinference.model.llm.vllm.xavier.plan import SlabConfig
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 
 from .kvfixtures import bits, loads, random_bits
 
@@ -69,7 +69,7 @@ def test_fused_kernel_bit_exact(kernel, fused):
 
 
 def test_negative_control_fused_copy_skipped_is_caught(monkeypatch):
-    from xinference.model.llm.vllm.xavier import block_copy_triton
+    from xinference.model.llm.vllm.xavier.mechanism import block_copy_triton
 
     monkeypatch.setattr(block_copy_triton, "gather_scatter", lambda *a, **k: None)
     local, peer = storage(64, 3), storage(64, 4)
@@ -85,7 +85,7 @@ def test_negative_control_fused_copy_skipped_is_caught(monkeypatch):
 
 
 def test_triton_kernel_refused_before_copy_when_layout_does_not_fit():
-    from xinference.model.llm.vllm.xavier.gpu_transfer import LoadRejected
+    from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import LoadRejected
 
     local = [t.movedim(0, 1).contiguous().movedim(1, 0) for t in storage(32, 1)]  # not block-first
     peer = storage(32, 2)
@@ -107,7 +107,7 @@ def test_launch_does_not_wait_and_order_makes_the_stream_see_the_bytes():
         lease.lease_id))
     eng.set_local_caches({0: local})
     eng.map_storage(1, Tier.GPU, {0: peer})
-    from xinference.model.llm.vllm.xavier.gpu_transfer import Lease
+    from xinference.model.llm.vllm.xavier.planning.load_batch import Lease
 
     eng.load_gpu_requests_v1(loads([[(0, 60, 1, 0, 100, 120)]])).wait(60)  # first-use
     torch.cuda.synchronize()  # allocations (slabs, pointer tables, caching allocators) done
@@ -128,10 +128,16 @@ def test_launch_does_not_wait_and_order_makes_the_stream_see_the_bytes():
 
 def export_gpu_tier(queue, done):
     """Child process: a snapshot storage with a CUDA tier exports blocks, shares IPC handles."""
-    from xinference.model.llm.vllm.xavier.block_copy import block_view
-    from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-    from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
-    from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
+    from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+        SnapshotStorage,
+        TierConfig,
+    )
+    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (
+        LocalDirectory,
+        StorageWriter,
+    )
 
     cache = {0: storage(32, 11)}
     layout = layout_of(cache)
@@ -149,7 +155,7 @@ def export_gpu_tier(queue, done):
 
 
 def test_snapshot_storage_gpu_tier_over_cuda_ipc():
-    from xinference.model.llm.vllm.xavier.snapshot_storage import open_ipc
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import open_ipc
 
     ctx = torch.multiprocessing.get_context("spawn")
     queue, done = ctx.Queue(), ctx.Event()
@@ -194,11 +200,17 @@ def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
     """The worker's storage writer on CUDA: a fused gather into the GPU tier (no host
     wait), published once the bytes landed; room made by demoting to a page-locked CPU
     tier in the background; stored bytes equal the engine blocks."""
-    from xinference.model.llm.vllm.xavier.block_copy import block_view
-    from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-    from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-    from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
-    from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
+    from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+        SnapshotStorage,
+        TierConfig,
+    )
+    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (
+        LocalDirectory,
+        StorageWriter,
+    )
+    from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 
     cache = {0: storage(64, 31)}
     layout = layout_of(cache)

@@ -6,12 +6,15 @@ import sys
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.hash_seed import DEFAULT_SEED, ensure_shared_hash_seed
+from xinference.model.llm.vllm.xavier.planning.hash_seed import (
+    DEFAULT_SEED,
+    ensure_shared_hash_seed,
+)
 
 HASHES = r"""
 import os, sys
 if sys.argv[1] == "xavier":
-    from xinference.model.llm.vllm.xavier.hash_seed import ensure_shared_hash_seed
+    from xinference.model.llm.vllm.xavier.planning.hash_seed import ensure_shared_hash_seed
     ensure_shared_hash_seed()
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as k

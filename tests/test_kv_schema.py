@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.kv_schema import SchemaMismatchError, layout_of
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import SchemaMismatchError, layout_of
 
 
 def test_layout_of_and_block_bytes():

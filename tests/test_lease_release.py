@@ -3,8 +3,8 @@
 import concurrent.futures
 import threading
 
-from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.lease_release import BatchingReleaser
+from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.planning.lease_release import BatchingReleaser
 
 
 class Loop:
@@ -93,7 +93,7 @@ def test_a_failed_call_is_tried_again_until_the_directory_answers(monkeypatch):
     lease stays held (a slot under a lost lease would never be reused)."""
     import time
 
-    from xinference.model.llm.vllm.xavier import lease_release
+    from xinference.model.llm.vllm.xavier.planning import lease_release
 
     monkeypatch.setattr(lease_release, "RETRY_PAUSES_S", (0.01, 0.01))
     d = BlockDirectory()

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from xinference.model.llm.vllm.xavier.load_batch import (
+from xinference.model.llm.vllm.xavier.planning.load_batch import (
     COLUMNS,
     BlockLoad,
     LoadBatch,
@@ -65,3 +65,19 @@ def test_fold_block_hash_stable_and_non_negative():
     assert fold_block_hash(b"abc", seed=1) != fold_block_hash(b"abc", seed=2)
     for v in (b"", 0, -5, 2**200, ("x", 1)):
         assert 0 <= fold_block_hash(v) < 2**63
+
+
+def two_request_batch():
+    return LoadBatch.from_requests([
+        ("a", [BlockLoad(0, 1, 1, 0, 10, 100), BlockLoad(0, 2, 2, 0, 11, 101)]),
+        ("b", [BlockLoad(0, 3, 2, 1, 12, 102)]),
+    ])
+
+
+def test_without_rows_keeps_requests_and_offsets_consistent():
+    b = two_request_batch()
+    out = b.without_rows(np.array([False, True, False]))
+    assert out is not None and out.request_ids == ("a", "b")
+    assert out.offsets.tolist() == [0, 1, 2] and out.table[:, 5].tolist() == [100, 102]
+    assert b.without_rows(np.zeros(3, bool)) is b
+    assert b.without_rows(np.ones(3, bool)) is None

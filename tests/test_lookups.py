@@ -5,8 +5,8 @@ import concurrent.futures
 import threading
 from typing import List
 
-from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.lookups import DirectoryLookups, State
+from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups, State
 
 
 class Directory:

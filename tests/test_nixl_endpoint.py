@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.nixl_endpoint import (
+from xinference.model.llm.vllm.xavier.mechanism.nixl_endpoint import (
     endpoint_host,
     open_nixl_endpoint,
 )

@@ -2,7 +2,7 @@
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.options import XavierOptions
+from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
 
 BASE = {"rank": 1, "rank_address": "127.0.0.1:1", "block_tracker_address": "127.0.0.1:2",
         "block_tracker_uid": b"vllm-block-tracker-actor-m", "vllm_transfer_backend_type": None}

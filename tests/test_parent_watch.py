@@ -10,7 +10,7 @@ import psutil
 
 CHILD = """
 import time
-from xinference.model.llm.vllm.xavier.parent_watch import watch_parent
+from xinference.model.llm.vllm.xavier.vllm_side.parent_watch import watch_parent
 assert watch_parent(interval_s=0.1, grace_s=1.0)
 assert not watch_parent()  # once per process
 print("watching", flush=True)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xinference.model.llm.vllm.xavier.load_batch import NULL_BLOCK_ID, BlockLoad, LoadBatch
-from xinference.model.llm.vllm.xavier.plan import (
+from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, BlockLoad, LoadBatch
+from xinference.model.llm.vllm.xavier.planning.plan import (
     ConflictingWriteError,
     PeerSlabState,
     SlabConfig,
@@ -226,7 +226,7 @@ def one_source_steps(draw):
 @settings(max_examples=200, deadline=None)
 @given(one_source_steps(), st.integers(0, 3))
 def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batch, small):
-    from xinference.model.llm.vllm.xavier.plan import _plan_general, _plan_one_source
+    from xinference.model.llm.vllm.xavier.planning.plan import _plan_general, _plan_one_source
 
     state = SlabState({int(batch.table[0][2]): PeerSlabState(small, small >= 2)})
     fast = _plan_one_source(batch, CFG, state)
@@ -249,7 +249,7 @@ def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batc
 
 
 def test_steps_of_another_kind_take_the_general_path():
-    from xinference.model.llm.vllm.xavier.plan import _plan_one_source
+    from xinference.model.llm.vllm.xavier.planning.plan import _plan_one_source
 
     two_ranks = batch_of([(0, 1, 1, 0, 5, 10), (0, 2, 2, 0, 6, 11)])
     null = batch_of([(0, 1, 1, 0, 5, NULL_BLOCK_ID)])

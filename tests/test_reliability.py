@@ -23,8 +23,9 @@ import numpy as np
 import psutil
 import pytest
 
-from xinference.model.llm.vllm.xavier.scheduler_side import StepMeta
-from xinference.model.llm.vllm.xavier.snapshot_storage import remove_orphaned_shm_files
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import remove_orphaned_shm_files
+from xinference.model.llm.vllm.xavier.planning.load_batch import Lease
+from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
 
 from .support.loop_thread import LoopThread
 from .support.processes import tokens
@@ -87,7 +88,7 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     def meta(table, offsets=None, ids=("r",)):
         q = lt.run(r.tracker.query(0, ks[:1], 2))  # a fresh lease per attempt
         return StepMeta(request_ids=ids, offsets=np.asarray(offsets or [0, len(table)]),
-                        table=table, leases=tuple((lid, 1) for lid in q.lease_ids))
+                        table=table, leases=tuple(Lease(lid, 1) for lid in q.lease_ids))
 
     # built one at a time: each takes a fresh lease
     cases = {

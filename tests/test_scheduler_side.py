@@ -9,10 +9,10 @@ from typing import Dict, List, Sequence
 import numpy as np
 import pytest
 
-from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.load_batch import DEST, KEY, RANK, SLOT
-from xinference.model.llm.vllm.xavier.lookups import DirectoryLookups
-from xinference.model.llm.vllm.xavier.scheduler_side import SchedulerSide
+from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
+from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
+from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide
 
 BS = 16
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.slot_allocator import SlotAllocator
+from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator
 
 
 def test_free_slots_in_order_and_a_directly_assigned_slot_is_never_handed_out():

@@ -9,15 +9,15 @@ import os
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.load_batch import Tier
-from xinference.model.llm.vllm.xavier.slot_allocator import SlotAllocator
-from xinference.model.llm.vllm.xavier.snapshot_storage import (
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
     open_tier,
     remove_orphaned_shm_files,
 )
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator
 
 from .kvfixtures import BLOCK_DIM, make_caches
 

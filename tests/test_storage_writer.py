@@ -10,16 +10,16 @@ import time
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier import storage_writer as writer_mod
-from xinference.model.llm.vllm.xavier.block_copy import block_view
-from xinference.model.llm.vllm.xavier.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.counters import Counters
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
-from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.load_batch import Tier
-from xinference.model.llm.vllm.xavier.plan import SlabConfig
-from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
-from xinference.model.llm.vllm.xavier.storage_writer import LocalDirectory, StorageWriter
+from xinference.model.llm.vllm.xavier.mechanism import storage_writer as writer_mod
+from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import LocalDirectory, StorageWriter
+from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.planning.counters import Counters
+from xinference.model.llm.vllm.xavier.planning.load_batch import Lease, Tier
+from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 
 from .kvfixtures import BLOCK_DIM, bits, loads, make_caches
 

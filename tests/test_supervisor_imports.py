@@ -52,5 +52,20 @@ def test_supervisor_time_modules_need_neither_torch_nor_vllm():
 
 def test_blocker_catches_a_heavy_import():
     """Negative control: the same harness fails when a supervisor-time module pulls torch."""
-    proc = run_check("importlib.import_module(f'{overlay.TARGET}.gpu_transfer')\n")
+    proc = run_check("importlib.import_module(f'{overlay.TARGET}.mechanism.gpu_transfer')\n")
     assert proc.returncode != 0 and "blocked import of torch" in proc.stderr
+
+
+def test_planning_layer_needs_neither_torch_nor_vllm():
+    """The planning folder is the numpy-only layer (doc/architecture.md): every module of it
+    loads under the same blocker."""
+    import pkgutil
+
+    from xinference.model.llm.vllm.xavier import planning
+    names = sorted(m.name for m in pkgutil.iter_modules(planning.__path__))
+    assert "plan" in names and "load_batch" in names
+    loads = "".join(f"importlib.import_module(f'{{overlay.TARGET}}.planning.{n}')\n" for n in names)
+    proc = run_check(loads + "print('HEAVY2', sorted(m for m in sys.modules "
+                             "if m.split('.')[0] in ('torch', 'vllm')))\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "HEAVY2 []" in proc.stdout

@@ -1,61 +1,17 @@
-"""The TransferActor's own parts (storage tiers from the options, the engine's release, how
-peers on other hosts are read) and the worker plane's pure helpers (dropping rows of a
-load, destinations of a malformed table, peer retries and world updates)."""
+"""The TransferActor's own parts: storage tiers from the options, the engine's release, how
+peers on other hosts are read."""
 
 import asyncio
 
-import numpy as np
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier import worker_plane
-from xinference.model.llm.vllm.xavier.actor_bridge import ActorBridge
-from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
-from xinference.model.llm.vllm.xavier.options import XavierOptions
-from xinference.model.llm.vllm.xavier.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
 from xinference.model.llm.vllm.xavier.transfer import TransferActor
-from xinference.model.llm.vllm.xavier.worker_plane import (
-    WorkerDataPlane,
-    _dests,
-    _without_rows,
-)
 
-
-def batch():
-    return LoadBatch.from_requests([
-        ("a", [BlockLoad(0, 1, 1, 0, 10, 100), BlockLoad(0, 2, 2, 0, 11, 101)]),
-        ("b", [BlockLoad(0, 3, 2, 1, 12, 102)]),
-    ])
-
-
-def test_without_rows_keeps_requests_and_offsets_consistent():
-    b = batch()
-    out = _without_rows(b, np.array([False, True, False]))
-    assert out is not None and out.request_ids == ("a", "b")
-    assert out.offsets.tolist() == [0, 1, 2] and out.table[:, 5].tolist() == [100, 102]
-    assert _without_rows(b, np.zeros(3, bool)) is b
-    assert _without_rows(b, np.ones(3, bool)) is None
-
-
-def test_dests_of_malformed_tables():
-    assert _dests(batch().table) == [100, 101, 102]
-    assert _dests([[1, 2, 3]]) == []  # too few columns: nothing readable, no exception
-    assert _dests("garbage") == []
-    assert _dests(np.zeros((0, 6), np.int64)) == []
-
-
-def engine_cache(blocks):
-    """A one-group bf16 engine KV cache of ``blocks`` blocks, its layout, its block bytes."""
-    cache = {0: [torch.zeros((blocks, 2, 16, 2, 8), dtype=torch.bfloat16) for _ in range(2)]}
-    layout = layout_of(cache)
-    return cache, layout, layout.groups[0].block_bytes
-
-
-def opts(**kw):
-    base = {"rank": 1, "rank_address": "a", "block_tracker_address": "b",
-            "block_tracker_uid": "t"}
-    return XavierOptions.from_xavier_config({**base, **kw}, {})
+from .kvfixtures import engine_cache, opts
 
 
 def test_tier_configs_from_options():
@@ -76,53 +32,6 @@ def test_tier_configs_from_options():
     with pytest.raises(ValueError, match="exceeds the .* bytes available"):
         TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1000TiB"),
                                     layout, torch.device("cpu"))
-
-
-def plane_of(rank=2, **kw):
-    cache, _, _ = engine_cache(16)
-    options = opts(**kw)
-    options = XavierOptions(**{**vars(options), "rank": rank})
-    return WorkerDataPlane(options, ActorBridge.shared(), {0: [(f"l{i}", t) for i, t in
-                                                               enumerate(cache[0])]}, {0: 0})
-
-
-def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
-    """A dead peer costs one failed lookup, not one per step; a world update that gives it
-    a new address (recovery) allows the next try at once."""
-    plane = plane_of()
-    plane.apply_world(["m", "127.0.0.1:1", "b"])
-    tries = []
-
-    def failing_map(rank):
-        tries.append(rank)
-        raise ConnectionRefusedError("peer gone")
-
-    monkeypatch.setattr(plane, "_map_peer", failing_map)
-    clock = [100.0]
-    monkeypatch.setattr(worker_plane, "_monotonic", lambda: clock[0])
-    assert plane._ensure_mapped({1}) == {1}
-    assert plane._ensure_mapped({1}) == {1}  # within the wait: not tried
-    assert tries == [1]
-    clock[0] += worker_plane.PEER_RETRY_S + 0.1
-    assert plane._ensure_mapped({1}) == {1}
-    assert tries == [1, 1]
-    plane.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
-    assert plane._ensure_mapped({1}) == {1}
-    assert tries == [1, 1, 1]
-    assert plane.counters.snapshot()["peer_map_failures"] == 3
-    plane.close()
-
-
-def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():
-    plane = plane_of()
-    cache, _, _ = engine_cache(8)
-    plane.apply_world(["m", "h:1", "h:2", "h:3"])
-    for rank in (1, 3):
-        plane.engine.map_storage(rank, Tier.CPU, cache)
-    plane.apply_world(["m", "h:1", "h:2", ""])  # rank 3 died
-    assert plane.engine.mapped() == [(1, Tier.CPU)]
-    plane.close()
-    plane.close()  # idempotent
 
 
 def test_release_engine_names_its_owner_and_keeps_the_storage():
@@ -148,8 +57,7 @@ def test_release_engine_names_its_owner_and_keeps_the_storage():
     assert list(kept) == [int(Tier.CPU)] and kept[int(Tier.CPU)][0] == "shm"
 
 
-@pytest.mark.parametrize("transport,route", [
-    ("xavier", "nixl"), ("ipc", "sockets"), ("nixl", "nixl")])
+@pytest.mark.parametrize("transport,route", [("xavier", "nixl"), ("nixl", "nixl")])
 def test_remote_route_follows_the_transport_option(transport, route):
     from .support.pools import nixl_available
 
@@ -158,6 +66,13 @@ def test_remote_route_follows_the_transport_option(transport, route):
     want = "sockets" if route == "nixl" and transport == "xavier" and not nixl_available() \
         else route
     assert actor._remote_route() == want
+
+
+def test_ipc_transport_refuses_a_peer_on_another_host():
+    actor = TransferActor(1, 3, "127.0.0.1:1", "127.0.0.1", 0, [])
+    actor._options = opts(vllm_transfer_backend_type="ipc")
+    with pytest.raises(LookupError, match="transport is ipc"):
+        actor._remote_route()
 
 
 def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(monkeypatch):

@@ -26,7 +26,7 @@ def cpu_engine_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         # the data plane's test hooks (faults, digests): tests only, never in production
-        "XAVIER_TEST_HOOKS": "1",
+        "XAVIER_TEST_HOOKS": "tests.support.worker_hooks:WorkerHooks",
     }
     env.update(extra or {})
     return env

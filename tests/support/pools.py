@@ -39,7 +39,7 @@ async def actor_pool(n_process: int = 1, scheme: str = "",
 
 def nixl_available() -> bool:
     """NIXL's Python API importable (xoscar's nixl channel needs it): the package's check."""
-    from xinference.model.llm.vllm.xavier.nixl_endpoint import nixl_importable
+    from xinference.model.llm.vllm.xavier.mechanism.nixl_endpoint import nixl_importable
 
     return nixl_importable()
 

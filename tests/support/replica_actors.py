@@ -12,18 +12,18 @@ from typing import Any, Coroutine, Dict, List, Sequence, Tuple, TypeVar
 import torch
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.block_copy import block_view
-from xinference.model.llm.vllm.xavier.gpu_transfer import GPUTransfer, Lease
-from xinference.model.llm.vllm.xavier.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.load_batch import BlockLoad, LoadBatch, Tier
-from xinference.model.llm.vllm.xavier.plan import SlabConfig
-from xinference.model.llm.vllm.xavier.remote_fetch import fetch_into, serve_blocks
-from xinference.model.llm.vllm.xavier.snapshot_storage import (
+from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.remote_fetch import fetch_into, serve_blocks
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
     open_tier,
 )
-from xinference.model.llm.vllm.xavier.storage_writer import StorageWriter
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
+from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
+from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 
 LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
 T = TypeVar("T")

@@ -154,7 +154,7 @@ class ReplicaActor(xo.StatelessActor):
 
         return await self.hook("raw_load", list(meta.request_ids),
                                np.asarray(meta.offsets).tolist(), np.asarray(meta.table).tolist(),
-                               [list(x) for x in meta.leases])
+                               [[lease.lease_id, lease.rank] for lease in meta.leases])
 
     async def engine_block_digests(self, group: int, block_ids: List[int]) -> List[str]:
         return await self.hook("engine_block_digests", group, block_ids)

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import xoscar as xo
 
-from .block_directory import BlockDirectory, QueryResult
+from .planning.block_directory import BlockDirectory, QueryResult
 
 logger = logging.getLogger(__name__)
 

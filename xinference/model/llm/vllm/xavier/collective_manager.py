@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import xoscar as xo
 
-from .options import TRANSFER_ACTOR_UID
+from .planning.options import TRANSFER_ACTOR_UID
 
 logger = logging.getLogger(__name__)
 

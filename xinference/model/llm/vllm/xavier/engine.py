@@ -32,8 +32,8 @@ from typing import Any, Dict, Optional
 from vllm.config import KVTransferConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from .hash_seed import ensure_shared_hash_seed
-from .options import XavierOptions
+from .planning.hash_seed import ensure_shared_hash_seed
+from .planning.options import XavierOptions
 
 logger = logging.getLogger(__name__)
 

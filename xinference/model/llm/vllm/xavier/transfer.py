@@ -30,19 +30,21 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import xoscar as xo
 
-from .budget import validate_budget
-from .counters import SharedCounters, prometheus_text, sum_snapshots
-from .kv_schema import KVLayout
-from .load_batch import Tier
-from .nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
-from .options import TRANSFER_ACTOR_UID, XavierOptions
-from .remote_fetch import fetch_into, serve_blocks
-from .snapshot_storage import ShmHandles, SnapshotStorage, TierConfig, shm_dir
-from .transport import (
+from .mechanism.kv_schema import KVLayout
+from .mechanism.nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
+from .mechanism.remote_fetch import fetch_into, serve_blocks
+from .mechanism.snapshot_storage import ShmHandles, SnapshotStorage, TierConfig, shm_dir
+from .planning.budget import validate_budget
+from .planning.counters import SharedCounters, prometheus_text, sum_snapshots
+from .planning.load_batch import Tier
+from .planning.options import TRANSFER_ACTOR_UID, XavierOptions
+from .planning.routes import (
+    ROUTE_NIXL,
+    ROUTE_SOCKETS,
     XAVIER_TRANSPORT_BACKEND_KEY,
-    XAVIER_TRANSPORT_IPC,
     XAVIER_TRANSPORT_NIXL,
     host_id,
+    peer_route,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class TransferActor(xo.StatelessActor):
         self._stats: Dict[str, int] = {}
 
     # --------------------------------------------------------------- lifecycle
-    async def register_engine(self, layout: KVLayout, options: Dict[str, Any],
+    async def register_engine(self, layout: KVLayout, options: XavierOptions,
                               owner: Optional[int] = None, device: str = "cpu",
                               counters_path: Optional[str] = None) -> Dict[str, Any]:
         """The worker of this rank's engine registers (``owner``: its pid, which
@@ -92,7 +94,9 @@ class TransferActor(xo.StatelessActor):
         maps it (tiers, staging rows), this host's id and the world.  A second call
         (engine restarted) replaces everything of the previous engine.  A budget that
         holds no block fails, naming the option."""
-        opts = XavierOptions(**options)
+        opts = options
+        if not isinstance(opts, XavierOptions):
+            raise TypeError(f"options: expected XavierOptions, got {type(opts).__name__}")
         if opts.rank != self.rank:
             raise ValueError(f"rank: engine of rank {opts.rank} registered with the transfer "
                              f"actor of rank {self.rank}")
@@ -278,7 +282,7 @@ class TransferActor(xo.StatelessActor):
         peer = await xo.actor_ref(self.world_addresses[rank], f"{TRANSFER_ACTOR_UID}-{rank}")
         route = self._remote_route()
         address = self.address
-        if route == "nixl":
+        if route == ROUTE_NIXL:
             try:
                 address = await self._nixl_address()
             except Exception as exc:
@@ -287,23 +291,20 @@ class TransferActor(xo.StatelessActor):
                 logger.warning("transfer actor rank %d: no NIXL endpoint (%r): peers on other "
                                "hosts are read over sockets", self.rank, exc)
                 self._nixl_broken = True
-                route = "sockets"
+                route = ROUTE_SOCKETS
         self._remote[rank] = (peer, address)
         self._add_stats({f"peers_mapped_{route}": 1})
         logger.info("transfer actor rank %d: rank %d read through %s", self.rank, rank,
-                    f"copy_to through NIXL into {address}" if route == "nixl"
+                    f"copy_to through NIXL into {address}" if route == ROUTE_NIXL
                     else "copy_to over sockets")
         return route
 
     def _remote_route(self) -> str:
         """``nixl`` where NIXL can be used (the ``nixl`` transport: always), else
-        ``sockets`` (the ``ipc`` transport never reads another host)."""
+        ``sockets``; ``LookupError`` for the ``ipc`` transport (it never reads another
+        host)."""
         transport = self._options.transport if self._options is not None else ""
-        if transport == XAVIER_TRANSPORT_NIXL:
-            return "nixl"
-        if transport != XAVIER_TRANSPORT_IPC and not self._nixl_broken and nixl_importable():
-            return "nixl"
-        return "sockets"
+        return peer_route(transport, False, not self._nixl_broken and nixl_importable())
 
     async def fetch_blocks(self, rank: int, tier: int, group: int,
                            slots: Sequence[int]) -> int:

@@ -1,10 +1,11 @@
-"""Test-only switches and readers of a worker's data plane (``XAVIER_TEST_HOOKS=1``).
+"""Test-only switches and readers of a worker's data plane.
 
 Faults a real engine cannot be made to produce on demand, and digests that let a test
 compare bytes across replicas.  They exist only when the engine's environment has
-``XAVIER_TEST_HOOKS=1`` (the test harness sets it); a production worker has no hooks and
-refuses the calls.  Reached through vLLM's ``collective_rpc("xavier_hook", ...)``
-(:class:`~.connector.XavierWorkerExtension`), with plain values in and out.
+``XAVIER_TEST_HOOKS=tests.support.worker_hooks:WorkerHooks`` (the test harness sets it); a
+production worker has no hooks and refuses the calls.  Reached through vLLM's
+``collective_rpc("xavier_hook", ...)`` (``XavierWorkerExtension`` of the connector), with
+plain values in and out.
 
 * faults: ``skip_copy`` (the step's loads claim success but copy nothing: the destinations
   are zeroed -- the negative control), ``fail_one_block`` (one block of the step is zeroed
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence,
 import numpy as np
 import torch
 
-from .load_batch import DEST, GROUP, KEY, LoadBatch
+from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, GROUP, KEY, LoadBatch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .worker_plane import WorkerDataPlane
+    from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane
 
 FAULTS = ("skip_copy", "fail_one_block", "stall_load", "hold_finish")
 STALL_LOAD_S = 3.0
@@ -168,12 +169,13 @@ class WorkerHooks:
                  leases: Sequence[Sequence[int]]) -> Dict[str, Any]:
         """One load with caller-made metadata (bad-input tests), outside vLLM's steps:
         ``failed`` destinations, ``written`` blocks and the ``error`` that refused it."""
-        from .scheduler_side import StepMeta
+        from xinference.model.llm.vllm.xavier.planning.load_batch import Lease
+        from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
 
         plane = self._plane
         meta = StepMeta(request_ids=tuple(request_ids), offsets=np.asarray(offsets),
                         table=np.asarray(table),
-                        leases=tuple((int(a), int(b)) for a, b in leases))
+                        leases=tuple(Lease(int(a), int(b)) for a, b in leases))
         pending, error = plane.run_detached(meta)
         written = 0
         for h in pending.handles:

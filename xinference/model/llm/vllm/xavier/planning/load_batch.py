@@ -40,6 +40,17 @@ class Tier(enum.IntEnum):
     CPU = 1
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A hold on a source slot, granted by the block directory with a lookup and released
+    once the load that reads it is done (or the request goes): the one lease type from the
+    directory's answer to the load engine."""
+
+    lease_id: int
+    #: the rank whose slot is held
+    rank: int
+
+
 class LoadBatchError(ValueError):
     """Malformed step metadata; the message names the offending field."""
 
@@ -154,6 +165,18 @@ class LoadBatch:
     def rows_of(self, request_id: str) -> np.ndarray:
         i = self.request_ids.index(request_id)
         return self.table[self.offsets[i]:self.offsets[i + 1]]
+
+    def without_rows(self, drop: np.ndarray) -> Optional[LoadBatch]:
+        """This batch minus the rows where ``drop`` is true (requests left without rows stay,
+        empty); ``None`` when no row is left."""
+        if not drop.any():
+            return self
+        keep = ~drop
+        if not keep.any():
+            return None
+        counts = np.bincount(self.row_request_index()[keep], minlength=self.num_requests)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return LoadBatch(self.request_ids, offsets, self.table[keep].copy())
 
     def split(self) -> List[LoadBatch]:
         """One single-request batch per request (the per-request baseline)."""

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from .budget import parse_bytes
-from .transport import normalize_xavier_transport_backend
+from .routes import normalize_transport
 
 DEFAULT_GPU_BUDGET = "1GiB"
 DEFAULT_CPU_BUDGET = "1GiB"
@@ -70,7 +70,7 @@ class XavierOptions:
         if gpu_bytes == 0 and cpu_bytes == 0:
             raise ValueError("xavier_gpu_budget: both storage tiers are 0 bytes: nothing could "
                              "be shared (set xavier_gpu_budget or xavier_cpu_budget)")
-        transport = normalize_xavier_transport_backend(cfg.get("vllm_transfer_backend_type"))
+        transport = normalize_transport(cfg.get("vllm_transfer_backend_type"))
         batched = _parse_bool("xavier_batched_loads",
                               cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
         slab = cfg.get("transfer_block_num", 512)

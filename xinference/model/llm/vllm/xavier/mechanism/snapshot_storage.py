@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..planning.load_batch import Tier
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout
-from .load_batch import Tier
 
 logger = logging.getLogger(__name__)
 

@@ -39,13 +39,13 @@ from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Set, Tup
 
 import torch
 
+from ..planning.block_directory import BlockDirectory
+from ..planning.counters import Counters, CounterSink, elapsed_us
+from ..planning.load_batch import Tier
+from ..planning.slot_allocator import SlotAllocator
 from . import block_copy_triton
 from .block_copy import as_byte_rows, block_view, slab_as
-from .block_directory import BlockDirectory
-from .counters import Counters, CounterSink, elapsed_us
 from .kv_schema import KVLayout
-from .load_batch import Tier
-from .slot_allocator import SlotAllocator
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from xinference.model.llm.vllm.xavier.kv_handles import KVHandleError, group_layers
+from xinference.model.llm.vllm.xavier.vllm_side.kv_caches import KVHandleError, group_layers
 
 
 def engine_like_caches(num_blocks: int = 12):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xoscar as xo
 
-from .load_batch import Tier
+from ..planning.load_batch import Tier
 from .snapshot_storage import SnapshotStorage
 
 

@@ -34,15 +34,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .block_directory import QueryResult
-from .load_batch import COLUMNS, BlockLoad, LoadBatch
+from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch
 from .lookups import DirectoryLookups, State
 
 logger = logging.getLogger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
-#: (lease_id, source rank)
-LeaseRef = Tuple[int, int]
 #: (group, key, block_id) of a newly computed full block
 ExportRow = Tuple[int, int, int]
 
@@ -72,12 +70,17 @@ class StepStats:
 
 @dataclass
 class StepMeta:
-    """One step's work for the worker, in plain picklable values."""
+    """One step's work for the worker (pickled by vLLM from the scheduler to the worker).
+
+    The loads are a :class:`~.load_batch.LoadBatch`'s columns (``request_ids``, ``offsets``,
+    ``table``), validated as one by :meth:`load_batch` in the worker: malformed metadata
+    becomes recomputed blocks there, never an engine crash; each request's leases
+    (``lease_offsets``) go with its loads."""
 
     request_ids: Tuple[str, ...] = ()
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     table: np.ndarray = field(default_factory=lambda: np.zeros((0, len(COLUMNS)), np.int64))
-    leases: Tuple[LeaseRef, ...] = ()
+    leases: Tuple[Lease, ...] = ()
     exports: Tuple[ExportRow, ...] = ()
     stats: StepStats = field(default_factory=StepStats)
     #: leases ``lease_offsets[i]:lease_offsets[i+1]`` belong to ``request_ids[i]``
@@ -134,7 +137,7 @@ class SchedulerSide:
         self._release = release
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
-        self._step_loads: List[Tuple[str, List[BlockLoad], List[LeaseRef]]] = []
+        self._step_loads: List[Tuple[str, List[BlockLoad], List[Lease]]] = []
         self._stats = StepStats()
 
     # ----------------------------------------------------------------- lookup
@@ -244,7 +247,7 @@ class SchedulerSide:
             raise ValueError(f"num_external_tokens: {num_external_tokens} is not a block "
                              f"multiple of at most {len(hit.keys)} offered blocks")
         rows: List[BlockLoad] = []
-        leases: List[LeaseRef] = []
+        leases: List[Lease] = []
         per_group = len(hit.result.locations) // max(1, len(hit.keys))
         drop: List[int] = []
         for g in range(per_group):
@@ -255,7 +258,7 @@ class SchedulerSide:
                     drop.append(lease)
                     continue
                 pos = hit.first_block + j
-                leases.append((lease, loc.rank))
+                leases.append(Lease(int(lease), int(loc.rank)))
                 if pos >= len(block_ids[loc.group]) or null[loc.group][pos]:
                     continue  # null block (e.g. outside a sliding window): nothing to write
                 rows.append(BlockLoad(loc.group, hit.keys[j], loc.rank, loc.tier, loc.slot,

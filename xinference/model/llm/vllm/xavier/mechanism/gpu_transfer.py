@@ -41,13 +41,20 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import numpy as np
 import torch
 
+from ..planning.counters import Counters, CounterSink, TransferCounters
+from ..planning.load_batch import Lease, LoadBatch, LoadBatchError, Tier
+from ..planning.plan import (
+    ConflictingWriteError,
+    LoadPlan,
+    SlabConfig,
+    SlabState,
+    Transfer,
+    plan_step,
+)
 from . import block_copy_triton
 from .block_copy import block_view, copy_transfer, slab_as
-from .counters import Counters, CounterSink, TransferCounters
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
-from .load_batch import LoadBatch, LoadBatchError, Tier
-from .plan import ConflictingWriteError, LoadPlan, SlabConfig, SlabState, Transfer, plan_step
 from .slabs import SlabPool
 
 logger = logging.getLogger(__name__)
@@ -72,14 +79,6 @@ class LoadError(RuntimeError):
 
 class CloseError(RuntimeError):
     """Some resources could not be released; ``close()`` may be called again."""
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A hold on a source slot, taken at query time, released after the writes."""
-
-    lease_id: int
-    rank: int
 
 
 #: releases one lease (may raise: counted and reported, the other leases are still released)

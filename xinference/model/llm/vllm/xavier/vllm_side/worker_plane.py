@@ -19,85 +19,76 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
   back), and the next load drops the mappings of every rank whose address changed.
 
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
-exist only with ``XAVIER_TEST_HOOKS=1`` in the engine's environment
-(:mod:`.worker_hooks`).
+live outside the package (``tests/support/worker_hooks.py``): the plane calls an observer
+of the :class:`PlaneHooks` shape only when ``XAVIER_TEST_HOOKS`` names one
+(``module:Class``) in the engine's environment; a production worker has none.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
 import torch
 
+from ..mechanism.gpu_transfer import GPUTransfer, LoadHandle
+from ..mechanism.kv_schema import KVLayout, layout_of
+from ..mechanism.snapshot_storage import open_tier
+from ..mechanism.storage_writer import StorageWriter
+from ..planning.counters import SharedCounters, elapsed_us
+from ..planning.lease_release import BatchingReleaser, directory_sender
+from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, LoadBatchError, Tier
+from ..planning.options import XavierOptions
+from ..planning.plan import SlabConfig
+from ..planning.scheduler_side import StepMeta
 from .actor_bridge import ActorBridge, LazyActor
-from .counters import SharedCounters, elapsed_us
-from .gpu_transfer import GPUTransfer, Lease, LoadHandle
-from .kv_schema import KVLayout, layout_of
-from .lease_release import BatchingReleaser, directory_sender
-from .load_batch import DEST, RANK, TIER, LoadBatch, LoadBatchError, Tier
-from .options import TRANSFER_ACTOR_UID, XavierOptions
-from .plan import SlabConfig
-from .scheduler_side import StepMeta
-from .snapshot_storage import open_shm, open_tier
-from .storage_writer import Entry, StorageWriter
-from .transport import XAVIER_TRANSPORT_IPC, XAVIER_TRANSPORT_NIXL
+from .peers import PeerMaps
+from .tracker_link import TrackerLink
 
 logger = logging.getLogger(__name__)
 
-#: longest an actor call of the plane may take (attach, peer lookup, remote fetch)
+#: longest an actor call of the plane may take (attach; registering waits ten times this)
 CALL_TIMEOUT_S = 30.0
-#: a peer that could not be mapped is not tried again for this long (its loads fail fast:
-#: vLLM recomputes); a world update ends the wait
-PEER_RETRY_S = 5.0
-PEER_MAP_TIMEOUT_S = 10.0
+#: ``module:Class`` of a :class:`PlaneHooks` observer (tests only; unset in production)
 TEST_HOOKS_ENV = "XAVIER_TEST_HOOKS"
-_monotonic = time.monotonic  # the peer-retry clock (tests move it)
 
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
 
-class TrackerLink:
-    """The storage writer's :class:`~.storage_writer.DirectoryLink`: blocking calls to the
-    ``VLLMBlockTracker`` through the bridge (made off the step thread)."""
+class PlaneHooks(Protocol):
+    """What the plane tells a test observer (faults a real engine cannot make on demand,
+    digests).  Production planes have none; see :data:`TEST_HOOKS_ENV`."""
 
-    def __init__(self, bridge: ActorBridge, tracker: LazyActor) -> None:
-        self._bridge, self._tracker = bridge, tracker
+    def before_load(self, batch: LoadBatch) -> None: ...
 
-    def _ref(self) -> Any:
-        return self._tracker.get()  # unchecked: a ref without a lookup
+    def apply_faults(self, batch: LoadBatch, failed: Set[int]) -> Optional[LoadBatch]: ...
 
-    def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        ref, rows = self._ref(), [tuple(int(x) for x in e) for e in entries]
-        try:
-            return int(self._bridge.call(lambda: ref.register(rank, rows), CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+    def holding(self) -> bool: ...
 
-    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
-        ref, ids = self._ref(), [int(s) for s in slots]
-        try:
-            return list(self._bridge.call(lambda: ref.claim(rank, tier, group, ids),
-                                          CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+    def loaded_failed(self, failed: Set[int]) -> None: ...
 
-    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
-        ref, ids = self._ref(), [int(s) for s in slots]
-        rows = [tuple(int(x) for x in e) for e in entries]
-        try:
-            return list(self._bridge.call(lambda: ref.move(rank, rows, tier, group, ids),
-                                          CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+    def exported(self, rows: Sequence[Tuple[int, int, int]]) -> None: ...
+
+
+def load_test_hooks(plane: WorkerDataPlane) -> Optional[PlaneHooks]:
+    """The observer named by :data:`TEST_HOOKS_ENV` (``module:Class``), built for ``plane``;
+    ``None`` when unset.  A bad name fails the engine's start, naming the variable."""
+    spec = os.environ.get(TEST_HOOKS_ENV, "").strip()
+    if not spec:
+        return None
+    module_name, _, class_name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"{TEST_HOOKS_ENV}={spec!r}: expected module:Class of an importable "
+                         f"hooks class ({exc})") from exc
+    hooks: PlaneHooks = factory(plane)
+    return hooks
 
 
 @dataclass
@@ -140,19 +131,12 @@ class WorkerDataPlane:
         self.writer: Optional[StorageWriter] = None
         self.batched_loads = options.batched_loads
         self._attached = False
-        self._world: List[str] = []
-        self._world_epoch = 0
-        self._peer_retry_at: Dict[int, float] = {}
-        self._staging: Dict[int, List[torch.Tensor]] = {}
         self._own_releases: List[Any] = []
-        self._host = ""
+        self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
+                              self.counters, pin=self.device.type == "cuda")
         self._pending: List[_StepLoad] = []
         self._closed = False
-        self.hooks: Optional[Any] = None
-        if os.environ.get(TEST_HOOKS_ENV) == "1":
-            from .worker_hooks import WorkerHooks
-
-            self.hooks = WorkerHooks(self)
+        self.hooks: Optional[PlaneHooks] = load_test_hooks(self)
 
     @property
     def attached(self) -> bool:
@@ -174,7 +158,7 @@ class WorkerDataPlane:
         ref = self._transfer.get(timeout=CALL_TIMEOUT_S)
         if ref is None:
             return False
-        opts = dict(vars(self.options))
+        opts = self.options
         device = str(self.device)
         path = self.counters.path
         try:
@@ -202,13 +186,10 @@ class WorkerDataPlane:
             caches, release = open_tier(kind, handles, pin=pin)
             tiers[Tier(tier)] = caches
             self._own_releases.append(release)
-        self._staging = {g: list(ts) for g, ts in open_shm(desc["staging"]).items()}
         self.writer = StorageWriter(self.rank, self.layout, tiers, TrackerLink(
             self._bridge, self._tracker), self.device, stream=self.engine.stream,
             counters=self.counters, room_blocks=self.options.slab_blocks)
-        self._host = str(desc["host"])
-        self._world = list(desc.get("world") or [])
-        self._world_epoch = self.counters.get("world_epoch")
+        self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
     def load(self, step: StepMeta) -> None:
@@ -227,7 +208,7 @@ class WorkerDataPlane:
 
     def _load(self, step: StepMeta) -> _StepLoad:
         pending = _StepLoad(tuple(step.request_ids))
-        leases = [Lease(int(lid), int(rank)) for lid, rank in step.leases]
+        leases = list(step.leases)
         table = step.table
         try:
             batch: Optional[LoadBatch] = step.load_batch()
@@ -245,13 +226,13 @@ class WorkerDataPlane:
         tiers = batch.table[:, TIER]
         self.counters.add("rows_from_gpu_tier", int((tiers == Tier.GPU).sum()))
         self.counters.add("rows_from_cpu_tier", int((tiers == Tier.CPU).sum()))
-        self._follow_world()
-        unreachable = self._ensure_mapped({int(r) for r in batch.table[:, RANK]})
+        self.peers.follow_world()
+        unreachable = self.peers.ensure_mapped({int(r) for r in batch.table[:, RANK]})
         if unreachable:
             drop = np.isin(batch.table[:, RANK], sorted(unreachable))
             self.counters.add("rows_unreachable", int(drop.sum()))
             pending.failed.update(int(x) for x in batch.table[drop, DEST])
-            batch = _without_rows(batch, drop)
+            batch = batch.without_rows(drop)
         if batch is not None and self.hooks is not None:
             batch = self.hooks.apply_faults(batch, pending.failed)
         if batch is None:
@@ -308,93 +289,6 @@ class WorkerDataPlane:
                     return False
         return True
 
-    # ------------------------------------------------------------------ peers
-    def _follow_world(self) -> None:
-        """A world update (the actor bumped ``world_epoch``): drop the mappings of every
-        rank whose address changed; they are mapped again on next use."""
-        epoch = self.counters.get("world_epoch")
-        if epoch == self._world_epoch:
-            return
-        self._world_epoch = epoch
-        self.counters.add("world_updates_seen")
-        ref = self._transfer.get(timeout=CALL_TIMEOUT_S)
-        try:
-            world = list(self._bridge.call(lambda: ref.world(), CALL_TIMEOUT_S)) if ref else []
-        except Exception as exc:
-            logger.warning("xavier: rank %d: reading the new world failed: %r", self.rank, exc)
-            world = []
-        self.apply_world(world)
-        logger.info("xavier: rank %d: world %s", self.rank, world)
-
-    def apply_world(self, world: List[str]) -> None:
-        """Take ``world`` as the rank addresses: the mappings of every rank whose address
-        changed go (mapped again on next use, without waiting for a retry time)."""
-        old, self._world = self._world, list(world)
-        for rank in range(max(len(old), len(world))):
-            was = old[rank] if rank < len(old) else ""
-            now = world[rank] if rank < len(world) else ""
-            if rank != self.rank and was != now:
-                self._peer_retry_at.pop(rank, None)
-                self.engine.unmap_storage(rank)
-
-    def _ensure_mapped(self, ranks: Set[int]) -> Set[int]:
-        """Map every rank of ``ranks`` not mapped yet; returns those that cannot be."""
-        mapped = {r for r, _ in self.engine.mapped()}
-        failed: Set[int] = set()
-        for rank in sorted(ranks - mapped):
-            if _monotonic() < self._peer_retry_at.get(rank, 0.0):
-                failed.add(rank)
-                continue
-            try:
-                self._map_peer(rank)
-                self._peer_retry_at.pop(rank, None)
-            except Exception as exc:
-                self.counters.add("peer_map_failures")
-                logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
-                               self.rank, rank, PEER_RETRY_S, exc)
-                self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
-                failed.add(rank)
-        return failed
-
-    def _map_peer(self, rank: int) -> None:
-        if rank >= len(self._world) or not self._world[rank]:
-            raise LookupError(f"rank {rank}: no address known (world {self._world})")
-        address, uid = self._world[rank], f"{TRANSFER_ACTOR_UID}-{rank}"
-        peer = LazyActor(self._bridge, address, uid)
-        ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
-        if ref is None:
-            raise LookupError(f"rank {rank}: no transfer actor at {address}")
-        desc = self._bridge.call(lambda: ref.storage_descriptor(), PEER_MAP_TIMEOUT_S)
-        same_host = desc["host"] == self._host
-        transport = self.options.transport
-        if same_host and transport != XAVIER_TRANSPORT_NIXL:
-            for tier, (kind, handles) in sorted(desc["tiers"].items()):
-                caches, release = open_tier(kind, handles, pin=self.device.type == "cuda")
-                self.engine.map_storage(rank, Tier(tier), caches, 0, release)
-            self.counters.add("peers_mapped_ipc")
-            return
-        if transport == XAVIER_TRANSPORT_IPC:
-            raise LookupError(f"rank {rank} is on another host and the transport is ipc")
-        own = self._transfer.get(timeout=CALL_TIMEOUT_S)
-        if own is None:
-            raise LookupError("the rank's transfer actor is not reachable")
-        self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
-        for tier in sorted(desc["tiers"]):
-            self.engine.map_remote_storage(rank, Tier(tier), desc["layout"],
-                                           self._remote_fetch(own, rank, Tier(tier)))
-
-    def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
-        """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives
-        them (NIXL or sockets) into staging rows this process maps too."""
-        def fetch(transfer: Any) -> List[torch.Tensor]:
-            slots = [int(s) for s in transfer.src_slots]
-            group = int(transfer.group)
-            self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group, slots),
-                              CALL_TIMEOUT_S)
-            return [s[:len(slots)] for s in self._staging[group]]
-
-        return fetch
-
     # ---------------------------------------------------------------- exports
     def export(self, rows: Sequence[Tuple[int, int, int]]) -> None:
         """Store the step's newly full blocks (vLLM's ``wait_for_save``); never waits."""
@@ -435,7 +329,7 @@ class WorkerDataPlane:
         for release in self._own_releases:
             release()
         self._own_releases.clear()
-        self._staging.clear()
+        self.peers.close()
         self._releaser.flush(timeout)
         if self._attached:
             self._attached = False
@@ -458,23 +352,10 @@ def _dests(table: Any) -> List[int]:
         return []
 
 
-def _without_rows(batch: LoadBatch, drop: np.ndarray) -> Optional[LoadBatch]:
-    """``batch`` minus the rows in ``drop`` (requests left without rows stay, empty)."""
-    if not drop.any():
-        return batch
-    keep = ~drop
-    if not keep.any():
-        return None
-    req = batch.row_request_index()[keep]
-    counts = np.bincount(req, minlength=batch.num_requests)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    return LoadBatch(batch.request_ids, offsets, batch.table[keep].copy())
-
-
 def _per_request(batch: LoadBatch, step: StepMeta) -> List[Tuple[LoadBatch, List[Lease]]]:
     """The per-request baseline: one load call per request, each with its own leases."""
     out = []
     for i, part in enumerate(batch.split()):
         lo, hi = step.lease_offsets[i], step.lease_offsets[i + 1]
-        out.append((part, [Lease(int(lid), int(rank)) for lid, rank in step.leases[lo:hi]]))
+        out.append((part, list(step.leases[lo:hi])))
     return out

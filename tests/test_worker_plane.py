@@ -1,0 +1,67 @@
+"""The worker's data plane: destinations of malformed metadata, and its peers (retries after a
+failed mapping, world updates) through :class:`PeerMaps`."""
+
+import numpy as np
+
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
+from xinference.model.llm.vllm.xavier.vllm_side import peers
+from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge
+from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane, _dests
+
+from .kvfixtures import engine_cache, opts
+
+
+def test_dests_of_malformed_tables():
+    table = np.asarray([[0, 1, 1, 0, 10, 100], [0, 2, 2, 0, 11, 101], [0, 3, 2, 1, 12, 102]])
+    assert _dests(table) == [100, 101, 102]
+    assert _dests([[1, 2, 3]]) == []  # too few columns: nothing readable, no exception
+    assert _dests("garbage") == []
+    assert _dests(np.zeros((0, 6), np.int64)) == []
+
+
+def plane_of(rank=2, **kw):
+    cache, _, _ = engine_cache(16)
+    options = opts(**kw)
+    options = XavierOptions(**{**vars(options), "rank": rank})
+    return WorkerDataPlane(options, ActorBridge.shared(), {0: [(f"l{i}", t) for i, t in
+                                                               enumerate(cache[0])]}, {0: 0})
+
+
+def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
+    """A dead peer costs one failed lookup, not one per step; a world update that gives it
+    a new address (recovery) allows the next try at once."""
+    plane = plane_of()
+    plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
+    tries = []
+
+    def failing_map(rank):
+        tries.append(rank)
+        raise ConnectionRefusedError("peer gone")
+
+    monkeypatch.setattr(plane.peers, "_map_peer", failing_map)
+    clock = [100.0]
+    monkeypatch.setattr(peers, "_monotonic", lambda: clock[0])
+    assert plane.peers.ensure_mapped({1}) == {1}
+    assert plane.peers.ensure_mapped({1}) == {1}  # within the wait: not tried
+    assert tries == [1]
+    clock[0] += peers.PEER_RETRY_S + 0.1
+    assert plane.peers.ensure_mapped({1}) == {1}
+    assert tries == [1, 1]
+    plane.peers.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
+    assert plane.peers.ensure_mapped({1}) == {1}
+    assert tries == [1, 1, 1]
+    assert plane.counters.snapshot()["peer_map_failures"] == 3
+    plane.close()
+
+
+def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():
+    plane = plane_of()
+    cache, _, _ = engine_cache(8)
+    plane.peers.apply_world(["m", "h:1", "h:2", "h:3"])
+    for rank in (1, 3):
+        plane.engine.map_storage(rank, Tier.CPU, cache)
+    plane.peers.apply_world(["m", "h:1", "h:2", ""])  # rank 3 died
+    assert plane.engine.mapped() == [(1, Tier.CPU)]
+    plane.close()
+    plane.close()  # idempotent

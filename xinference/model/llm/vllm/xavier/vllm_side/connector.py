@@ -1,0 +1,330 @@
+"""``XavierConnector``: the vLLM V1 KV connector (adapter; loaded by ``kv_connector_module_path``).
+
+Supported: vLLM 0.26.x (GPU) and 0.27.x (CPU build), whose connector API is the
+same (checked method by method); later versions load with a warning.  The
+module imports only names that exist in both; nothing version-specific is
+used without a guard.
+
+Like vLLM's ``NixlConnector``, the class vLLM instantiates is a thin front: each role's
+work is a class of its own, and every overridden method states its contract here.
+
+Scheduler role (engine core, :class:`~.connector_scheduler.XavierConnectorScheduler`). A
+request's directory lookup leaves when the request arrives (``on_new_request``), batched
+with the others of that moment; the answer is usually there when vLLM asks
+(``get_num_new_matched_tokens``), which otherwise waits a bounded time and then answers
+``None`` (ask again next step). Loads are asynchronous in vLLM's sense: a hit returns
+``(tokens, True)``, vLLM allocates the blocks and keeps the request in
+``WAITING_FOR_REMOTE_KVS`` (it is not computed) until the worker reports its load finished
+through ``get_finished``; failed blocks are reported no later than that, through
+``get_block_ids_with_load_errors``, and vLLM recomputes from the first of them before the
+request runs. So a failed load costs a recompute, also with vLLM's async scheduling and its
+Model Runner V2, and the forward never reads a block being loaded.
+
+Worker role (:class:`~.connector_worker.XavierConnectorWorker`):
+:class:`~.worker_plane.WorkerDataPlane` moves the bytes inside the worker process: ONE
+``load_gpu_requests_v1`` per step with every request's loads, launched on its own CUDA
+stream (``start_load_kv``); the copies are ordered before vLLM's next forward with CUDA
+events when vLLM is told they are done (``get_finished``), and the step's newly full blocks
+are exported after its forward without waiting (``wait_for_save``). Until the rank's
+``TransferActor`` exists (it is created after the engine starts) and the worker has attached
+to it, nothing is loaded or exported and the engine serves as without Xavier.
+
+A request can opt out with ``kv_transfer_params={"xavier": false}`` (in
+``SamplingParams.extra_args``): no lookup, no export.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..planning.options import XavierOptions
+from ..planning.scheduler_side import StepMeta
+from .actor_bridge import ActorBridge
+from .connector_scheduler import XavierConnectorScheduler
+from .connector_worker import XavierConnectorWorker
+from .parent_watch import watch_parent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.26.", "0.27.")
+
+
+def _configure_logging() -> None:
+    """``XAVIER_LOG_LEVEL`` (e.g. ``INFO``, ``DEBUG``): the package's own log lines in vLLM's
+    processes too (by default only warnings reach their stderr)."""
+    level = os.environ.get("XAVIER_LOG_LEVEL")
+    if not level:
+        return
+    pkg = logging.getLogger(__name__.rsplit(".", 2)[0])
+    pkg.setLevel(level.upper())
+    if not pkg.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        pkg.addHandler(handler)
+
+
+_configure_logging()
+if not vllm.__version__.startswith(SUPPORTED_VLLM):  # pragma: no cover - version guard
+    logger.warning("xavier: vLLM %s is not a tested version (%s); the connector API may differ",
+                   vllm.__version__, ", ".join(v + "x" for v in SUPPORTED_VLLM))
+
+
+class XavierConnectorMetadata(KVConnectorMetadata):
+    """One step's :class:`~..planning.scheduler_side.StepMeta`, as vLLM carries it from the
+    scheduler to the worker (pickled once per step)."""
+
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+class XavierConnector(KVConnectorBase_V1):
+    """Cross-replica prefix KV sharing for Xinference (see the module docstring).
+
+    vLLM builds one per role: the scheduler's holds a :class:`XavierConnectorScheduler`,
+    each worker's a :class:`XavierConnectorWorker`.  ``disabled`` (a reason) turns the
+    connector into a no-op for the engine's life: it serves as without Xavier."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Optional[KVCacheConfig] = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        self.options = XavierOptions.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        bridge = ActorBridge.shared()
+        watch_parent()  # engine core and worker: never outlive a killed replica process
+        groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+        self.disabled: Optional[str] = None
+        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+        if sizes and sizes != {self.block_size}:
+            self._disable(f"KV-cache groups with block sizes {sorted(sizes)} (scheduler "
+                          f"block size {self.block_size}) are not supported")
+        self.scheduler: Optional[XavierConnectorScheduler] = None
+        self.worker: Optional[XavierConnectorWorker] = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = XavierConnectorScheduler(self.options, self.block_size,
+                                                      len(groups), bridge)
+        else:
+            num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+            self.worker = XavierConnectorWorker(
+                self.options, bridge, [list(g.layer_names) for g in groups], num_blocks)
+        logger.info("xavier: connector (%s) for rank %d, block size %d", role.name,
+                    self.options.rank, self.block_size)
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        logger.warning("xavier: sharing disabled: %s", reason)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache (vLLM 0.27): a dropped export is only a later miss."""
+        return False
+
+    @property
+    def plane(self) -> Any:
+        """The worker's :class:`~.worker_plane.WorkerDataPlane` (``None`` on the scheduler
+        or before the caches are registered)."""
+        return self.worker.plane if self.worker is not None else None
+
+    # ================================================================ scheduler
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added ``request`` to the scheduler.
+
+        May: start the request's directory lookup (sent with the others of this moment,
+        never waited for here).  Side effects: the directory may grant the lookup leases;
+        they are released if the request goes.  Must not block the scheduler loop."""
+        if self.scheduler is None or self.disabled:
+            return
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond the ``num_computed_tokens`` of the local prefix cache that other
+        replicas hold, to be loaded asynchronously: ``(n, n > 0)``; ``(None, False)`` while
+        the request's lookup is still out (vLLM asks again next step).
+
+        Not side-effect free, unlike what vLLM suggests: the answer holds leases on the
+        source slots (so that no peer reuses them) until :meth:`update_state_after_alloc`
+        hands them to a load or releases them; asking again for the same request and the
+        same local hit gives the same answer without a new lookup.  Waits for the
+        directory at most a bounded time per step (``planning.lookups``)."""
+        assert self.scheduler is not None
+        if self.disabled:
+            return 0, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """vLLM allocated ``blocks`` for the request.
+
+        The hit's destinations are the blocks at its positions (null blocks get no load;
+        their leases travel along and are released with the others); with
+        ``num_external_tokens == 0`` (no load, or vLLM's second call after an async load)
+        nothing is loaded and held leases are released.  Does not modify ``blocks``."""
+        assert self.scheduler is not None
+        if self.disabled:
+            return
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """ONE :class:`~..planning.scheduler_side.StepMeta` for the step.
+
+        Carries every load allocated since the last step (the worker owns their leases
+        from now on), the newly full blocks the step's forward computes (to export) and
+        the step's figures.  Resets the scheduler half's per-step state; does not modify
+        ``scheduler_output``."""
+        assert self.scheduler is not None
+        if self.disabled:
+            return XavierConnectorMetadata(StepMeta())
+        return XavierConnectorMetadata(self.scheduler.build_step(scheduler_output))
+
+    def request_finished(self, request: Request,
+                         block_ids: List[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The request is done or aborted: its tracking and any lease it still holds (a
+        lookup, an unallocated hit) go.
+
+        Returns ``(False, None)``: blocks are never held back and nothing is sent
+        asynchronously.  An aborted request whose load is in flight keeps its blocks until
+        the worker reports the load finished, which vLLM itself waits for."""
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request)
+        return False, None
+
+    # =================================================================== worker
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        """vLLM's KV caches of this worker, once, before the first step.
+
+        Grouped per KV-cache group with their block dimension; the data plane attaches to
+        the transfer actor when it exists (now, at ``init_xavier``, or within a second of
+        a later step).  Caches that cannot be shared disable the connector (logged); the
+        engine serves on.  Never copies or frees vLLM's tensors."""
+        if self.disabled or self.worker is None:
+            return
+        reason = self.worker.register_kv_caches(kv_caches)
+        if reason is not None:
+            self._disable(reason)
+
+    def _step(self) -> Optional[StepMeta]:
+        if not self.has_connector_metadata():
+            return None
+        meta = self._get_connector_metadata()
+        return meta.step if isinstance(meta, XavierConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Launch the step's loads (one batched call) on the data plane's stream.
+
+        Must not wait for them: the requests they serve are not in this step's forward
+        (vLLM keeps them in ``WAITING_FOR_REMOTE_KVS``).  Without a data plane every load
+        of the step is reported failed (vLLM recomputes)."""
+        if self.worker is None:
+            return
+        step = self._step()
+        if self.disabled:
+            self.worker.fail_loads(step)
+            return
+        self.worker.start_loads(step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loaded requests are not in the forward that calls this."""
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """Nothing per layer: exports happen per step in :meth:`wait_for_save`."""
+        return None
+
+    def wait_for_save(self) -> None:
+        """After the forward: export the step's newly full blocks.
+
+        Queued after the forward on the copy stream, vLLM's stream made to wait for the
+        copies (no block is reused before it was read); never waits on the host (a full
+        storage tier skips the export).  Publication in the block directory follows once
+        the bytes landed."""
+        if self.worker is None or self.disabled:
+            return
+        self.worker.export(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """``(None, loads done)``: requests whose loads vLLM may consider complete.
+
+        Each loaded request is reported exactly once, failed or not (its failed blocks
+        come through :meth:`get_block_ids_with_load_errors` in the same pass); vLLM's
+        stream is first made to wait for their copies.  Nothing is ever sent
+        asynchronously, so the first element is always ``None``."""
+        if self.worker is None:
+            return None, None
+        return self.worker.finished_loads()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads reported finished whose bytes were not written; vLLM recomputes
+        from the first of them.  Each block is reported once (the set is drained)."""
+        if self.worker is None:
+            return set()
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        """vLLM's connector shutdown (the worker's runs before its process frees the KV
+        caches): loads and exports in flight finish, every storage mapping is let go,
+        the transfer actor is told that the engine goes.  Idempotent."""
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
+def _connector() -> Optional[XavierConnector]:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    connector = get_kv_transfer_group()
+    return connector if isinstance(connector, XavierConnector) else None
+
+
+class XavierWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``) so that the model actor reaches
+    the worker's connector with ``collective_rpc``."""
+
+    def xavier_attach(self) -> bool:
+        """Attach the worker's data plane now (``init_xavier``); errors propagate."""
+        connector = _connector()
+        if connector is None or connector.plane is None:
+            return False
+        return bool(connector.plane.attach(force=True, raise_errors=True))
+
+    def xavier_set_batched_loads(self, batched: bool) -> bool:
+        """Set the worker's load mode (see ``XavierEngine.set_batched_loads``)."""
+        connector = _connector()
+        if connector is None or connector.plane is None:
+            return False
+        connector.plane.batched_loads = bool(batched)
+        return True
+
+    def xavier_hook(self, name: str, *args: Any) -> Any:
+        """A test hook of the data plane (only when ``XAVIER_TEST_HOOKS`` names a hooks
+        class in the engine's environment); refused otherwise."""
+        connector = _connector()
+        if connector is None or connector.plane is None:
+            raise RuntimeError("xavier: no data plane in this worker")
+        hooks = connector.plane.hooks
+        if hooks is None:
+            raise RuntimeError("xavier: test hooks are off (XAVIER_TEST_HOOKS is not set "
+                               "in the engine's environment)")
+        return getattr(hooks, name)(*args)

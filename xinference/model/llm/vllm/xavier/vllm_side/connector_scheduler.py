@@ -1,0 +1,158 @@
+"""The scheduler half of :class:`~.connector.XavierConnector` (engine-core process).
+
+Translates vLLM's requests and blocks for :class:`~..planning.scheduler_side.
+SchedulerSide`: a request's directory lookup leaves when the request arrives, batched
+with the others of that moment (:class:`~..planning.lookups.DirectoryLookups`); a hit
+becomes an asynchronous load in vLLM's sense; each step's loads, exports and figures
+leave as ONE :class:`~..planning.scheduler_side.StepMeta`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from ..planning.block_directory import QueryResult
+from ..planning.counters import elapsed_us
+from ..planning.lease_release import BatchingReleaser, directory_sender
+from ..planning.load_batch import fold_block_hash
+from ..planning.lookups import DirectoryLookups
+from ..planning.options import XavierOptions
+from ..planning.scheduler_side import SchedulerSide, StepMeta
+from .actor_bridge import ActorBridge, LazyActor
+
+if TYPE_CHECKING:  # pragma: no cover
+    import concurrent.futures
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: how often the scheduler half asks whether the worker attached (until it has)
+READY_RECHECK_S = 0.5
+READY_CALL_S = 2.0
+
+
+def sharing_allowed(request: Request) -> bool:
+    """Whether ``request`` takes part in sharing (``kv_transfer_params={"xavier": false}``
+    opts it out: no lookup, no export)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    value = params.get("xavier", True) if isinstance(params, dict) else True
+    return value not in (False, "false", "off", 0)
+
+
+class XavierConnectorScheduler:
+    """Scheduler-side state of one replica: lookups, hits and their leases, step metadata.
+
+    Owns the replica's lease releaser and directory lookups; every lease it takes is either
+    handed to a step's load (the worker releases it) or released here when the request
+    goes (:meth:`request_finished`)."""
+
+    def __init__(self, options: XavierOptions, block_size: int, num_groups: int,
+                 bridge: ActorBridge) -> None:
+        self.options = options
+        self._bridge = bridge
+        self._ready = False
+        self._next_ready_check = 0.0
+        self._directory = LazyActor(bridge, options.block_tracker_address,
+                                    options.block_tracker_uid, checked=False)
+        releaser = BatchingReleaser(directory_sender(self._directory, bridge.start),
+                                    bridge.schedule)
+        lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
+        self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
+                                  releaser.release_many)
+
+    def _send_lookups(self, batch: Sequence[Any]) -> concurrent.futures.Future[List[QueryResult]]:
+        ref = self._directory.get()  # unchecked: a ref without a lookup
+        groups = list(range(self.side.num_groups))
+        requests = [list(keys) for _, keys in batch]
+        rank = self.options.rank
+        return self._bridge.start(lambda: ref.query_many(groups, requests, rank))
+
+    def is_ready(self) -> bool:
+        """Whether this rank's worker has attached to its transfer actor (the actor is
+        created after the engine starts; until then no hit is offered).  Asked of the actor
+        when a request arrives, at most every ``READY_RECHECK_S``, each ask bounded by
+        ``READY_CALL_S``; once true it stays true."""
+        if self._ready:
+            return True
+        now = time.monotonic()
+        if now < self._next_ready_check:
+            return False
+        self._next_ready_check = now + READY_RECHECK_S
+        try:
+            self._ready = bool(self._bridge.call(self._probe_ready, timeout=READY_CALL_S))
+        except Exception as exc:  # a pool still starting was seen not to answer at all
+            logger.debug("xavier: transfer actor not ready: %r", exc)
+        if self._ready:
+            logger.info("xavier: rank %d: sharing is on (the worker attached)",
+                        self.options.rank)
+        return self._ready
+
+    async def _probe_ready(self) -> bool:
+        import xoscar as xo
+
+        ref = await xo.actor_ref(self.options.rank_address, self.options.transfer_actor_uid)
+        return bool(await ref.is_ready())
+
+    def on_new_request(self, request: Request) -> None:
+        """Start ``request``'s lookup (see ``XavierConnector.on_new_request``)."""
+        with elapsed_us(self.side.add_time):
+            self.side.track(request.request_id, _key_source(request), request.num_tokens,
+                            sharing_allowed(request), self.is_ready())
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """``(n, n > 0)`` or ``(None, False)`` while the lookup is out; holds leases."""
+        with elapsed_us(self.side.add_time):
+            ready = self.is_ready()
+            self.side.track(request.request_id, _key_source(request), request.num_tokens,
+                            sharing_allowed(request), ready)
+            n = self.side.match(request.request_id, request.num_tokens, num_computed_tokens,
+                                ready)
+        if n is None:
+            return None, False
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        """Bind the hit to its allocated blocks, or release its leases."""
+        with elapsed_us(self.side.add_time):
+            block_ids = blocks.get_block_ids()
+            null = [[bool(b.is_null) for b in group] for group in blocks.blocks]
+            self.side.allocated(request.request_id, block_ids, null, num_external_tokens)
+
+    def build_step(self, scheduler_output: SchedulerOutput) -> StepMeta:
+        """ONE step's metadata from vLLM's scheduler output (not modified)."""
+        t0 = time.perf_counter()
+        nst = scheduler_output.num_scheduled_tokens
+        scheduled = [(r.req_id, int(r.num_computed_tokens), int(nst.get(r.req_id, 0)))
+                     for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: Set[str] = set(getattr(cached, "resumed_req_ids", None) or ())
+        new_blocks: Dict[str, Any] = {}
+        for i, rid in enumerate(cached.req_ids):
+            scheduled.append((rid, int(cached.num_computed_tokens[i]), int(nst.get(rid, 0))))
+            new_blocks[rid] = (cached.new_block_ids[i], rid in resumed)
+        self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
+        return self.side.build_step(scheduled, new_blocks)
+
+    def request_finished(self, request: Request) -> None:
+        """Forget ``request``; release what it still holds."""
+        self.side.finished(request.request_id)
+
+
+def _key_source(request: Request) -> Any:
+    """Folded directory keys of ``request``'s full blocks, computed incrementally."""
+    cache: List[int] = []
+
+    def keys() -> List[int]:
+        hashes = request.block_hashes
+        while len(cache) < len(hashes):
+            cache.append(fold_block_hash(hashes[len(cache)]))
+        return cache
+
+    return keys

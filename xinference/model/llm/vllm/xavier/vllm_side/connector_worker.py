@@ -1,0 +1,108 @@
+"""The worker half of :class:`~.connector.XavierConnector` (vLLM worker process).
+
+Hands vLLM's KV caches to the worker's :class:`~.worker_plane.WorkerDataPlane` and each
+step's :class:`~..planning.scheduler_side.StepMeta` to it: loads launched before the
+forward, exports after it, finished loads and failed blocks reported back to vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Set, Tuple
+
+import torch
+
+from ..planning.load_batch import DEST
+from ..planning.options import XavierOptions
+from ..planning.scheduler_side import StepMeta
+from .actor_bridge import ActorBridge
+from .kv_caches import group_layers
+from .worker_plane import WorkerDataPlane
+
+logger = logging.getLogger(__name__)
+
+
+class XavierConnectorWorker:
+    """Worker-side state of one vLLM worker: its data plane (once the caches are known) and
+    the failed blocks not yet reported to vLLM."""
+
+    def __init__(self, options: XavierOptions, bridge: ActorBridge,
+                 group_layer_names: List[List[str]], num_blocks: int) -> None:
+        self.options = options
+        self._bridge = bridge
+        self._group_layer_names = group_layer_names
+        self._num_blocks = num_blocks
+        self.plane: Optional[WorkerDataPlane] = None
+        self._load_errors: Set[int] = set()
+        self._tp_rank = 0
+        self._device: Optional[torch.device] = None
+
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> Optional[str]:
+        """Build the data plane on ``kv_caches`` and attach it; returns why sharing cannot
+        run on these caches (``None`` when it can)."""
+        try:
+            groups, dims = group_layers(kv_caches, self._group_layer_names, self._num_blocks)
+            self._device = groups[min(groups)][0][1].device
+            self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims)
+        except Exception as exc:
+            return f"KV caches cannot be shared: {exc}"
+        self._tp_rank = _tp_rank()
+        logger.info("xavier: rank %d KV caches registered (%d groups, %s)",
+                    self.options.rank, len(groups), self._device)
+        self.plane.attach()
+        return None
+
+    def fail_loads(self, step: Optional[StepMeta]) -> None:
+        """Report every load of ``step`` failed (no data plane: vLLM recomputes them)."""
+        if step is not None and step.has_loads:
+            self._load_errors.update(int(b) for b in step.table[:, DEST])
+
+    def start_loads(self, step: Optional[StepMeta]) -> None:
+        """Launch ``step``'s loads on the data plane (never waits for them)."""
+        plane = self.plane
+        if step is None:
+            return
+        if plane is None:
+            self.fail_loads(step)
+            return
+        if not plane.attached:
+            plane.attach()
+        if self._tp_rank == 0:  # the scheduler's figures, counted once per replica
+            plane.add_step_stats(step.stats.as_dict())
+        plane.load(step)
+
+    def export(self, step: Optional[StepMeta]) -> None:
+        """Export ``step``'s newly full blocks (never waits on the host)."""
+        if step is None or not step.exports or self.plane is None:
+            return
+        self.plane.export(step.exports)
+
+    def finished_loads(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their
+        failed blocks are kept for :meth:`take_load_errors`."""
+        if self.plane is None:
+            return None, None
+        stream = torch.cuda.current_stream(self._device) if (
+            self._device is not None and self._device.type == "cuda") else None
+        done, failed = self.plane.finished(stream)
+        self._load_errors.update(failed)
+        return None, (done or None)
+
+    def take_load_errors(self) -> Set[int]:
+        """Failed blocks not reported yet (drained)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Close the data plane (loads and exports in flight finish, mappings go)."""
+        if self.plane is not None:
+            self.plane.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:
+        return 0

@@ -1,0 +1,149 @@
+"""The peers one worker reads, and how: mapped on this host, through the actor otherwise.
+
+:class:`PeerMaps` keeps the world (every rank's address) as the rank's transfer actor
+last told it, maps a peer the first time a load reads it (CUDA IPC / shared memory on
+this host: :func:`~..planning.routes.peer_route`), and otherwise asks the actor to read
+it (NIXL or sockets) into staging rows this process maps too.  A peer that cannot be
+mapped is not tried again for :data:`PEER_RETRY_S` (its loads fail fast: vLLM
+recomputes); a world update that changes its address ends the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Set
+
+import torch
+
+from ..mechanism.gpu_transfer import GPUTransfer
+from ..mechanism.snapshot_storage import open_shm, open_tier
+from ..planning.counters import SharedCounters
+from ..planning.load_batch import Tier
+from ..planning.options import TRANSFER_ACTOR_UID, XavierOptions
+from ..planning.routes import ROUTE_IPC, peer_route
+from .actor_bridge import ActorBridge, LazyActor
+
+logger = logging.getLogger(__name__)
+
+#: longest an actor call for a peer may take (world, remote fetch)
+CALL_TIMEOUT_S = 30.0
+#: a peer that could not be mapped is not tried again for this long
+PEER_RETRY_S = 5.0
+PEER_MAP_TIMEOUT_S = 10.0
+_monotonic = time.monotonic  # the peer-retry clock (tests move it)
+
+
+class PeerMaps:
+    """The mapped peers of one worker's load engine (see the module docstring)."""
+
+    def __init__(self, rank: int, options: XavierOptions, bridge: ActorBridge,
+                 transfer: LazyActor, engine: GPUTransfer, counters: SharedCounters,
+                 pin: bool) -> None:
+        self._rank, self._options, self._bridge = rank, options, bridge
+        self._transfer, self._engine, self._counters = transfer, engine, counters
+        self._pin = pin
+        self._world: List[str] = []
+        self._world_epoch = 0
+        self._peer_retry_at: Dict[int, float] = {}
+        self._staging: Dict[int, List[torch.Tensor]] = {}
+        self._host = ""
+
+    def opened(self, desc: Dict[str, Any]) -> None:
+        """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
+        world and staging rows."""
+        self._staging = {g: list(ts) for g, ts in open_shm(desc["staging"]).items()}
+        self._host = str(desc["host"])
+        self._world = list(desc.get("world") or [])
+        self._world_epoch = self._counters.get("world_epoch")
+
+    def close(self) -> None:
+        """Drop the staging rows (the engine unmaps the peers when it closes)."""
+        self._staging.clear()
+
+    def follow_world(self) -> None:
+        """A world update (the actor bumped ``world_epoch``): drop the mappings of every
+        rank whose address changed; they are mapped again on next use."""
+        epoch = self._counters.get("world_epoch")
+        if epoch == self._world_epoch:
+            return
+        self._world_epoch = epoch
+        self._counters.add("world_updates_seen")
+        ref = self._transfer.get(timeout=CALL_TIMEOUT_S)
+        try:
+            world = list(self._bridge.call(lambda: ref.world(), CALL_TIMEOUT_S)) if ref else []
+        except Exception as exc:
+            logger.warning("xavier: rank %d: reading the new world failed: %r", self._rank, exc)
+            world = []
+        self.apply_world(world)
+        logger.info("xavier: rank %d: world %s", self._rank, world)
+
+    def apply_world(self, world: List[str]) -> None:
+        """Take ``world`` as the rank addresses: the mappings of every rank whose address
+        changed go (mapped again on next use, without waiting for a retry time)."""
+        old, self._world = self._world, list(world)
+        for rank in range(max(len(old), len(world))):
+            was = old[rank] if rank < len(old) else ""
+            now = world[rank] if rank < len(world) else ""
+            if rank != self._rank and was != now:
+                self._peer_retry_at.pop(rank, None)
+                self._engine.unmap_storage(rank)
+
+    def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
+        """Map every rank of ``ranks`` not mapped yet; returns those that cannot be."""
+        mapped = {r for r, _ in self._engine.mapped()}
+        failed: Set[int] = set()
+        for rank in sorted(ranks - mapped):
+            if _monotonic() < self._peer_retry_at.get(rank, 0.0):
+                failed.add(rank)
+                continue
+            try:
+                self._map_peer(rank)
+                self._peer_retry_at.pop(rank, None)
+            except Exception as exc:
+                self._counters.add("peer_map_failures")
+                logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
+                               self._rank, rank, PEER_RETRY_S, exc)
+                self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
+                failed.add(rank)
+        return failed
+
+    def _map_peer(self, rank: int) -> None:
+        if rank >= len(self._world) or not self._world[rank]:
+            raise LookupError(f"rank {rank}: no address known (world {self._world})")
+        address, uid = self._world[rank], f"{TRANSFER_ACTOR_UID}-{rank}"
+        peer = LazyActor(self._bridge, address, uid)
+        ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
+        if ref is None:
+            raise LookupError(f"rank {rank}: no transfer actor at {address}")
+        desc = self._bridge.call(lambda: ref.storage_descriptor(), PEER_MAP_TIMEOUT_S)
+        try:
+            # NIXL vs sockets is the actor's choice (map_remote): only "ipc or not" here
+            route = peer_route(self._options.transport, desc["host"] == self._host, True)
+        except LookupError as exc:
+            raise LookupError(f"rank {rank}: {exc}") from None
+        if route == ROUTE_IPC:
+            for tier, (kind, handles) in sorted(desc["tiers"].items()):
+                caches, release = open_tier(kind, handles, pin=self._pin)
+                self._engine.map_storage(rank, Tier(tier), caches, 0, release)
+            self._counters.add("peers_mapped_ipc")
+            return
+        own = self._transfer.get(timeout=CALL_TIMEOUT_S)
+        if own is None:
+            raise LookupError("the rank's transfer actor is not reachable")
+        self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
+        for tier in sorted(desc["tiers"]):
+            self._engine.map_remote_storage(rank, Tier(tier), desc["layout"],
+                                           self._remote_fetch(own, rank, Tier(tier)))
+
+    def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
+        """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives
+        them (NIXL or sockets) into staging rows this process maps too."""
+        def fetch(transfer: Any) -> List[torch.Tensor]:
+            slots = [int(s) for s in transfer.src_slots]
+            group = int(transfer.group)
+            self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group, slots),
+                              CALL_TIMEOUT_S)
+            return [s[:len(slots)] for s in self._staging[group]]
+
+        return fetch
