@@ -39,11 +39,9 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (  # noq
     SnapshotStorage,
     TierConfig,
 )
-from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (  # noqa: E402
-    LocalDirectory,
-    StorageWriter,
-)
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.counters import Counters  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier  # noqa: E402
 
 #: layers, KV heads, head size (block size 16)

@@ -10,16 +10,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xinference.model.llm.vllm.xavier.mechanism import block_copy, gpu_transfer
-from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import (
+from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
+from xinference.model.llm.vllm.xavier.mechanism.kv_schema import SchemaMismatchError, layout_of
+from xinference.model.llm.vllm.xavier.mechanism.load_handle import (
     CloseError,
-    GPUTransfer,
-    Lease,
     LoadError,
     LoadRejected,
     TransferClosedError,
 )
-from xinference.model.llm.vllm.xavier.mechanism.kv_schema import SchemaMismatchError, layout_of
-from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Tier
+from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Lease, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import ConflictingWriteError, SlabConfig
 
 from .kvfixtures import BLOCK_DIM, bits, expected_after, loads, make_caches, make_world

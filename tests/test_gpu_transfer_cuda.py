@@ -85,7 +85,7 @@ def test_negative_control_fused_copy_skipped_is_caught(monkeypatch):
 
 
 def test_triton_kernel_refused_before_copy_when_layout_does_not_fit():
-    from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import LoadRejected
+    from xinference.model.llm.vllm.xavier.mechanism.load_handle import LoadRejected
 
     local = [t.movedim(0, 1).contiguous().movedim(1, 0) for t in storage(32, 1)]  # not block-first
     peer = storage(32, 2)
@@ -134,10 +134,8 @@ def export_gpu_tier(queue, done):
         SnapshotStorage,
         TierConfig,
     )
-    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (
-        LocalDirectory,
-        StorageWriter,
-    )
+    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
+    from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
 
     cache = {0: storage(32, 11)}
     layout = layout_of(cache)
@@ -206,11 +204,9 @@ def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
         SnapshotStorage,
         TierConfig,
     )
-    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (
-        LocalDirectory,
-        StorageWriter,
-    )
+    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
     from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+    from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
 
     cache = {0: storage(64, 31)}
     layout = layout_of(cache)

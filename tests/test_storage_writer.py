@@ -15,9 +15,10 @@ from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
 from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
-from xinference.model.llm.vllm.xavier.mechanism.storage_writer import LocalDirectory, StorageWriter
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.counters import Counters
+from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
 from xinference.model.llm.vllm.xavier.planning.load_batch import Lease, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 

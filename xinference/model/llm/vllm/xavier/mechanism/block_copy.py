@@ -67,3 +67,26 @@ def copy_transfer(src_layers: Sequence[torch.Tensor], dst_layers: Sequence[torch
         staged = slab_as(slab, rows, dst)
         values = staged if identity_rows else staged.index_select(0, dst_rows)
         dst.index_copy_(0, dst_blocks, values)
+
+
+def copy_rows(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+               src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every layer (block views, any layouts);
+    complete on return for host tensors."""
+    if not src_rows:
+        return
+    si = torch.tensor(list(src_rows), dtype=torch.int64)
+    di = torch.tensor(list(dst_rows), dtype=torch.int64)
+    for s, d in zip(src, dst):
+        rows = as_byte_rows(s.index_select(0, si.to(s.device)))
+        d.index_copy_(0, di.to(d.device), slab_as(rows, len(src_rows), d).to(d.device))
+
+
+def copy_rows_device(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
+                      src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """The torch fallback of the fused gather (same device, any layouts), on the current
+    stream."""
+    n = int(src_idx.shape[0])
+    for s, d in zip(src, dst):
+        rows = as_byte_rows(s.index_select(0, src_idx))
+        d.index_copy_(0, dst_idx, slab_as(rows, n, d))

@@ -30,13 +30,10 @@ captured.  Mappings are guarded by a lock all the same.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,128 +49,22 @@ from ..planning.plan import (
     plan_step,
 )
 from . import block_copy_triton
-from .block_copy import block_view, copy_transfer, slab_as
+from .block_copy import block_view, copy_transfer
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
+from .load_completion import EngineParts, LoadCompletion, ReleaseLease, record_event
+from .load_handle import (
+    CloseError,
+    LoadHandle,
+    LoadJob,
+    LoadRejected,
+    MappedStorage,
+    RemoteFetch,
+    TransferClosedError,
+)
 from .slabs import SlabPool
 
 logger = logging.getLogger(__name__)
-
-
-class TransferClosedError(RuntimeError):
-    """The transfer engine is closed (or closing): no new loads or mappings."""
-
-
-class LoadRejected(ValueError):
-    """The batch was refused before any byte was written (the message says why)."""
-
-
-class LoadError(RuntimeError):
-    """A copy failed after it started; ``planned`` lists every destination of the
-    batch (group -> block ids), some of which may be partly written."""
-
-    def __init__(self, message: str, planned: Mapping[int, np.ndarray]) -> None:
-        super().__init__(message)
-        self.planned = planned
-
-
-class CloseError(RuntimeError):
-    """Some resources could not be released; ``close()`` may be called again."""
-
-
-#: releases one lease (may raise: counted and reported, the other leases are still released)
-ReleaseLease = Callable[[Lease], None]
-
-#: Returns per-layer ``uint8`` staging rows ``[transfer.rows, block_bytes]`` (CPU) holding
-#: the blocks ``transfer.src_slots`` of a storage that is not mapped into this process
-#: (another host); runs on the completion thread.  See :mod:`.remote_fetch`.
-RemoteFetch = Callable[[Transfer], List[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class LoadResult:
-    request_ids: Tuple[str, ...]
-    transfers: int
-    blocks_written: int
-    useful_bytes: int
-    padded_bytes: int
-    #: destinations planned: group -> sorted block ids
-    written: Mapping[int, np.ndarray] = field(repr=False)
-    #: destination block ids (all groups) that were NOT written: vLLM must recompute them
-    failed: frozenset = frozenset()
-    lease_release_errors: Tuple[str, ...] = ()
-
-
-@dataclass
-class _MappedStorage:
-    rank: int
-    tier: Tier
-    layout: KVLayout
-    layers: Dict[int, List[torch.Tensor]]  # block-first views
-    release: Optional[Callable[[], None]]
-    pointer_tables: Dict[int, torch.Tensor] = field(default_factory=dict)
-    #: set for a remote storage (no local tensors): how to fetch its blocks
-    fetch: Optional[RemoteFetch] = None
-
-
-@dataclass
-class _Job:
-    """What the completion thread finishes for one launched load."""
-
-    handle: LoadHandle
-    plan: LoadPlan
-    event: Optional[torch.cuda.Event]
-    background: List[Tuple[Transfer, _MappedStorage]]
-    leases: Sequence[Lease]
-    launch_error: Optional[BaseException] = None
-
-
-class LoadHandle:
-    """One launched ``load_gpu_requests_v1``.
-
-    * :attr:`reportable`: every destination is written (or known failed: :attr:`failed`) as
-      far as the caller's stream is concerned once it called :meth:`order`: copies still
-      running on the engine's stream are ordered before anything the caller queues next;
-    * :meth:`wait`: everything finished and every lease released; the result, or the
-      error of a load that failed after it started (:class:`LoadError`).
-    """
-
-    def __init__(self, request_ids: Tuple[str, ...], planned: Mapping[int, np.ndarray],
-                 event: Optional[torch.cuda.Event], has_background: bool) -> None:
-        self.request_ids = request_ids
-        self.planned = planned
-        self.event = event
-        self._has_background = has_background
-        self._background_done = threading.Event()
-        self._done = threading.Event()
-        self._result: Optional[LoadResult] = None
-        self._error: Optional[BaseException] = None
-        self.failed: Set[int] = set()
-
-    @property
-    def reportable(self) -> bool:
-        return not self._has_background or self._background_done.is_set()
-
-    def wait_reportable(self, timeout: Optional[float] = None) -> bool:
-        return not self._has_background or self._background_done.wait(timeout)
-
-    def order(self, stream: Optional[torch.cuda.Stream]) -> None:
-        """Make ``stream`` wait for the launched copies (no host wait)."""
-        if self.event is not None and stream is not None:
-            stream.wait_event(self.event)
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> LoadResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"load of {len(self.request_ids)} requests not done after "
-                               f"{timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
 
 
 class GPUTransfer:
@@ -193,8 +84,8 @@ class GPUTransfer:
         self.copy_kernel = kernel
         self.rank = rank
         self.slab_config = slab_config or SlabConfig()
-        self._release_lease = release_lease
         self.sink: CounterSink = counters if counters is not None else Counters()
+        self._completion = LoadCompletion(rank, self.sink, release_lease, self._finished)
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
@@ -206,11 +97,9 @@ class GPUTransfer:
         self._bg_slabs: Optional[SlabPool] = None  # the completion thread's
         self._device: Optional[torch.device] = None
         self._stream: Optional[torch.cuda.Stream] = None
-        self._storages: Dict[Tuple[int, Tier], _MappedStorage] = {}
+        self._storages: Dict[Tuple[int, Tier], MappedStorage] = {}
         self._lock = threading.RLock()
         self._inflight: Set[LoadHandle] = set()
-        self._jobs: queue.Queue[Optional[_Job]] = queue.Queue()
-        self._worker: Optional[threading.Thread] = None
         self._closing = False
         self._closed = False
 
@@ -270,10 +159,8 @@ class GPUTransfer:
                                       self.slab_config.small_rows, self._device)
             if self._device.type == "cuda":
                 self._stream = stream or torch.cuda.Stream(device=self._device)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._complete_loop, daemon=True,
-                                                name=f"xavier-load-completion-{self.rank}")
-                self._worker.start()
+            self._completion.start(EngineParts(self._local_layers, layout, self._device,
+                                               self._stream, self._bg_slabs))
             logger.info("rank %d: local KV caches registered: %d groups, fingerprint %s, "
                         "device %s", self.rank, len(layout.groups), layout.fingerprint(),
                         self._device)
@@ -286,7 +173,7 @@ class GPUTransfer:
         e.g. from CUDA IPC or shared memory).  Validated against the local layout;
         on mismatch nothing is mapped (and ``release`` is not called)."""
         layout = layout_of(caches, block_dim)
-        self._install_storage(_MappedStorage(
+        self._install_storage(MappedStorage(
             rank, Tier(tier), layout, _block_views(caches, layout), release), "map_storage")
         return layout
 
@@ -296,10 +183,10 @@ class GPUTransfer:
         """Map a storage of another host: its blocks arrive through ``fetch`` (on the
         completion thread) and are then written like local ones."""
         self._install_storage(
-            _MappedStorage(rank, Tier(tier), layout, {}, release, fetch=fetch),
+            MappedStorage(rank, Tier(tier), layout, {}, release, fetch=fetch),
             "map_remote_storage")
 
-    def _install_storage(self, st: _MappedStorage, what: str) -> None:
+    def _install_storage(self, st: MappedStorage, what: str) -> None:
         """Validate ``st`` against the local layout and put it in place."""
         with self._lock:
             self._check_open(what)
@@ -345,7 +232,7 @@ class GPUTransfer:
                 plan = self._plan(batch)
                 local, background = self._split(plan)
             except BaseException:
-                self._release_all(leases)
+                self._completion.release_all(leases)
                 raise
             event: Optional[torch.cuda.Event] = None
             error: Optional[BaseException] = None
@@ -353,12 +240,12 @@ class GPUTransfer:
                 event = self._launch(local)
             except BaseException as exc:  # some copies may be queued: the fence waits
                 error = exc
-                event = self._record_event()
+                event = record_event(self._stream)
             handle = LoadHandle(plan.request_ids, plan.written, event, bool(background))
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)
-        self._jobs.put(_Job(handle, plan, event, background, leases, error))
+        self._completion.submit(LoadJob(handle, plan, event, background, leases, error))
         return handle
 
     def _plan(self, batch: LoadBatch) -> LoadPlan:
@@ -400,12 +287,12 @@ class GPUTransfer:
                     f"for KV-cache group {t.group}")
             self._fused_ok(st, t.group)  # copy_kernel="triton" refuses here, before any copy
 
-    def _split(self, plan: LoadPlan) -> Tuple[List[Tuple[Transfer, _MappedStorage]],
-                                              List[Tuple[Transfer, _MappedStorage]]]:
+    def _split(self, plan: LoadPlan) -> Tuple[List[Tuple[Transfer, MappedStorage]],
+                                              List[Tuple[Transfer, MappedStorage]]]:
         """Transfers launched now (device memory, or any copy of a CPU engine) and those
         the completion thread runs (host memory into a CUDA engine; other hosts)."""
-        local: List[Tuple[Transfer, _MappedStorage]] = []
-        background: List[Tuple[Transfer, _MappedStorage]] = []
+        local: List[Tuple[Transfer, MappedStorage]] = []
+        background: List[Tuple[Transfer, MappedStorage]] = []
         for t in plan.transfers:
             st = self._storages[(t.source_rank, t.tier)]
             on_host = st.fetch is not None or (
@@ -414,14 +301,7 @@ class GPUTransfer:
             (background if on_host else local).append((t, st))
         return local, background
 
-    def _record_event(self) -> Optional[torch.cuda.Event]:
-        if self._stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
-
-    def _launch(self, jobs: Sequence[Tuple[Transfer, _MappedStorage]]
+    def _launch(self, jobs: Sequence[Tuple[Transfer, MappedStorage]]
                 ) -> Optional[torch.cuda.Event]:
         """Queue the copies of ``jobs`` on the engine's stream (after the caller's stream's
         work) and return the event that marks their end; on a CPU engine copy now."""
@@ -445,7 +325,7 @@ class GPUTransfer:
             event.record(self._stream)
         return event
 
-    def _run(self, jobs: Sequence[Tuple[Transfer, _MappedStorage]], fused: Sequence[bool],
+    def _run(self, jobs: Sequence[Tuple[Transfer, MappedStorage]], fused: Sequence[bool],
              indices: List[torch.Tensor], slabs: SlabPool) -> None:
         it = iter(indices)
         for (t, st), f in zip(jobs, fused):
@@ -457,112 +337,12 @@ class GPUTransfer:
             copy_transfer(src, self._local_layers[t.group], slabs.get(t.group, t.slab_rows),
                           src_slots.to(src[0].device), dst_blocks, dst_rows, t.identity_rows)
 
-    # ------------------------------------------------------------ completion
-    def _complete_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._complete(job)
-            except BaseException as exc:  # never let the thread die: the handle fails
-                logger.exception("rank %d: completing a load failed", self.rank)
-                job.handle._error = exc
-                job.handle._background_done.set()
-                job.handle._done.set()
-
-    def _complete(self, job: _Job) -> None:
-        handle, plan = job.handle, job.plan
-        failed: Set[int] = set()
-        error = job.launch_error
-        try:
-            if job.event is not None:
-                job.event.synchronize()
-        except BaseException as exc:  # a device fault: nothing of this load is trusted
-            error = error or exc
-        if error is None:
-            for t, st in job.background:
-                try:
-                    self._run_background(t, st)
-                except BaseException as exc:  # this transfer's blocks are recomputed
-                    logger.warning("rank %d: load of %d blocks from rank %d %s failed: %r",
-                                   self.rank, len(t.dst_blocks), t.source_rank, t.tier.name,
-                                   exc)
-                    failed.update(int(b) for b in t.dst_blocks)
-        handle.failed = failed if error is None else {
-            int(b) for ids in plan.written.values() for b in ids}
-        handle._background_done.set()
-        errors = self._release_all(job.leases)
-        layout = self._local_layout
-        sink = self.sink
-        if error is not None:
-            sink.add("load_failures")
-            logger.error("rank %d: load of %d requests failed during copy: %r", self.rank,
-                         len(plan.request_ids), error)
-            handle._error = LoadError(f"copy failed: {error!r}", plan.written)
-        else:
-            ok = [t for t in plan.transfers if not set(t.dst_blocks.tolist()) & failed]
-            block_bytes = {g.group: g.block_bytes for g in layout.groups} if layout else {}
-            if failed:
-                sink.add("load_failures")
-            sink.add("batch_calls")
-            sink.add("logical_requests", len(plan.request_ids))
-            sink.add("transfers", len(plan.transfers))
-            sink.add("useful_bytes", sum(t.rows * block_bytes.get(t.group, 0) for t in ok))
-            sink.add("padded_bytes", sum(t.padded_rows * block_bytes.get(t.group, 0)
-                                         for t in plan.transfers))
-            written = plan.blocks_written - len(failed)
-            sink.add("blocks_written", written)
-            handle._result = LoadResult(
-                plan.request_ids, len(plan.transfers), written,
-                sum(t.rows * block_bytes.get(t.group, 0) for t in ok),
-                sum(t.padded_rows * block_bytes.get(t.group, 0) for t in plan.transfers),
-                plan.written, frozenset(failed), tuple(errors))
+    def _finished(self, handle: LoadHandle) -> None:
+        """The completion thread is done with ``handle`` (called before it completes)."""
         with self._lock:
             self._inflight.discard(handle)
-        handle._done.set()
 
-    def _run_background(self, t: Transfer, st: _MappedStorage) -> None:
-        """On the completion thread: a transfer from host memory (a CPU tier) into a CUDA
-        engine, or from another host; returns when its writes are complete."""
-        dst = self._local_layers[t.group]
-        if st.fetch is not None:
-            staging = st.fetch(t)
-            self._write_staged(t, staging)
-            return
-        assert self._bg_slabs is not None and self._device is not None
-        with self._on_stream():
-            dev = self._device
-            copy_transfer(st.layers[t.group], dst, self._bg_slabs.get(t.group, t.slab_rows),
-                          torch.from_numpy(t.src_slots), torch.from_numpy(t.dst_blocks).to(dev),
-                          torch.from_numpy(t.dst_rows).to(dev), t.identity_rows)
-            event = self._record_event()
-        if event is not None:
-            event.synchronize()
-        self.sink.add("loads_in_background")
-
-    def _write_staged(self, t: Transfer, staging: Sequence[torch.Tensor]) -> None:
-        device = self._device
-        assert device is not None
-        with self._on_stream():
-            dst_blocks = torch.from_numpy(t.dst_blocks).to(device)
-            for s, d in zip(staging, self._local_layers[t.group]):
-                values = slab_as(s, t.rows, d)
-                if not t.identity_rows:
-                    values = values.index_select(0, torch.from_numpy(t.dst_rows))
-                d.index_copy_(0, dst_blocks, values.to(device, non_blocking=True))
-            event = self._record_event()
-        if event is not None:
-            event.synchronize()
-        self.sink.add("loads_in_background")
-
-    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
-        """The engine's stream as the current one (nothing on CPU)."""
-        if self._stream is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
-
-    def _fused_ok(self, st: _MappedStorage, group: int) -> bool:
+    def _fused_ok(self, st: MappedStorage, group: int) -> bool:
         key = (st.rank, st.tier, group)
         ok = self._fused_cache.get(key)
         if ok is None:
@@ -575,7 +355,7 @@ class GPUTransfer:
                                "block-first CUDA layers)")
         return ok
 
-    def _run_fused(self, st: _MappedStorage, t: Transfer, src_idx: torch.Tensor,
+    def _run_fused(self, st: MappedStorage, t: Transfer, src_idx: torch.Tensor,
                    dst_idx: torch.Tensor) -> None:
         src, dst = st.layers[t.group], self._local_layers[t.group]
         src_table = st.pointer_tables.get(t.group)
@@ -588,21 +368,6 @@ class GPUTransfer:
             src_table, dst_table, len(dst), int(dst[0].shape[1]), src[0].stride(0),
             dst[0].stride(0), src_idx, dst_idx)
         self.sink.add("fused_transfers")
-
-    def _release_all(self, leases: Sequence[Lease]) -> List[str]:
-        errors: List[str] = []
-        if not leases or self._release_lease is None:
-            return errors
-        for lease in leases:
-            try:
-                self._release_lease(lease)
-            except Exception as exc:
-                self.sink.add("lease_release_failures")
-                errors.append(f"lease {lease.lease_id} on rank {lease.rank}: {exc!r}")
-        if errors:
-            logger.error("rank %d: %d of %d lease releases failed: %s", self.rank, len(errors),
-                         len(leases), "; ".join(errors))
-        return errors
 
     # ------------------------------------------------------------------ close
     def _check_open(self, what: str) -> None:
@@ -631,10 +396,7 @@ class GPUTransfer:
         if not self.drain(timeout):
             logger.error("rank %d: close: loads still in flight after %s s", self.rank, timeout)
         with self._lock:
-            if self._worker is not None:
-                self._jobs.put(None)
-                self._worker.join(timeout=30)
-                self._worker = None
+            self._completion.stop()
             errors: List[str] = []
             if self._slabs is not None:
                 self._slabs.close()

@@ -35,62 +35,24 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..planning.block_directory import BlockDirectory
 from ..planning.counters import Counters, CounterSink, elapsed_us
+from ..planning.directory_link import DirectoryLink, Entry, ExportRow
 from ..planning.load_batch import Tier
-from ..planning.slot_allocator import SlotAllocator
+from ..planning.slot_allocator import SlotAllocator, take_free_slots
 from . import block_copy_triton
-from .block_copy import as_byte_rows, block_view, slab_as
+from .block_copy import as_byte_rows, block_view, copy_rows, copy_rows_device, slab_as
 from .kv_schema import KVLayout
 
 logger = logging.getLogger(__name__)
-
-#: (group, key, tier, slot, generation), as the block directory records it
-Entry = Tuple[int, int, int, int, int]
-#: (group, key, engine block id) of a newly computed full block
-ExportRow = Tuple[int, int, int]
 
 #: blocks the room thread demotes and claims per round (per group)
 ROOM_CHUNK_BLOCKS = 512
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
-
-
-class DirectoryLink(Protocol):
-    """What the writer needs of the block directory.  Both are called off the step thread
-    and may block (the worker's link calls the ``VLLMBlockTracker`` actor)."""
-
-    def register(self, rank: int, entries: Sequence[Entry]) -> int: ...
-
-    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]: ...
-
-    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
-        """``register(entries)`` then ``claim(tier, group, slots)`` in one call (a demotion:
-        the lower copies become the blocks' locations, the upper slots are given up)."""
-        ...
-
-
-class LocalDirectory:
-    """An in-process :class:`DirectoryLink` over a :class:`~.block_directory.
-    BlockDirectory` (tests, benchmarks)."""
-
-    def __init__(self, directory: Optional[BlockDirectory] = None) -> None:
-        self.directory = directory or BlockDirectory()
-
-    def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        return self.directory.register(rank, list(entries))
-
-    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
-        return self.directory.claim(rank, tier, group, list(slots))
-
-    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
-        return self.directory.move(rank, list(entries), tier, group, list(slots))
 
 
 @dataclass
@@ -241,7 +203,7 @@ class StorageWriter:
         """Queue the copies engine blocks -> ``tier`` slots (see the module docstring)."""
         if self.stream is None:  # CPU engine: copy now
             for group, (blocks, slots) in placed.items():
-                _copy_rows(engine_views[group], self._views[tier][group], blocks, slots)
+                copy_rows(engine_views[group], self._views[tier][group], blocks, slots)
             return
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
@@ -259,7 +221,7 @@ class StorageWriter:
                             len(dst), int(dst[0].shape[1]), src[0].stride(0), dst[0].stride(0),
                             src_idx, dst_idx)
                     else:
-                        _copy_rows_device(src, dst, src_idx, dst_idx)
+                        copy_rows_device(src, dst, src_idx, dst_idx)
                 else:  # CPU top tier: gather, then into page-locked rows; scatter later
                     host = [torch.empty(as_byte_rows(s[:1]).shape[1] * len(blocks),
                                         dtype=torch.uint8, pin_memory=True).view(len(blocks), -1)
@@ -387,7 +349,7 @@ class StorageWriter:
             src_alloc, dst_alloc = self._alloc[src_tier][group], self._alloc[dst_tier][group]
             todo = [(k, s) for s in victims if (k := src_alloc.key_of(s)) is not None
                     and dst_alloc.lookup(k, touch=False) is None]
-            slots = _take_free(dst_alloc, len(todo))
+            slots = take_free_slots(dst_alloc, len(todo))
         if len(slots) < len(todo):  # the lower tier is full too: claim its LRU victims
             with self._lock:
                 lower_victims = dst_alloc.victims(len(todo) - len(slots),
@@ -397,7 +359,7 @@ class StorageWriter:
                 with self._lock:
                     for slot in granted:
                         dst_alloc.release(slot)
-                    slots += _take_free(dst_alloc, len(todo) - len(slots))
+                    slots += take_free_slots(dst_alloc, len(todo) - len(slots))
                 self.sink.add("room_evicted", len(granted))
         if len(slots) < len(todo):
             self.sink.add("room_skipped_no_lower_slot", len(todo) - len(slots))
@@ -416,7 +378,7 @@ class StorageWriter:
         """Copy slots between two tiers of this storage, complete on return (room thread)."""
         src, dst = self._views[src_tier][group], self._views[dst_tier][group]
         if self._room_stream is None or src[0].device.type != "cuda":
-            _copy_rows(src, dst, src_slots, dst_slots)
+            copy_rows(src, dst, src_slots, dst_slots)
             return
         with torch.cuda.stream(self._room_stream):
             last = self._last_event
@@ -470,37 +432,3 @@ class StorageWriter:
         self._views.clear()
         self._tables.clear()
         self._engine_tables.clear()
-
-
-def _take_free(alloc: SlotAllocator, count: int) -> List[int]:
-    slots: List[int] = []
-    while len(slots) < count:
-        free = alloc.take_free()
-        if free is None:
-            break
-        slots.append(free)
-    return slots
-
-
-def _copy_rows(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-               src_rows: Sequence[int], dst_rows: Sequence[int]) -> None:
-    """dst[dst_rows[i]] = src[src_rows[i]] for every layer (block views, any layouts);
-    complete on return for host tensors."""
-    if not src_rows:
-        return
-    si = torch.tensor(list(src_rows), dtype=torch.int64)
-    di = torch.tensor(list(dst_rows), dtype=torch.int64)
-    for s, d in zip(src, dst):
-        rows = as_byte_rows(s.index_select(0, si.to(s.device)))
-        d.index_copy_(0, di.to(d.device), slab_as(rows, len(src_rows), d).to(d.device))
-
-
-def _copy_rows_device(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
-                      src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
-    """The torch fallback of the fused gather (same device, any layouts), on the current
-    stream."""
-    n = int(src_idx.shape[0])
-    for s, d in zip(src, dst):
-        rows = as_byte_rows(s.index_select(0, src_idx))
-        d.index_copy_(0, dst_idx, slab_as(rows, n, d))
-

@@ -85,3 +85,14 @@ class SlotAllocator:
     @property
     def free(self) -> int:
         return len(self._free_set)
+
+
+def take_free_slots(alloc: SlotAllocator, count: int) -> List[int]:
+    """Up to ``count`` free slots of ``alloc`` (fewer when it has fewer), each taken."""
+    slots: List[int] = []
+    while len(slots) < count:
+        free = alloc.take_free()
+        if free is None:
+            break
+        slots.append(free)
+    return slots

@@ -1,10 +1,11 @@
-"""The worker's link to the block directory (``VLLMBlockTracker``) for its storage writer."""
+"""The worker's :class:`~..planning.directory_link.DirectoryLink`: the ``VLLMBlockTracker``
+actor, called through the bridge off the step thread."""
 
 from __future__ import annotations
 
 from typing import Any, List, Sequence
 
-from ..mechanism.storage_writer import Entry
+from ..planning.directory_link import Entry
 from .actor_bridge import ActorBridge, LazyActor
 
 #: longest a directory call of the storage writer may take

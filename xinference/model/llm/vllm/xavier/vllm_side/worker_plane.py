@@ -36,8 +36,9 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 import numpy as np
 import torch
 
-from ..mechanism.gpu_transfer import GPUTransfer, LoadHandle
+from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.kv_schema import KVLayout, layout_of
+from ..mechanism.load_handle import LoadHandle
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import SharedCounters, elapsed_us

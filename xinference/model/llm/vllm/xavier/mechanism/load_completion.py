@@ -1,0 +1,202 @@
+"""The completion thread of one load engine (steps 4 and 5 of :mod:`.gpu_transfer`).
+
+:class:`LoadCompletion` takes each launched load (:class:`~.load_handle.LoadJob`), waits
+for its event, runs the transfers that read host memory into a CUDA engine or arrive from
+another host, releases every lease (on success and failure alike), counts the result and
+completes the :class:`~.load_handle.LoadHandle`.  It touches only what a job captured
+and the engine parts handed to :meth:`LoadCompletion.start`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import torch
+
+from ..planning.counters import CounterSink
+from ..planning.load_batch import Lease
+from ..planning.plan import Transfer
+from .block_copy import copy_transfer, slab_as
+from .kv_schema import KVLayout
+from .load_handle import LoadError, LoadHandle, LoadJob, LoadResult, MappedStorage
+from .slabs import SlabPool
+
+logger = logging.getLogger(__name__)
+
+#: releases one lease (may raise: counted and reported, the other leases are still released)
+ReleaseLease = Callable[[Lease], None]
+
+
+@dataclass
+class EngineParts:
+    """What the completion thread writes into: the engine's block-first layers per group,
+    their layout, device and copy stream, and the thread's own slabs."""
+
+    layers: Dict[int, List[torch.Tensor]]
+    layout: KVLayout
+    device: torch.device
+    stream: Optional[torch.cuda.Stream]
+    slabs: SlabPool
+
+
+def on_stream(stream: Optional[torch.cuda.Stream]) -> contextlib.AbstractContextManager[Any]:
+    """``stream`` as the current CUDA stream (nothing on CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+def record_event(stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Event]:
+    """An event recorded on ``stream`` (``None`` on CPU)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class LoadCompletion:
+    """The completion thread and the lease releases of one load engine."""
+
+    def __init__(self, rank: int, sink: CounterSink, release_lease: Optional[ReleaseLease],
+                 finished: Callable[[LoadHandle], None]) -> None:
+        self.rank = rank
+        self.sink = sink
+        self._release_lease = release_lease
+        self._finished = finished
+        self._parts: Optional[EngineParts] = None
+        self._jobs: queue.Queue[Optional[LoadJob]] = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self, parts: EngineParts) -> None:
+        """(Re)bind the engine's parts; starts the thread once."""
+        self._parts = parts
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True,
+                                            name=f"xavier-load-completion-{self.rank}")
+            self._thread.start()
+
+    def submit(self, job: LoadJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End the thread after the jobs already submitted."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._complete(job)
+            except BaseException as exc:  # never let the thread die: the handle fails
+                logger.exception("rank %d: completing a load failed", self.rank)
+                job.handle._error = exc
+                job.handle._background_done.set()
+                job.handle._done.set()
+
+    def _complete(self, job: LoadJob) -> None:
+        handle, plan = job.handle, job.plan
+        failed: Set[int] = set()
+        error = job.launch_error
+        try:
+            if job.event is not None:
+                job.event.synchronize()
+        except BaseException as exc:  # a device fault: nothing of this load is trusted
+            error = error or exc
+        if error is None:
+            for t, st in job.background:
+                try:
+                    self._run_background(t, st)
+                except BaseException as exc:  # this transfer's blocks are recomputed
+                    logger.warning("rank %d: load of %d blocks from rank %d %s failed: %r",
+                                   self.rank, len(t.dst_blocks), t.source_rank, t.tier.name,
+                                   exc)
+                    failed.update(int(b) for b in t.dst_blocks)
+        handle.failed = failed if error is None else {
+            int(b) for ids in plan.written.values() for b in ids}
+        handle._background_done.set()
+        errors = self.release_all(job.leases)
+        sink = self.sink
+        if error is not None:
+            sink.add("load_failures")
+            logger.error("rank %d: load of %d requests failed during copy: %r", self.rank,
+                         len(plan.request_ids), error)
+            handle._error = LoadError(f"copy failed: {error!r}", plan.written)
+        else:
+            layout = self._parts.layout if self._parts is not None else None
+            block_bytes = {g.group: g.block_bytes for g in layout.groups} if layout else {}
+            ok = [t for t in plan.transfers if not set(t.dst_blocks.tolist()) & failed]
+            useful = sum(t.rows * block_bytes.get(t.group, 0) for t in ok)
+            padded = sum(t.padded_rows * block_bytes.get(t.group, 0) for t in plan.transfers)
+            written = plan.blocks_written - len(failed)
+            if failed:
+                sink.add("load_failures")
+            sink.add("batch_calls")
+            sink.add("logical_requests", len(plan.request_ids))
+            sink.add("transfers", len(plan.transfers))
+            sink.add("useful_bytes", useful)
+            sink.add("padded_bytes", padded)
+            sink.add("blocks_written", written)
+            handle._result = LoadResult(plan.request_ids, len(plan.transfers), written, useful,
+                                        padded, plan.written, frozenset(failed), tuple(errors))
+        self._finished(handle)
+        handle._done.set()
+
+    def _run_background(self, t: Transfer, st: MappedStorage) -> None:
+        """A transfer from host memory (a CPU tier) into a CUDA engine, or from another
+        host; returns when its writes are complete."""
+        parts = self._parts
+        assert parts is not None
+        dst = parts.layers[t.group]
+        if st.fetch is not None:
+            self._write_staged(t, st.fetch(t))
+            return
+        with on_stream(parts.stream):
+            dev = parts.device
+            copy_transfer(st.layers[t.group], dst, parts.slabs.get(t.group, t.slab_rows),
+                          torch.from_numpy(t.src_slots), torch.from_numpy(t.dst_blocks).to(dev),
+                          torch.from_numpy(t.dst_rows).to(dev), t.identity_rows)
+            event = record_event(parts.stream)
+        if event is not None:
+            event.synchronize()
+        self.sink.add("loads_in_background")
+
+    def _write_staged(self, t: Transfer, staging: Sequence[torch.Tensor]) -> None:
+        parts = self._parts
+        assert parts is not None
+        with on_stream(parts.stream):
+            dst_blocks = torch.from_numpy(t.dst_blocks).to(parts.device)
+            for s, d in zip(staging, parts.layers[t.group]):
+                values = slab_as(s, t.rows, d)
+                if not t.identity_rows:
+                    values = values.index_select(0, torch.from_numpy(t.dst_rows))
+                d.index_copy_(0, dst_blocks, values.to(parts.device, non_blocking=True))
+            event = record_event(parts.stream)
+        if event is not None:
+            event.synchronize()
+        self.sink.add("loads_in_background")
+
+    def release_all(self, leases: Sequence[Lease]) -> List[str]:
+        """Release every lease of ``leases`` (one failing does not stop the others);
+        returns the errors, counted in ``lease_release_failures``."""
+        errors: List[str] = []
+        if not leases or self._release_lease is None:
+            return errors
+        for lease in leases:
+            try:
+                self._release_lease(lease)
+            except Exception as exc:
+                self.sink.add("lease_release_failures")
+                errors.append(f"lease {lease.lease_id} on rank {lease.rank}: {exc!r}")
+        if errors:
+            logger.error("rank %d: %d of %d lease releases failed: %s", self.rank, len(errors),
+                         len(leases), "; ".join(errors))
+        return errors

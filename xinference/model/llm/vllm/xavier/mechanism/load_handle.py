@@ -1,0 +1,132 @@
+"""The load engine's boundary types: a launched load (:class:`LoadHandle`), its result
+(:class:`LoadResult`), its errors, and what the engine keeps per mapped storage."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import numpy as np
+import torch
+
+from ..planning.load_batch import Lease, Tier
+from ..planning.plan import LoadPlan, Transfer
+from .kv_schema import KVLayout
+
+
+class TransferClosedError(RuntimeError):
+    """The transfer engine is closed (or closing): no new loads or mappings."""
+
+
+class LoadRejected(ValueError):
+    """The batch was refused before any byte was written (the message says why)."""
+
+
+class LoadError(RuntimeError):
+    """A copy failed after it started; ``planned`` lists every destination of the
+    batch (group -> block ids), some of which may be partly written."""
+
+    def __init__(self, message: str, planned: Mapping[int, np.ndarray]) -> None:
+        super().__init__(message)
+        self.planned = planned
+
+
+class CloseError(RuntimeError):
+    """Some resources could not be released; ``close()`` may be called again."""
+
+
+#: Returns per-layer ``uint8`` staging rows ``[transfer.rows, block_bytes]`` (CPU) holding
+#: the blocks ``transfer.src_slots`` of a storage that is not mapped into this process
+#: (another host); runs on the completion thread.  See :mod:`.remote_fetch`.
+RemoteFetch = Callable[[Transfer], List[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What one finished ``load_gpu_requests_v1`` did (the typed result of a load)."""
+
+    request_ids: Tuple[str, ...]
+    transfers: int
+    blocks_written: int
+    useful_bytes: int
+    padded_bytes: int
+    #: destinations planned: group -> sorted block ids
+    written: Mapping[int, np.ndarray] = field(repr=False)
+    #: destination block ids (all groups) that were NOT written: vLLM must recompute them
+    failed: frozenset = frozenset()
+    lease_release_errors: Tuple[str, ...] = ()
+
+
+@dataclass
+class MappedStorage:
+    """A storage tier the load engine reads: mapped here, or read through ``fetch``."""
+
+    rank: int
+    tier: Tier
+    layout: KVLayout
+    layers: Dict[int, List[torch.Tensor]]  # block-first views
+    release: Optional[Callable[[], None]]
+    pointer_tables: Dict[int, torch.Tensor] = field(default_factory=dict)
+    #: set for a remote storage (no local tensors): how to fetch its blocks
+    fetch: Optional[RemoteFetch] = None
+
+
+@dataclass
+class LoadJob:
+    """What the completion thread finishes for one launched load."""
+
+    handle: LoadHandle
+    plan: LoadPlan
+    event: Optional[torch.cuda.Event]
+    background: List[Tuple[Transfer, MappedStorage]]
+    leases: Sequence[Lease]
+    launch_error: Optional[BaseException] = None
+
+
+class LoadHandle:
+    """One launched ``load_gpu_requests_v1``.
+
+    * :attr:`reportable`: every destination is written (or known failed: :attr:`failed`) as
+      far as the caller's stream is concerned once it called :meth:`order`: copies still
+      running on the engine's stream are ordered before anything the caller queues next;
+    * :meth:`wait`: everything finished and every lease released; the result, or the
+      error of a load that failed after it started (:class:`LoadError`).
+    """
+
+    def __init__(self, request_ids: Tuple[str, ...], planned: Mapping[int, np.ndarray],
+                 event: Optional[torch.cuda.Event], has_background: bool) -> None:
+        self.request_ids = request_ids
+        self.planned = planned
+        self.event = event
+        self._has_background = has_background
+        self._background_done = threading.Event()
+        self._done = threading.Event()
+        self._result: Optional[LoadResult] = None
+        self._error: Optional[BaseException] = None
+        self.failed: Set[int] = set()
+
+    @property
+    def reportable(self) -> bool:
+        return not self._has_background or self._background_done.is_set()
+
+    def wait_reportable(self, timeout: Optional[float] = None) -> bool:
+        return not self._has_background or self._background_done.wait(timeout)
+
+    def order(self, stream: Optional[torch.cuda.Stream]) -> None:
+        """Make ``stream`` wait for the launched copies (no host wait)."""
+        if self.event is not None and stream is not None:
+            stream.wait_event(self.event)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> LoadResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load of {len(self.request_ids)} requests not done after "
+                               f"{timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
