@@ -27,3 +27,17 @@ def test_fingerprint_ignores_block_counts_and_names():
 def test_bad_block_dim_named():
     with pytest.raises(SchemaMismatchError, match="^block_dim: 3 out of range"):
         layout_of({0: [torch.empty(2, 2)]}, 3)
+
+
+def test_one_dtype_table_resolves_every_kv_dtype():
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import (
+        KV_DTYPE_BYTES,
+        SchemaMismatchError,
+        torch_dtype,
+    )
+
+    for name, size in KV_DTYPE_BYTES.items():
+        dtype = torch_dtype(name)
+        assert str(dtype) == name and torch.empty(0, dtype=dtype).element_size() == size
+    with pytest.raises(SchemaMismatchError, match="^dtype: unsupported KV dtype torch.complex64"):
+        torch_dtype("torch.complex64")

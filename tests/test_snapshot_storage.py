@@ -112,3 +112,24 @@ def test_slot_allocator_lru_and_generations():
     assert a.release(s1) == 12
     with pytest.raises(ValueError, match="^key: 10 is already stored"):
         a.assign(10, s1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_typed_caches_are_stored_and_mapped_bit_exact(dtype):
+    """vLLM types an fp8 KV cache as float8 tensors: the storage allocates tiers of that
+    dtype (one dtype table for the package) and a mapping elsewhere sees the same bytes."""
+    gen = torch.Generator().manual_seed(3)
+    caches = make_caches(8, dtype, gen)
+    lay = layout_of(caches, BLOCK_DIM)
+    per_block = max(g.block_bytes for g in lay.groups) * len(lay.groups)
+    st = SnapshotStorage(1, lay, [TierConfig(Tier.CPU, 4 * per_block, shared_memory=True)])
+    kind, h = st.handles()[int(Tier.CPU)]
+    mapped, release = open_tier(kind, h)
+    for g in lay.groups:
+        for own, seen in zip(st.caches(Tier.CPU)[g.group], mapped[g.group]):
+            assert own.dtype == dtype and seen.dtype == dtype
+            own.view(torch.uint8).copy_(torch.randint(0, 256, own.view(torch.uint8).shape,
+                                                      dtype=torch.uint8, generator=gen))
+            assert torch.equal(own.view(torch.uint8), seen.view(torch.uint8))
+    release()
+    st.close()

@@ -21,13 +21,9 @@ from typing import Any, Dict, List, Optional
 
 import xoscar as xo
 
-from .planning.options import TRANSFER_ACTOR_UID
+from .planning.options import TRANSFER_ACTOR_UID, transfer_actor_uid
 
 logger = logging.getLogger(__name__)
-
-
-def transfer_actor_uid(rank: int) -> str:
-    return f"{TRANSFER_ACTOR_UID}-{rank}"
 
 
 class Rank0TransferActor(xo.StatelessActor):

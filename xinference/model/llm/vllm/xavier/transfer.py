@@ -37,7 +37,7 @@ from .mechanism.snapshot_storage import ShmHandles, SnapshotStorage, TierConfig,
 from .planning.budget import validate_budget
 from .planning.counters import SharedCounters, prometheus_text, sum_snapshots
 from .planning.load_batch import Tier
-from .planning.options import TRANSFER_ACTOR_UID, XavierOptions
+from .planning.options import TRANSFER_ACTOR_UID, XavierOptions, transfer_actor_uid
 from .planning.routes import (
     ROUTE_NIXL,
     ROUTE_SOCKETS,
@@ -279,7 +279,7 @@ class TransferActor(xo.StatelessActor):
         route: ``nixl`` (copy_to received at this actor's NIXL endpoint) or ``sockets``."""
         if rank >= len(self.world_addresses) or not self.world_addresses[rank]:
             raise LookupError(f"rank {rank}: no address known (world {self.world_addresses})")
-        peer = await xo.actor_ref(self.world_addresses[rank], f"{TRANSFER_ACTOR_UID}-{rank}")
+        peer = await xo.actor_ref(self.world_addresses[rank], transfer_actor_uid(rank))
         route = self._remote_route()
         address = self.address
         if route == ROUTE_NIXL:

@@ -20,10 +20,26 @@ from typing import TYPE_CHECKING, Mapping, Sequence, Tuple, Union
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-_DTYPE_BYTES = {
+#: THE table of KV dtypes the package stores and moves (name as ``str(torch.dtype)`` ->
+#: bytes per element); every other place asks :func:`torch_dtype` / :attr:`block_bytes`
+KV_DTYPE_BYTES = {
     "torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4, "torch.float64": 8,
     "torch.uint8": 1, "torch.int8": 1, "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1,
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`KV_DTYPE_BYTES` name; ``SchemaMismatchError`` naming the
+    dtype for any other."""
+    import torch
+
+    if name not in KV_DTYPE_BYTES:
+        raise SchemaMismatchError(f"dtype: unsupported KV dtype {name} (supported: "
+                                  f"{', '.join(sorted(KV_DTYPE_BYTES))})")
+    dtype = getattr(torch, name.split(".", 1)[1], None)
+    if not isinstance(dtype, torch.dtype):
+        raise SchemaMismatchError(f"dtype: {name} does not exist in torch {torch.__version__}")
+    return dtype
 
 
 class SchemaMismatchError(ValueError):
@@ -40,7 +56,7 @@ class LayerLayout:
 
     @property
     def block_bytes(self) -> int:
-        n = _DTYPE_BYTES.get(self.dtype)
+        n = KV_DTYPE_BYTES.get(self.dtype)
         if n is None:
             raise SchemaMismatchError(f"dtype: unsupported KV dtype {self.dtype} ({self.name})")
         size = n

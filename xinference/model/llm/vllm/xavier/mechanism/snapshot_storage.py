@@ -26,18 +26,13 @@ import torch
 
 from ..planning.load_batch import Tier
 from .block_copy import as_byte_rows, block_view
-from .kv_schema import KVLayout
+from .kv_schema import KVLayout, torch_dtype
 
 logger = logging.getLogger(__name__)
 
 ShmHandles = Dict[int, List[Tuple[str, str, Tuple[int, ...]]]]
 #: per tier: ("shm", ShmHandles) or ("ipc", CUDA IPC handles per group and layer)
 TierHandles = Dict[int, Tuple[str, Any]]
-
-_TORCH_DTYPES = {str(d): d for d in (torch.bfloat16, torch.float16, torch.float32,
-                                     torch.float64, torch.uint8, torch.int8,
-                                     torch.float8_e4m3fn, torch.float8_e5m2)}
-
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -95,7 +90,7 @@ class SnapshotStorage:
             tensors = []
             for la in g.layers:
                 shape = (slots, *la.block_shape)
-                dtype = _TORCH_DTYPES[la.dtype]
+                dtype = torch_dtype(la.dtype)
                 if cfg.shared_memory:
                     path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
                     t = torch.from_file(path, shared=True, size=math.prod(shape),
@@ -221,7 +216,7 @@ def open_shm(handles: ShmHandles) -> Dict[int, List[torch.Tensor]]:
         out[g] = []
         for path, dtype, shape in layers:
             out[g].append(torch.from_file(path, shared=True, size=math.prod(shape),
-                                          dtype=_TORCH_DTYPES[dtype]).view(shape))
+                                          dtype=torch_dtype(dtype)).view(shape))
     return out
 
 

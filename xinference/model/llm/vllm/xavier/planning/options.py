@@ -24,11 +24,20 @@ ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
 ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 EXTRA_KEY = "xavier"
+#: Xinference's uid stem of a rank's transfer actor (``TransferActor.default_uid()``)
 TRANSFER_ACTOR_UID = "vllm-transfer-actor"
+
+
+def transfer_actor_uid(rank: int) -> str:
+    """The uid Xinference gives rank ``rank``'s transfer actor (the one spelling of it)."""
+    return f"{TRANSFER_ACTOR_UID}-{rank}"
 
 
 @dataclass(frozen=True)
 class XavierOptions:
+    """One replica's Xavier settings, validated once (``from_xavier_config`` at launch,
+    ``from_extra_config`` in vLLM's processes); travels as this dataclass."""
+
     rank: int
     rank_address: str
     block_tracker_address: str
@@ -46,7 +55,7 @@ class XavierOptions:
     @property
     def transfer_actor_uid(self) -> str:
         """uid Xinference gives the rank's transfer actor (``TransferActor.default_uid()``)."""
-        return f"{TRANSFER_ACTOR_UID}-{self.rank}"
+        return transfer_actor_uid(self.rank)
 
     @classmethod
     def from_xavier_config(cls, xavier_config: Mapping[str, Any],

@@ -158,78 +158,91 @@ def plan_step(batch: LoadBatch, cfg: SlabConfig,
 
 def _plan_general(batch: LoadBatch, cfg: SlabConfig,
                   state: SlabState) -> Tuple[LoadPlan, SlabState]:
-    table = batch.table
-    req_index = batch.row_request_index()
+    """The module docstring's five steps, in order, on full-width table rows."""
+    table, req_index, dropped_null = _drop_null_blocks(batch)  # 1
+    _reject_conflicts(table, req_index, batch.request_ids)  # 2
+    writes, duplicate_writes = _unique_writes(table)  # 3
+    sources, redundant_reads = _one_source_per_block(table)  # 4
+    transfers, next_state = _cut_transfers(sources, writes, cfg, state)  # 5
+    written: Dict[int, np.ndarray] = {}
+    for g in np.unique(writes[:, GROUP]).tolist():
+        written[int(g)] = np.sort(writes[writes[:, GROUP] == g, DEST])
+    plan = LoadPlan(tuple(transfers), batch.request_ids, dropped_null, duplicate_writes,
+                    redundant_reads, written)
+    return plan, next_state
 
-    live = table[:, DEST] != NULL_BLOCK_ID
-    dropped_null = int((~live).sum())
-    table, req_index = table[live], req_index[live]
 
-    _reject_conflicts(table, req_index, batch.request_ids)
+def _drop_null_blocks(batch: LoadBatch) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Step 1: the rows that write a real block, their request index, how many went."""
+    live = batch.table[:, DEST] != NULL_BLOCK_ID
+    return batch.table[live], batch.row_request_index()[live], int((~live).sum())
 
-    # unique writes (group, key, dest), first occurrence kept
+
+def _unique_writes(table: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Step 3: one row per distinct ``(group, key, dest)`` (the first kept), sorted by them;
+    and how many identical writes collapsed."""
     order = np.lexsort((np.arange(len(table)), table[:, DEST], table[:, KEY], table[:, GROUP]))
-    t_sorted = table[order]
-    same_write = np.zeros(len(t_sorted), dtype=bool)
-    if len(t_sorted) > 1:
-        same_write[1:] = np.all(
-            t_sorted[1:, [GROUP, KEY, DEST]] == t_sorted[:-1, [GROUP, KEY, DEST]], axis=1)
-    duplicate_writes = int(same_write.sum())
-    writes = t_sorted[~same_write][:, [GROUP, KEY, DEST]]
+    rows = table[order]
+    same = np.zeros(len(rows), dtype=bool)
+    if len(rows) > 1:
+        same[1:] = np.all(rows[1:, [GROUP, KEY, DEST]] == rows[:-1, [GROUP, KEY, DEST]], axis=1)
+    return rows[~same], int(same.sum())
 
-    # one source per (group, key): GPU before CPU, then batch order
-    src_order = np.lexsort((np.arange(len(table)), table[:, TIER], table[:, KEY], table[:, GROUP]))
-    s_sorted = table[src_order]
-    first = np.ones(len(s_sorted), dtype=bool)
-    if len(s_sorted) > 1:
-        first[1:] = np.any(s_sorted[1:, [GROUP, KEY]] != s_sorted[:-1, [GROUP, KEY]], axis=1)
-    sources = s_sorted[first]  # sorted by (group, key)
-    # keep read order stable: order sources by first appearance in the batch
-    first_pos = src_order[first]
-    sources = sources[np.argsort(first_pos, kind="stable")]
-    redundant_reads = int(len(s_sorted) - len(sources))
 
-    # map each write to the index of its (group, key) source in `sources`
-    pair_id = _dense_ids(np.concatenate([sources[:, GROUP], writes[:, 0]]),
-                         np.concatenate([sources[:, KEY], writes[:, 1]]))
-    source_of_pair = np.empty(len(pair_id), dtype=np.int64)
-    source_of_pair[pair_id[:len(sources)]] = np.arange(len(sources), dtype=np.int64)
-    write_src = source_of_pair[pair_id[len(sources):]]
+def _one_source_per_block(table: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Step 4: one row per ``(group, key)`` to read from (GPU tier before CPU tier, then the
+    first offer in batch order), in the order of their first appearance in the batch; and
+    how many offers were not needed."""
+    order = np.lexsort((np.arange(len(table)), table[:, TIER], table[:, KEY], table[:, GROUP]))
+    rows = table[order]
+    first = np.ones(len(rows), dtype=bool)
+    if len(rows) > 1:
+        first[1:] = np.any(rows[1:, [GROUP, KEY]] != rows[:-1, [GROUP, KEY]], axis=1)
+    sources = rows[first][np.argsort(order[first], kind="stable")]
+    return sources, int(len(rows) - len(sources))
 
-    # rows per peer and slab choice
+
+def _source_of_each_write(sources: np.ndarray, writes: np.ndarray) -> np.ndarray:
+    """Index into ``sources`` of the ``(group, key)`` each row of ``writes`` reads."""
+    pair = _dense_ids(np.concatenate([sources[:, GROUP], writes[:, GROUP]]),
+                      np.concatenate([sources[:, KEY], writes[:, KEY]]))
+    source_of_pair = np.empty(len(pair), dtype=np.int64)
+    source_of_pair[pair[:len(sources)]] = np.arange(len(sources), dtype=np.int64)
+    return source_of_pair[pair[len(sources):]]
+
+
+def _cut_transfers(sources: np.ndarray, writes: np.ndarray, cfg: SlabConfig,
+                   state: SlabState) -> Tuple[List[Transfer], SlabState]:
+    """Step 5: reads grouped by ``(source rank, tier, group)`` in batch order, cut into
+    transfers of at most the slab chosen for their rank (hysteresis: :class:`SlabState`);
+    each transfer carries the writes its reads feed."""
+    write_src = _source_of_each_write(sources, writes)
     next_peers: Dict[int, PeerSlabState] = dict(state.peers)
     slab_for_rank: Dict[int, int] = {}
     ranks, counts = np.unique(sources[:, RANK], return_counts=True)
     for rank, count in zip(ranks.tolist(), counts.tolist()):
         slab_for_rank[rank], next_peers[rank] = state.choose(cfg, rank, count)
-
-    transfers: List[Transfer] = []
-    bucket_keys = sources[:, [RANK, TIER, GROUP]]
-    bucket_of = _dense_ids(bucket_keys[:, 0], bucket_keys[:, 1], bucket_keys[:, 2])
+    bucket_of = _dense_ids(sources[:, RANK], sources[:, TIER], sources[:, GROUP])
     bucket_first = np.full(int(bucket_of.max()) + 1 if len(bucket_of) else 0, len(bucket_of),
                            dtype=np.int64)
     np.minimum.at(bucket_first, bucket_of, np.arange(len(bucket_of), dtype=np.int64))
+    transfers: List[Transfer] = []
     for b in np.argsort(bucket_first, kind="stable").tolist():
         members = np.flatnonzero(bucket_of == b)  # indices into `sources`, batch order
-        rank, tier, group = (int(v) for v in bucket_keys[members[0]])
+        head = sources[members[0]]
+        rank, tier, group = int(head[RANK]), int(head[TIER]), int(head[GROUP])
         slab = slab_for_rank[rank]
         for start in range(0, len(members), slab):
             chunk = members[start:start + slab]
             row_of = np.full(len(sources), -1, dtype=np.int64)
             row_of[chunk] = np.arange(len(chunk), dtype=np.int64)
-            sel = row_of[write_src] >= 0
+            feeds = row_of[write_src] >= 0
             transfers.append(Transfer(
                 source_rank=rank, tier=Tier(tier), group=group, slab_rows=slab,
                 src_slots=sources[chunk, SLOT].astype(np.int64),
-                dst_blocks=writes[sel, 2].astype(np.int64),
-                dst_rows=row_of[write_src[sel]]))
-
-    written: Dict[int, np.ndarray] = {}
-    for g in np.unique(writes[:, 0]).tolist():
-        written[int(g)] = np.sort(writes[writes[:, 0] == g, 2])
-    plan = LoadPlan(tuple(transfers), batch.request_ids, dropped_null, duplicate_writes,
-                    redundant_reads, written)
-    return plan, SlabState(next_peers)
+                dst_blocks=writes[feeds, DEST].astype(np.int64),
+                dst_rows=row_of[write_src[feeds]]))
+    return transfers, SlabState(next_peers)
 
 
 def _plan_one_source(batch: LoadBatch, cfg: SlabConfig,
@@ -267,6 +280,8 @@ def _plan_one_source(batch: LoadBatch, cfg: SlabConfig,
 
 def _reject_conflicts(table: np.ndarray, req_index: np.ndarray,
                       request_ids: Tuple[str, ...]) -> None:
+    """Step 2: raise :class:`ConflictingWriteError` when one destination of a group would
+    receive two different keys (naming both and their requests)."""
     if len(table) < 2:
         return
     order = np.lexsort((table[:, KEY], table[:, DEST], table[:, GROUP]))

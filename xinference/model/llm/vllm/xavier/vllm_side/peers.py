@@ -20,7 +20,7 @@ from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.snapshot_storage import open_shm, open_tier
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
-from ..planning.options import TRANSFER_ACTOR_UID, XavierOptions
+from ..planning.options import XavierOptions, transfer_actor_uid
 from ..planning.routes import ROUTE_IPC, peer_route
 from .actor_bridge import ActorBridge, LazyActor
 
@@ -111,7 +111,7 @@ class PeerMaps:
     def _map_peer(self, rank: int) -> None:
         if rank >= len(self._world) or not self._world[rank]:
             raise LookupError(f"rank {rank}: no address known (world {self._world})")
-        address, uid = self._world[rank], f"{TRANSFER_ACTOR_UID}-{rank}"
+        address, uid = self._world[rank], transfer_actor_uid(rank)
         peer = LazyActor(self._bridge, address, uid)
         ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
         if ref is None:
