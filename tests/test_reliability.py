@@ -24,8 +24,6 @@ import psutil
 import pytest
 
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import remove_orphaned_shm_files
-from xinference.model.llm.vllm.xavier.planning.load_batch import Lease
-from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
 
 from .support.loop_thread import LoopThread
 from .support.processes import tokens
@@ -87,8 +85,8 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
 
     def meta(table, offsets=None, ids=("r",)):
         q = lt.run(r.tracker.query(0, ks[:1], 2))  # a fresh lease per attempt
-        return StepMeta(request_ids=ids, offsets=np.asarray(offsets or [0, len(table)]),
-                        table=table, leases=tuple(Lease(lid, 1) for lid in q.lease_ids))
+        return dict(request_ids=ids, offsets=np.asarray(offsets or [0, len(table)]),
+                    table=table, leases=[(lid, 1) for lid in q.lease_ids])
 
     # built one at a time: each takes a fresh lease
     cases = {
@@ -106,7 +104,7 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     before = lt.run(b.counters())
     survived = 0
     for field_name, make in cases.items():
-        out = lt.run(b.raw_load(make()))
+        out = lt.run(b.raw_load(**make()))
         assert out["written"] == 0, field_name
         # the message names the field (after the exception's type, where one is given)
         assert re.match(rf"^(\w+: )?{field_name.strip()}", out["error"]), out["error"]
@@ -119,7 +117,7 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     assert refused == len(cases)
     # duplicate identical destinations are not an error: deduplicated, written once
     dup = meta(np.asarray([good, good], np.int64), offsets=[0, 1, 2], ids=("x", "y"))
-    out = lt.run(b.raw_load(dup))
+    out = lt.run(b.raw_load(**dup))
     assert not out.get("error") and out["failed"] == []
     assert out["written"] == 1 and lt.run(b.engine_block_digests(0, [dest]))[0] == src_digest
     assert leases(lt, r) == 0

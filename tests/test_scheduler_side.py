@@ -84,11 +84,11 @@ def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_s
     null = [[True, True, False, False, False, False, False]]
     assert w.side.allocated("r", block_ids, null, 6 * BS) == 4
     meta = w.side.build_step([("r", 6 * BS, 10)], {})
-    assert meta.request_ids == ("r",)
-    assert meta.table[:, DEST].tolist() == [7, 8, 9, 10]
-    assert meta.table[:, KEY].tolist() == keys_of(6)[2:]
-    assert set(meta.table[:, RANK].tolist()) == {1}
-    assert meta.table[:, SLOT].tolist() == [102, 103, 104, 105]
+    assert meta.loads.request_ids == ("r",)
+    assert meta.loads.table[:, DEST].tolist() == [7, 8, 9, 10]
+    assert meta.loads.table[:, KEY].tolist() == keys_of(6)[2:]
+    assert set(meta.loads.table[:, RANK].tolist()) == {1}
+    assert meta.loads.table[:, SLOT].tolist() == [102, 103, 104, 105]
     assert len(meta.leases) == 6  # the null positions' leases travel too: released after the load
     assert meta.stats.requests_with_hits == 1 and meta.stats.steps_with_loads == 1
     assert w.leases == 6  # held until the worker's load releases them
@@ -126,7 +126,7 @@ def test_one_step_carries_every_request_and_exports_newly_full_blocks():
     w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
     # the step computes the rest of the prompts: blocks 4 and 5 become full (block 6 does not)
     meta = w.side.build_step([("a", 4 * BS, 2 * BS + 5), ("b", 4 * BS, 2 * BS + 5)], {})
-    assert meta.request_ids == ("a", "b") and meta.offsets.tolist() == [0, 4, 8]
+    assert meta.loads.request_ids == ("a", "b") and meta.loads.offsets.tolist() == [0, 4, 8]
     assert sorted(meta.exports) == sorted([(0, 1004, 15), (0, 1005, 16),
                                            (0, 2004, 25), (0, 2005, 26)])
     assert meta.stats.steps_with_loads == 1 and meta.stats.hit_blocks == 8
@@ -148,7 +148,7 @@ def test_multi_group_hits_are_the_common_prefix_of_all_groups():
     w.side.allocated("r", [[1, 2, 3, 4], [5, 6, 7, 8]], [[False] * 4, [False] * 4], 3 * BS)
     meta = w.side.build_step([("r", 3 * BS, 10)], {})
     rows: Dict[int, List[int]] = {}
-    for g, _, _, _, _, dest in meta.table.tolist():
+    for g, _, _, _, _, dest in meta.loads.table.tolist():
         rows.setdefault(g, []).append(dest)
     assert rows == {0: [1, 2, 3], 1: [5, 6, 7]}
 
@@ -189,8 +189,8 @@ def test_step_meta_table_is_int64_and_validates():
     w.side.match("r", 40, 0)
     w.side.allocated("r", [[5, 6, 7]], [[False] * 3], 2 * BS)
     meta = w.side.build_step([("r", 2 * BS, 8)], {})
-    assert meta.table.dtype == np.int64
-    assert meta.load_batch().num_rows == 2
+    assert meta.loads.table.dtype == np.int64
+    assert meta.loads.num_rows == 2
 
 
 def test_per_request_split_keeps_rows_and_leases_together():
@@ -203,9 +203,37 @@ def test_per_request_split_keeps_rows_and_leases_together():
     w.side.allocated("b", [[5, 6, 7]], [[False] * 3], 2 * BS)
     meta = w.side.build_step([("a", 3 * BS, 5), ("b", 2 * BS, 5)], {})
     parts = meta.per_request()
-    assert [p.request_ids for p in parts] == [("a",), ("b",)]
-    assert [p.table[:, DEST].tolist() for p in parts] == [[1, 2, 3], [5, 6]]
-    assert [len(p.leases) for p in parts] == [3, 2]
-    assert sum((p.leases for p in parts), ()) == meta.leases
-    assert parts[0].stats.steps_with_loads == 1 and parts[1].stats.steps_with_loads == 0
-    assert all(p.load_batch().num_rows == len(p.leases) for p in parts)
+    assert [p.request_ids for p, _ in parts] == [("a",), ("b",)]
+    assert [p.table[:, DEST].tolist() for p, _ in parts] == [[1, 2, 3], [5, 6]]
+    assert [len(ls) for _, ls in parts] == [3, 2]
+    assert sum((ls for _, ls in parts), ()) == meta.leases
+    assert all(p.num_rows == len(ls) for p, ls in parts)
+    # after rows were dropped (an unreachable peer), each request keeps its own leases
+    fewer = meta.loads.without_rows(meta.loads.table[:, DEST] == 2)
+    assert [(p.table[:, DEST].tolist(), len(ls)) for p, ls in meta.per_request(fewer)] == [
+        ([1, 3], 3), ([5, 6], 2)]
+    with pytest.raises(ValueError, match="^loads: not the step's requests"):
+        meta.per_request(meta.loads.split()[0])
+
+
+def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch):
+    """A defect the scheduler side cannot be made to produce with real inputs (a fake makes
+    the batch invalid): the step carries the requests with no rows, their destinations as
+    failed (the worker reports them: vLLM recomputes), and the leases for the worker to
+    release; counted."""
+    from xinference.model.llm.vllm.xavier.planning import scheduler_side
+    from xinference.model.llm.vllm.xavier.planning.load_batch import LoadBatchError
+
+    w = World(held_keys=keys_of(3, 1000))
+    w.side.track("a", lambda: keys_of(4, 1000), 200)
+    w.side.match("a", 100, 0)
+    w.side.allocated("a", [[1, 2, 3, 4]], [[False] * 4], 3 * BS)
+
+    def invalid(requests):
+        raise LoadBatchError("dest: made invalid by the test")
+
+    monkeypatch.setattr(scheduler_side.LoadBatch, "from_requests", invalid)
+    meta = w.side.build_step([("a", 3 * BS, 5)], {})
+    assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
+    assert meta.failed_dests == (1, 2, 3) and len(meta.leases) == 3
+    assert meta.stats.rejected_metadata == 1 and w.leases == 3  # the worker releases them

@@ -1,23 +1,16 @@
-"""The worker's data plane: destinations of malformed metadata, and its peers (retries after a
-failed mapping, world updates) through :class:`PeerMaps`."""
+"""The worker's data plane: loads the scheduler could not express are reported failed, and its
+peers (retries after a failed mapping, world updates) through :class:`PeerMaps`."""
 
 import numpy as np
 
-from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+from xinference.model.llm.vllm.xavier.planning.load_batch import COLUMNS, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
+from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
 from xinference.model.llm.vllm.xavier.vllm_side import peers
 from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge
-from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane, _dests
+from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane
 
 from .kvfixtures import engine_cache, opts
-
-
-def test_dests_of_malformed_tables():
-    table = np.asarray([[0, 1, 1, 0, 10, 100], [0, 2, 2, 0, 11, 101], [0, 3, 2, 1, 12, 102]])
-    assert _dests(table) == [100, 101, 102]
-    assert _dests([[1, 2, 3]]) == []  # too few columns: nothing readable, no exception
-    assert _dests("garbage") == []
-    assert _dests(np.zeros((0, 6), np.int64)) == []
 
 
 def plane_of(rank=2, **kw):
@@ -65,3 +58,14 @@ def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():
     assert plane.engine.mapped() == [(1, Tier.CPU)]
     plane.close()
     plane.close()  # idempotent
+
+
+def test_loads_the_scheduler_could_not_express_are_reported_failed():
+    """``StepMeta.failed_dests`` (the scheduler's defect path): the requests are reported
+    finished once, their blocks failed, so vLLM recomputes them and nothing waits."""
+    plane = plane_of()
+    empty = LoadBatch(("r", "s"), np.zeros(3, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
+    plane.load(StepMeta(empty, failed_dests=(5, 6)))
+    assert plane.finished() == ({"r", "s"}, {5, 6})
+    assert plane.finished() == (set(), set())
+    plane.close()

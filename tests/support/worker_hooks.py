@@ -168,15 +168,24 @@ class WorkerHooks:
     def raw_load(self, request_ids: Sequence[str], offsets: Any, table: Any,
                  leases: Sequence[Sequence[int]]) -> Dict[str, Any]:
         """One load with caller-made metadata (bad-input tests), outside vLLM's steps:
-        ``failed`` destinations, ``written`` blocks and the ``error`` that refused it."""
-        from xinference.model.llm.vllm.xavier.planning.load_batch import Lease
+        ``failed`` destinations, ``written`` blocks and the ``error`` that refused it
+        (metadata that is not a valid batch is refused like the plane refuses it)."""
+        from xinference.model.llm.vllm.xavier.planning.load_batch import (
+            Lease,
+            LoadBatch,
+            LoadBatchError,
+        )
         from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
 
         plane = self._plane
-        meta = StepMeta(request_ids=tuple(request_ids), offsets=np.asarray(offsets),
-                        table=np.asarray(table),
-                        leases=tuple(Lease(int(a), int(b)) for a, b in leases))
-        pending, error = plane.run_detached(meta)
+        held = tuple(Lease(int(a), int(b)) for a, b in leases)
+        try:
+            batch = LoadBatch(tuple(request_ids), np.asarray(offsets), np.asarray(table))
+        except LoadBatchError as exc:
+            plane.refuse(held, str(exc))
+            plane.flush()
+            return {"failed": [], "written": 0, "error": str(exc)}
+        pending, error = plane.run_detached(StepMeta(batch, held, (0, len(held))))
         written = 0
         for h in pending.handles:
             try:

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .block_directory import QueryResult
-from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch
+from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError, empty_batch
 from .lookups import DirectoryLookups, State
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class StepStats:
     #: steps built, and the time vLLM's scheduling loop spent in the connector (µs)
     scheduler_steps: int = 0
     scheduler_us: int = 0
+    #: steps whose loads were not a valid batch (a defect; recomputed)
+    rejected_metadata: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -70,40 +72,36 @@ class StepStats:
 
 @dataclass
 class StepMeta:
-    """One step's work for the worker (pickled by vLLM from the scheduler to the worker).
+    """One step's work for the worker (pickled by vLLM from the scheduler to the worker):
+    ONE :class:`~.load_batch.LoadBatch` with every request's loads, each request's leases
+    (``leases[lease_offsets[i]:lease_offsets[i+1]]`` belong to ``loads.request_ids[i]``;
+    the worker owns them from now on), the newly full blocks to export, the step's figures.
 
-    The loads are a :class:`~.load_batch.LoadBatch`'s columns (``request_ids``, ``offsets``,
-    ``table``), validated as one by :meth:`load_batch` in the worker: malformed metadata
-    becomes recomputed blocks there, never an engine crash; each request's leases
-    (``lease_offsets``) go with its loads."""
+    ``failed_dests``: destinations of loads the scheduler could not express as a valid
+    batch (a defect, logged there): the worker reports them failed so that vLLM recomputes
+    them; their requests are in ``loads`` with no rows."""
 
-    request_ids: Tuple[str, ...] = ()
-    offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    table: np.ndarray = field(default_factory=lambda: np.zeros((0, len(COLUMNS)), np.int64))
+    loads: LoadBatch = field(default_factory=empty_batch)
     leases: Tuple[Lease, ...] = ()
+    lease_offsets: Tuple[int, ...] = (0,)
     exports: Tuple[ExportRow, ...] = ()
     stats: StepStats = field(default_factory=StepStats)
-    #: leases ``lease_offsets[i]:lease_offsets[i+1]`` belong to ``request_ids[i]``
-    lease_offsets: Tuple[int, ...] = (0,)
+    failed_dests: Tuple[int, ...] = ()
 
     @property
     def has_loads(self) -> bool:
-        return len(self.request_ids) > 0
+        return self.loads.num_requests > 0
 
-    def load_batch(self) -> LoadBatch:
-        return LoadBatch(self.request_ids, self.offsets, self.table)
-
-    def per_request(self) -> List[StepMeta]:
-        """One step's loads as one :class:`StepMeta` per request (the per-request baseline:
-        one load call each).  Exports and statistics stay with the first."""
-        out = []
-        for i, rid in enumerate(self.request_ids):
-            lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-            llo, lhi = self.lease_offsets[i], self.lease_offsets[i + 1]
-            out.append(StepMeta((rid,), np.asarray([0, hi - lo], np.int64),
-                                self.table[lo:hi].copy(), self.leases[llo:lhi], (),
-                                self.stats if i == 0 else StepStats(), (0, lhi - llo)))
-        return out
+    def per_request(self, loads: Optional[LoadBatch] = None
+                    ) -> List[Tuple[LoadBatch, Tuple[Lease, ...]]]:
+        """The step's loads as one batch per request with its own leases (the per-request
+        baseline: one load call each).  ``loads``: the step's batch after rows were dropped
+        (the same requests, in the same order); default the step's own."""
+        batch = self.loads if loads is None else loads
+        if batch.request_ids != self.loads.request_ids:
+            raise ValueError("loads: not the step's requests")
+        return [(part, self.leases[self.lease_offsets[i]:self.lease_offsets[i + 1]])
+                for i, part in enumerate(batch.split())]
 
 
 @dataclass
@@ -321,12 +319,19 @@ class SchedulerSide:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
         ids = tuple(rid for rid, _, _ in loads)
-        offsets = np.cumsum([0] + [len(rows) for _, rows, _ in loads], dtype=np.int64)
-        table = np.asarray([r.as_row() for _, rows, _ in loads for r in rows],
-                           dtype=np.int64).reshape(-1, len(COLUMNS))
         leases = tuple(lease for _, _, ls in loads for lease in ls)
         lease_offsets = tuple(int(x) for x in np.cumsum([0] + [len(ls) for _, _, ls in loads]))
-        return StepMeta(ids, offsets, table, leases, (), stats, lease_offsets)
+        try:
+            batch = LoadBatch.from_requests((rid, rows) for rid, rows, _ in loads)
+            return StepMeta(batch, leases, lease_offsets, (), stats)
+        except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
+            logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
+                         "vLLM recomputes them", self.rank, exc)
+            stats.rejected_metadata += 1
+            dests = tuple(int(r.dest) for _, rows, _ in loads for r in rows)
+            empty = LoadBatch(ids, np.zeros(len(ids) + 1, np.int64),
+                              np.zeros((0, len(COLUMNS)), np.int64))
+            return StepMeta(empty, leases, lease_offsets, (), stats, dests)
 
     # ----------------------------------------------------------------- finish
     def finished(self, request_id: str) -> None:

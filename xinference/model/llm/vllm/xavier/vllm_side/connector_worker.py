@@ -55,7 +55,8 @@ class XavierConnectorWorker:
     def fail_loads(self, step: Optional[StepMeta]) -> None:
         """Report every load of ``step`` failed (no data plane: vLLM recomputes them)."""
         if step is not None and step.has_loads:
-            self._load_errors.update(int(b) for b in step.table[:, DEST])
+            self._load_errors.update(int(b) for b in step.loads.table[:, DEST])
+            self._load_errors.update(step.failed_dests)
 
     def start_loads(self, step: Optional[StepMeta]) -> None:
         """Launch ``step``'s loads on the data plane (never waits for them)."""

@@ -43,7 +43,7 @@ from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import SharedCounters, elapsed_us
 from ..planning.lease_release import BatchingReleaser, directory_sender
-from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, LoadBatchError, Tier
+from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
 from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
 from ..planning.scheduler_side import StepMeta
@@ -207,20 +207,22 @@ class WorkerDataPlane:
         pending = self._load(step)
         return pending, pending.error
 
+    def refuse(self, leases: Sequence[Lease], why: str) -> None:
+        """Metadata that is not a valid load batch (it never becomes one): counted in
+        ``rejected_metadata``, its leases released."""
+        self.counters.add("rejected_metadata")
+        logger.warning("xavier: rank %d: malformed step metadata: %s", self.rank, why)
+        self._releaser.release_many([lease.lease_id for lease in leases])
+
     def _load(self, step: StepMeta) -> _StepLoad:
-        pending = _StepLoad(tuple(step.request_ids))
-        leases = list(step.leases)
-        table = step.table
-        try:
-            batch: Optional[LoadBatch] = step.load_batch()
-        except LoadBatchError as exc:
-            self.counters.add("rejected_metadata")
-            logger.warning("xavier: rank %d: malformed step metadata: %s", self.rank, exc)
-            self._fail(pending, _dests(table), leases, str(exc))
-            return pending
+        batch: Optional[LoadBatch] = step.loads
         assert batch is not None
+        pending = _StepLoad(batch.request_ids)
+        pending.failed.update(step.failed_dests)  # not expressible as a load: recomputed
+        leases = list(step.leases)
         if not self._attached or self.writer is None:
-            self._fail(pending, _dests(table), leases, "not attached to the transfer actor")
+            self._fail(pending, batch.table[:, DEST].tolist(), leases,
+                       "not attached to the transfer actor")
             return pending
         if self.hooks is not None:
             self.hooks.before_load(batch)
@@ -239,7 +241,7 @@ class WorkerDataPlane:
         if batch is None:
             self._releaser.release_many([lease.lease_id for lease in leases])
             return pending
-        calls = [(batch, leases)] if self.batched_loads else _per_request(batch, step)
+        calls = [(batch, leases)] if self.batched_loads else step.per_request(batch)
         for part, part_leases in calls:
             try:
                 pending.handles.append(self.engine.load_gpu_requests_v1(part, part_leases))
@@ -342,21 +344,3 @@ class WorkerDataPlane:
             except Exception as exc:
                 logger.info("xavier: rank %d: telling the transfer actor: %r", self.rank, exc)
         self.counters.close()
-
-
-def _dests(table: Any) -> List[int]:
-    """Destination block ids of a (possibly malformed) load table; [] when unreadable."""
-    try:
-        arr = np.asarray(table)
-        return sorted({int(x) for x in arr[:, DEST]}) if arr.ndim == 2 and arr.size else []
-    except Exception:
-        return []
-
-
-def _per_request(batch: LoadBatch, step: StepMeta) -> List[Tuple[LoadBatch, List[Lease]]]:
-    """The per-request baseline: one load call per request, each with its own leases."""
-    out = []
-    for i, part in enumerate(batch.split()):
-        lo, hi = step.lease_offsets[i], step.lease_offsets[i + 1]
-        out.append((part, list(step.leases[lo:hi])))
-    return out
