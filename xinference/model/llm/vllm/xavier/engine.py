@@ -38,7 +38,7 @@ from .planning.options import XavierOptions
 logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "XavierConnector"
-CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.connector"
+CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.vllm_side.connector"
 WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
 
 
