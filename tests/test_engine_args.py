@@ -6,6 +6,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 from xinference.model.llm.vllm.xavier.engine import (
     CONNECTOR_MODULE,
+    CONNECTOR_NAME,
     WORKER_EXTENSION,
     prepare_engine_args,
 )
@@ -79,3 +80,14 @@ def test_gpu_budget_must_fit_next_to_vllm():
                                          r"134217728000 plus its weights"):
         check_gpu_budget(opts, 0.9, mem_get_info=lambda: (130 * gib, 140 * gib),
                          kv_cache_memory_bytes=125 * gib)
+
+
+def test_the_names_vllm_loads_exist():
+    """vLLM imports the connector and the worker extension by these names in its own
+    processes: each must resolve (a moved module fails here, not in a replica)."""
+    import importlib
+
+    connector = importlib.import_module(CONNECTOR_MODULE)
+    assert getattr(connector, CONNECTOR_NAME).__name__ == CONNECTOR_NAME
+    module, _, cls = WORKER_EXTENSION.rpartition(".")
+    assert hasattr(importlib.import_module(module), cls)
