@@ -109,6 +109,9 @@ def _worker_error(message: str) -> str:
 
 
 class XavierEngine(AsyncLLM):
+    """vLLM's ``AsyncLLM`` with Xavier's KV connector configured from Xinference's
+    ``xavier_config`` (what Xinference 3.5.0 builds for ``enable_xavier``); ``init_xavier``
+    attaches the workers once the rank's transfer actor exists."""
     xavier_options: XavierOptions
 
     @classmethod

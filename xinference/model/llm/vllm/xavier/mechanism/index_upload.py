@@ -17,6 +17,7 @@ import torch
 
 
 class IndexUploader:
+    """Uploads a step's index arrays with one host-to-device copy (see the module docstring)."""
     def __init__(self, device: torch.device) -> None:
         self.device = device
 

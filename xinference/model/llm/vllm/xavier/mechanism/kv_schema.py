@@ -48,6 +48,8 @@ class SchemaMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class LayerLayout:
+    """One layer's KV tensor as the package sees it: dtype, block dimension, number of
+    blocks, the shape of one block."""
     name: str
     dtype: str
     block_dim: int
@@ -67,6 +69,7 @@ class LayerLayout:
 
 @dataclass(frozen=True)
 class GroupLayout:
+    """The layers of one KV-cache group (they share block ids)."""
     group: int
     layers: Tuple[LayerLayout, ...]
 
@@ -82,6 +85,8 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class KVLayout:
+    """A replica's KV caches, group by group: two replicas exchange blocks only when their
+    layouts are compatible (:meth:`check_compatible` names the first difference)."""
     groups: Tuple[GroupLayout, ...]
 
     def group(self, group: int) -> GroupLayout:

@@ -20,6 +20,7 @@ from .kv_schema import GroupLayout, KVLayout
 
 
 class SlabPool:
+    """Reusable staging slabs per group and size (full or small), allocated on first use."""
     def __init__(self, layout: KVLayout, full_rows: int, small_rows: int,
                  device: torch.device) -> None:
         self._layout = layout

@@ -36,6 +36,7 @@ TierHandles = Dict[int, Tuple[str, Any]]
 
 @dataclass(frozen=True)
 class TierConfig:
+    """One storage tier of a rank: its tier, byte budget, device and host-memory options."""
     tier: Tier
     budget_bytes: int
     device: str = "cpu"
@@ -59,6 +60,9 @@ class _Tier:
 
 
 class SnapshotStorage:
+    """The memory of one rank's storage tiers, owned by its ``TransferActor``: allocated
+    for the engine's layout under each tier's budget, handed to the worker and same-host
+    peers as mappable handles, freed on :meth:`close` (after which it hands out nothing)."""
     def __init__(self, rank: int, layout: KVLayout, tiers: Sequence[TierConfig]) -> None:
         if not tiers:
             raise ValueError("tiers: at least one storage tier is needed")

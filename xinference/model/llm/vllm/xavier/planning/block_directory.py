@@ -43,6 +43,8 @@ class DirectoryError(ValueError):
 
 @dataclass(frozen=True)
 class Location:
+    """Where one copy of a block lives: rank, tier, group, slot and the slot's generation
+    (a reused slot gets a new one, so a stale location is never read)."""
     rank: int
     tier: int
     group: int
@@ -65,6 +67,7 @@ class QueryResult:
 
 @dataclass
 class DirectoryStats:
+    """The directory's counters (``VLLMBlockTracker.stats``)."""
     registered: int = 0
     queries: int = 0
     hit_blocks: int = 0
@@ -78,6 +81,10 @@ class DirectoryStats:
 
 @dataclass
 class BlockDirectory:
+    """Which rank holds which block, in which tier and slot; leases that keep a slot from
+    being reused while a load reads it (paired: granted by ``query*``, given back by
+    ``release``; a rank's leases go with the rank).  Pure; the supervisor's
+    ``VLLMBlockTracker`` actor wraps it."""
     max_leases: int = 1_000_000
     _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
     _by_slot: Dict[SlotId, Tuple[int, int]] = field(default_factory=dict)  # -> (key, gen)

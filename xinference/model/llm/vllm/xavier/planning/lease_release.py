@@ -29,6 +29,8 @@ RETRY_PAUSES_S = (0.2, 1.0, 3.0, 10.0)
 
 
 class BatchingReleaser:
+    """Coalesces lease releases into one directory call per moment (scheduled on the
+    bridge's loop); a failed send is retried, never dropped."""
     def __init__(self, send: SendRelease, schedule: Schedule) -> None:
         self._send = send
         self._schedule = schedule

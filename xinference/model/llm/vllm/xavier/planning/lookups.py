@@ -36,6 +36,7 @@ ReleaseFn = Callable[[Sequence[int]], None]
 
 
 class State(enum.Enum):
+    """Where a request's lookup stands."""
     NONE = "none"  # never asked (or dropped)
     PENDING = "pending"
     DONE = "done"
@@ -44,6 +45,7 @@ class State(enum.Enum):
 
 @dataclass
 class Lookup:
+    """One request's lookup in flight or answered."""
     start: int  # first block asked for
     keys: Tuple[int, ...]
     asked_at: float
@@ -52,6 +54,10 @@ class Lookup:
 
 
 class DirectoryLookups:
+    """Batched directory lookups of the scheduler: all requests that arrived since the last
+    send go in ONE ``query_many``; a step waits for answers at most ``wait_budget_s``; a
+    lookup unanswered after ``give_up_s`` is a miss.  Leases of answers nobody takes are
+    released."""
     def __init__(self, send: SendFn, release: ReleaseFn, wait_budget_s: float = 0.01,
                  give_up_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
         self._send = send

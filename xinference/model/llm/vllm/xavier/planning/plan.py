@@ -68,6 +68,7 @@ class SlabConfig:
 
 @dataclass(frozen=True)
 class PeerSlabState:
+    """Slab hysteresis of one source rank: small slabs after enough small steps in a row."""
     consecutive_small: int = 0
     use_small: bool = False
 
@@ -119,6 +120,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class LoadPlan:
+    """One step's planned load: its transfers, the destinations it writes, and what
+    planning removed (null blocks, duplicate writes, redundant reads)."""
     transfers: Tuple[Transfer, ...]
     #: requests of the batch (all of them, including those left with no loads)
     request_ids: Tuple[str, ...]

@@ -14,6 +14,8 @@ from typing import Container, Dict, List, Optional, Set, Tuple
 
 
 class SlotAllocator:
+    """Slots of one storage tier and group: which key each holds, LRU order, generations;
+    free slots taken in O(1)."""
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")

@@ -30,6 +30,8 @@ _bridge: Optional[ActorBridge] = None
 
 
 class ActorBridge:
+    """One event loop on a thread of its own, through which vLLM's threads call xoscar
+    actors (blocking with a timeout, or as futures) without touching vLLM's loops."""
     def __init__(self) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
