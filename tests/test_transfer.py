@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+    SnapshotStorage,
+    TierConfig,
+    tier_configs,
+)
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
 from xinference.model.llm.vllm.xavier.transfer import TransferActor
 
@@ -17,20 +21,20 @@ from .kvfixtures import engine_cache, opts
 def test_tier_configs_from_options():
     layout = layout_of({0: [torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)]})
     block = layout.groups[0].block_bytes  # 4 KiB
-    cpu_only = TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="64KiB"),
+    cpu_only = tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="64KiB"),
                                            layout, torch.device("cpu"))
     assert [(t.tier, t.budget_bytes, t.shared_memory) for t in cpu_only] == [
         (Tier.CPU, 64 * 1024, True)]
     # no GPU: both budgets make one shared-memory tier
-    both = TransferActor._tier_configs(opts(xavier_gpu_budget="8KiB", xavier_cpu_budget="8KiB"),
+    both = tier_configs(opts(xavier_gpu_budget="8KiB", xavier_cpu_budget="8KiB"),
                                        layout, torch.device("cpu"))
     assert [t.budget_bytes for t in both] == [16 * 1024]
     with pytest.raises(ValueError, match=r"xavier_cpu_budget: 1024 .* smaller than one KV block "
                                          rf"\({block} bytes\)"):
-        TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1KiB"),
+        tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1KiB"),
                                     layout, torch.device("cpu"))
     with pytest.raises(ValueError, match="exceeds the .* bytes available"):
-        TransferActor._tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1000TiB"),
+        tier_configs(opts(xavier_gpu_budget=0, xavier_cpu_budget="1000TiB"),
                                     layout, torch.device("cpu"))
 
 

@@ -22,9 +22,7 @@ is up.  The engine's vLLM worker moves the bytes of its own loads and exports
 from __future__ import annotations
 
 import logging
-import math
 import os
-import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -32,11 +30,9 @@ import xoscar as xo
 
 from .mechanism.kv_schema import KVLayout
 from .mechanism.nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
-from .mechanism.remote_fetch import fetch_into, serve_blocks
-from .mechanism.snapshot_storage import ShmHandles, SnapshotStorage, TierConfig, shm_dir
-from .planning.budget import validate_budget
+from .mechanism.remote_fetch import StagingRows, fetch_into, serve_blocks
+from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, prometheus_text, sum_snapshots
-from .planning.load_batch import Tier
 from .planning.options import TRANSFER_ACTOR_UID, XavierOptions, transfer_actor_uid
 from .planning.routes import (
     ROUTE_NIXL,
@@ -69,8 +65,7 @@ class TransferActor(xo.StatelessActor):
         self.rank_address = rank_address
         self.world_addresses = list(world_addresses or [])
         self._storage: Optional[SnapshotStorage] = None
-        self._staging: Dict[int, List[torch.Tensor]] = {}
-        self._staging_files: List[str] = []
+        self._staging: Optional[StagingRows] = None
         self._tracker: Any = None
         self._options: Optional[XavierOptions] = None
         self._engine_owner: Optional[int] = None
@@ -102,11 +97,12 @@ class TransferActor(xo.StatelessActor):
                              f"actor of rank {self.rank}")
         await self._close_runtime()
         dev = torch.device(device)
-        tiers = self._tier_configs(opts, layout, dev)
+        tiers = tier_configs(opts, layout, dev)
         tracker = await xo.actor_ref(opts.block_tracker_address, opts.block_tracker_uid)
         storage = SnapshotStorage(self.rank, layout, tiers)
+        staging: Optional[StagingRows] = None
         try:
-            staging, staging_handles = self._allocate_staging(layout, opts.slab_blocks)
+            staging = StagingRows(layout, opts.slab_blocks)
             if opts.transport == XAVIER_TRANSPORT_NIXL:  # fails the launch, naming the option
                 try:
                     await self._nixl_address()
@@ -117,7 +113,8 @@ class TransferActor(xo.StatelessActor):
             await tracker.register_rank(self.rank)
         except BaseException:
             storage.close()
-            self._free_staging()
+            if staging is not None:
+                staging.close()
             raise
         self._tracker, self._storage, self._staging = tracker, storage, staging
         self._options, self._engine_owner = opts, owner
@@ -127,61 +124,8 @@ class TransferActor(xo.StatelessActor):
         logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
                     dev, layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
-        return {"host": host_id(), "tiers": storage.handles(), "staging": staging_handles,
+        return {"host": host_id(), "tiers": storage.handles(), "staging": staging.handles,
                 "world": list(self.world_addresses), "layout": layout}
-
-    @staticmethod
-    def _tier_configs(opts: XavierOptions, layout: KVLayout,
-                      device: torch.device) -> List[TierConfig]:
-        """Storage tiers for ``opts``; a budget that holds no block (of every group), or a CPU
-        tier larger than /dev/shm's free space, fails naming the option and the value."""
-        block_bytes = sum(g.block_bytes for g in layout.groups)
-        tiers = []
-        if device.type == "cuda" and opts.gpu_budget_bytes > 0:
-            budget = validate_budget("xavier_gpu_budget", opts.gpu_budget_bytes, block_bytes)
-            tiers.append(TierConfig(Tier.GPU, budget, device=str(device)))
-        cpu_bytes = opts.cpu_budget_bytes
-        option = "xavier_cpu_budget"
-        if device.type == "cpu" and opts.gpu_budget_bytes:
-            # no GPU: one tier in shared memory holds both budgets
-            cpu_bytes += opts.gpu_budget_bytes
-            option = "xavier_gpu_budget + xavier_cpu_budget"
-        if cpu_bytes > 0:
-            budget = validate_budget(option, cpu_bytes, block_bytes,
-                                     available_bytes=_shm_free_bytes())
-            tiers.append(TierConfig(Tier.CPU, budget, shared_memory=True,
-                                    pin=device.type == "cuda"))
-        if not tiers:
-            raise ValueError("xavier_cpu_budget: no storage tier on this device (the GPU tier "
-                             "needs a CUDA engine): set xavier_cpu_budget above 0")
-        return tiers
-
-    def _allocate_staging(self, layout: KVLayout, rows: int
-                          ) -> Tuple[Dict[int, List[torch.Tensor]], ShmHandles]:
-        """Per group and layer ``uint8 [rows, block_bytes]`` in shared memory: where reads
-        from other hosts land for the worker."""
-        staging: Dict[int, List[torch.Tensor]] = {}
-        handles: ShmHandles = {}
-        for g in layout.groups:
-            staging[g.group], handles[g.group] = [], []
-            for la in g.layers:
-                path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
-                shape = (rows, la.block_bytes)
-                t = torch.from_file(path, shared=True, size=math.prod(shape),
-                                    dtype=torch.uint8).view(shape)
-                self._staging_files.append(path)
-                staging[g.group].append(t)
-                handles[g.group].append((path, str(t.dtype), shape))
-        return staging, handles
-
-    def _free_staging(self) -> None:
-        self._staging = {}
-        for path in self._staging_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._staging_files = []
 
     async def release_engine(self, owner: Optional[int] = None) -> bool:
         """The engine is shutting down (its worker calls this from vLLM's connector
@@ -232,7 +176,9 @@ class TransferActor(xo.StatelessActor):
         await self._close_endpoint()
         if storage is not None:
             storage.close()
-        self._free_staging()
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
         if self._worker_counters is not None:
             self._worker_counters.close()
             self._worker_counters = None
@@ -316,7 +262,8 @@ class TransferActor(xo.StatelessActor):
         if rank not in self._remote:
             await self.map_remote(rank)
         peer, address = self._remote[rank]
-        rows = [s[:len(slots)] for s in self._staging[group]]
+        assert self._staging is not None
+        rows = [s[:len(slots)] for s in self._staging.rows[group]]
         n = await fetch_into(peer, address, tier, group, slots, rows)
         self._add_stats({"remote_fetches": 1, "remote_bytes": n})
         return n
@@ -338,11 +285,3 @@ class TransferActor(xo.StatelessActor):
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def _shm_free_bytes() -> Optional[int]:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize

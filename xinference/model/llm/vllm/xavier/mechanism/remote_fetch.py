@@ -12,14 +12,18 @@ fetch returned.  Transfer sizes are bounded by the slab: one call per planned tr
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+import math
+import os
+import uuid
+from typing import Any, Dict, List, Sequence
 
 import numpy as np
 import torch
 import xoscar as xo
 
 from ..planning.load_batch import Tier
-from .snapshot_storage import SnapshotStorage
+from .kv_schema import KVLayout
+from .snapshot_storage import ShmHandles, SnapshotStorage, shm_dir
 
 
 async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
@@ -42,3 +46,37 @@ async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,
         raise ValueError(f"refs: expected one buffer per layer ({len(rows)}), got {len(refs)}")
     await xo.copy_to(rows, list(refs))
     return sum(r.numel() for r in rows)
+
+
+class StagingRows:
+    """Per group and layer ``uint8 [rows, block_bytes]`` in shared memory: where reads from
+    other hosts land for the worker, which maps them through :attr:`handles`.  Allocated
+    by the rank's transfer actor; the files go on :meth:`close` (idempotent)."""
+
+    def __init__(self, layout: KVLayout, rows: int) -> None:
+        self.rows: Dict[int, List[torch.Tensor]] = {}
+        self.handles: ShmHandles = {}
+        self._files: List[str] = []
+        try:
+            for g in layout.groups:
+                self.rows[g.group], self.handles[g.group] = [], []
+                for la in g.layers:
+                    path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+                    shape = (rows, la.block_bytes)
+                    self._files.append(path)
+                    t = torch.from_file(path, shared=True, size=math.prod(shape),
+                                        dtype=torch.uint8).view(shape)
+                    self.rows[g.group].append(t)
+                    self.handles[g.group].append((path, str(t.dtype), shape))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.rows = {}
+        for path in self._files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._files = []

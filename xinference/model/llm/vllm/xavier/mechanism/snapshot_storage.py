@@ -24,7 +24,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..planning.budget import validate_budget
 from ..planning.load_batch import Tier
+from ..planning.options import XavierOptions
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
 
@@ -294,3 +296,37 @@ def unpin_host(pointers: Sequence[int]) -> None:
         cudart = torch.cuda.cudart()
         for ptr in pointers:
             cudart.cudaHostUnregister(ptr)
+
+
+def tier_configs(opts: XavierOptions, layout: KVLayout, device: torch.device) -> List[TierConfig]:
+    """Storage tiers for ``opts``; a budget that holds no block (of every group), or a CPU
+    tier larger than /dev/shm's free space, fails naming the option and the value."""
+    block_bytes = sum(g.block_bytes for g in layout.groups)
+    tiers = []
+    if device.type == "cuda" and opts.gpu_budget_bytes > 0:
+        budget = validate_budget("xavier_gpu_budget", opts.gpu_budget_bytes, block_bytes)
+        tiers.append(TierConfig(Tier.GPU, budget, device=str(device)))
+    cpu_bytes = opts.cpu_budget_bytes
+    option = "xavier_cpu_budget"
+    if device.type == "cpu" and opts.gpu_budget_bytes:
+        # no GPU: one tier in shared memory holds both budgets
+        cpu_bytes += opts.gpu_budget_bytes
+        option = "xavier_gpu_budget + xavier_cpu_budget"
+    if cpu_bytes > 0:
+        budget = validate_budget(option, cpu_bytes, block_bytes,
+                                 available_bytes=shm_free_bytes())
+        tiers.append(TierConfig(Tier.CPU, budget, shared_memory=True,
+                                pin=device.type == "cuda"))
+    if not tiers:
+        raise ValueError("xavier_cpu_budget: no storage tier on this device (the GPU tier "
+                         "needs a CUDA engine): set xavier_cpu_budget above 0")
+    return tiers
+
+
+def shm_free_bytes() -> Optional[int]:
+    """Free bytes of /dev/shm (None when it cannot be read)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
