@@ -40,9 +40,9 @@ def uva_views(tensors: Sequence[torch.Tensor], device: torch.device
     try:
         if not all(t.is_pinned() for t in tensors):
             return None
-        import vllm._custom_ops  # noqa: F401  (loads vLLM's compiled ops)
-        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor as view_of
+        import vllm._C  # noqa: F401  (registers torch.ops._C)
 
+        view_of = torch.ops._C.get_cuda_view_from_cpu_tensor
         with torch.cuda.device(device):
             views = [view_of(t) for t in tensors]
     except Exception as exc:  # no UVA here: the host paths stay
