@@ -133,9 +133,3 @@ def test_fp8_typed_caches_are_stored_and_mapped_bit_exact(dtype):
             assert torch.equal(own.view(torch.uint8), seen.view(torch.uint8))
     release()
     st.close()
-
-
-def test_no_uva_views_without_cuda():
-    from xinference.model.llm.vllm.xavier.mechanism.uva import uva_views
-
-    assert uva_views([torch.zeros(4)], torch.device("cpu")) is None

@@ -46,7 +46,6 @@ from ..planning.slot_allocator import SlotAllocator, take_free_slots
 from . import block_copy_triton
 from .block_copy import as_byte_rows, block_view, copy_rows, copy_rows_device, slab_as
 from .kv_schema import KVLayout
-from .uva import uva_views
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +93,6 @@ class StorageWriter:
         self.sink: CounterSink = counters if counters is not None else Counters()
         self._directory = directory
         self._order = sorted(tiers)
-        #: host tiers kept alive while their CUDA views are used (see :mod:`.uva`)
-        self._host_tiers: Dict[Tier, Dict[int, List[torch.Tensor]]] = {}
-        tiers = {t: self._device_tier(t, groups) for t, groups in tiers.items()}
         self._views = {t: {g: [block_view(x, 0) for x in layers] for g, layers in groups.items()}
                        for t, groups in tiers.items()}
         self._slots = {t: min(layers[0].shape[0] for layers in groups.values())
@@ -127,19 +123,6 @@ class StorageWriter:
                                           name=f"xavier-room-{rank}")
             self._room.start()
         self._gauges()
-
-    def _device_tier(self, tier: Tier, groups: Dict[int, List[torch.Tensor]]
-                     ) -> Dict[int, List[torch.Tensor]]:
-        """A page-locked host tier of a CUDA engine as CUDA views (written and read in place
-        by the copy kernels); the tier itself otherwise."""
-        flat = [t for g in sorted(groups) for t in groups[g]]
-        views = uva_views(flat, self.device)
-        if views is None:
-            return groups
-        self._host_tiers[tier] = groups
-        self.sink.add("uva_tiers")
-        it = iter(views)
-        return {g: [next(it) for _ in groups[g]] for g in sorted(groups)}
 
     # ------------------------------------------------------------------ views
     @property
@@ -396,26 +379,6 @@ class StorageWriter:
         src, dst = self._views[src_tier][group], self._views[dst_tier][group]
         if self._room_stream is None or src[0].device.type != "cuda":
             copy_rows(src, dst, src_slots, dst_slots)
-            return
-        if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through UVA
-            with torch.cuda.stream(self._room_stream):
-                last = self._last_event
-                if last is not None:  # read the victims after the exports that wrote them
-                    self._room_stream.wait_event(last)
-                src_idx = torch.tensor(src_slots, dtype=torch.int64).pin_memory().to(
-                    self.device, non_blocking=True)
-                dst_idx = torch.tensor(dst_slots, dtype=torch.int64).pin_memory().to(
-                    self.device, non_blocking=True)
-                if block_copy_triton.supports(src, dst):
-                    block_copy_triton.gather_scatter(
-                        self._tier_table(src_tier, group, src),
-                        self._tier_table(dst_tier, group, dst), len(dst), int(dst[0].shape[1]),
-                        src[0].stride(0), dst[0].stride(0), src_idx, dst_idx)
-                else:
-                    copy_rows_device(src, dst, src_idx, dst_idx)
-                event = torch.cuda.Event()
-                event.record(self._room_stream)
-            event.synchronize()
             return
         with torch.cuda.stream(self._room_stream):
             last = self._last_event

@@ -43,8 +43,6 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "room_skipped_no_lower_slot", "room_us",
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
-    # page-locked host tiers the GPU reads and writes in place (unified addressing)
-    "uva_tiers",
     "world_updates_seen",
     # test-only fault switches (XAVIER_TEST_FAULTS=1)
     "faults_skip_copy", "faults_fail_one_block", "faults_stall_load", "faults_hold_finish",
