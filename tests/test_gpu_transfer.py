@@ -21,7 +21,7 @@ from xinference.model.llm.vllm.xavier.mechanism.load_handle import (
 from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Lease, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import ConflictingWriteError, SlabConfig
 
-from .kvfixtures import BLOCK_DIM, bits, expected_after, loads, make_caches, make_world
+from .kvfixtures import BLOCK_DIM, bits, block, expected_after, loads, make_caches, make_world
 from .support.reliability import record
 
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
@@ -334,6 +334,28 @@ def test_close_that_fails_halfway_can_be_retried():
     assert sorted(released) == ["local", "r1", "r2"]
     record("one unmapping fails in close() (load engine)", 1, 1, 0, 0,
            "rest released, CloseError, retried close() completes")
+
+
+def test_replacing_the_local_caches_lets_go_of_the_previous_ones_once():
+    """A second set_local_caches calls the first caches' release (as remapping a storage
+    does), exactly once, and loads go to the new caches; close releases only the new."""
+    world, local = _simple()
+    released = []
+    eng = GPUTransfer(rank=0, slab_config=CFG)
+    eng.set_local_caches(local, BLOCK_DIM, release=lambda: released.append("first"))
+    gen = torch.Generator().manual_seed(9)
+    second = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+    eng.set_local_caches(second, BLOCK_DIM, release=lambda: released.append("second"))
+    assert released == ["first"]
+    eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
+    before = [bits(t).clone() for t in local[0]]
+    slot = world.slot_of[(1, 0, 0, 5)]
+    eng.load_gpu_requests_v1(loads([[(0, 5, 1, 0, slot, 3)]])).wait(30)
+    for src, dst in zip(world.storages[(1, 0)][0], second[0]):
+        assert torch.equal(bits(block(dst, BLOCK_DIM[0], 3)), bits(block(src, BLOCK_DIM[0], slot)))
+    assert all(torch.equal(bits(t), b) for t, b in zip(local[0], before))  # the old: untouched
+    eng.close()
+    assert released == ["first", "second"]
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape", "group"])

@@ -136,7 +136,9 @@ class GPUTransfer:
                          release: Optional[Callable[[], None]] = None,
                          stream: Optional[torch.cuda.Stream] = None) -> KVLayout:
         """Register this replica's KV caches (the destinations of every load).
-        ``stream``: the CUDA stream to copy on (default: a new one)."""
+        ``stream``: the CUDA stream to copy on (default: a new one).  A second call replaces
+        them: loads in flight finish first, the previous ``release`` is called (once)."""
+        self.drain()  # loads in flight finish writing into the caches they were given
         with self._lock:
             self._check_open("set_local_caches")
             layout = layout_of(caches, block_dim)
@@ -146,6 +148,12 @@ class GPUTransfer:
             devices = {_tensor(t).device for ts in caches.values() for t in ts}
             if len(devices) != 1:
                 raise LoadBatchError(f"local KV caches: expected one device, got {devices}")
+            if self._local_release is not None:  # replaced caches are let go, like storages
+                self._local_release()
+                self._local_release = None
+            for pool in (self._slabs, self._bg_slabs):
+                if pool is not None:
+                    pool.close()
             self._device = devices.pop()
             self._local_layers = _block_views(caches, layout)
             self._local_pointer_tables = {}
