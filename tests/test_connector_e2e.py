@@ -180,3 +180,31 @@ def test_concurrent_requests_share_one_load_call_per_step(world):
     assert c["batch_calls"] < with_hits  # batched: fewer calls than requests
     assert_loaded_bytes_exact(lt, r, 6 * 256 // BLOCK)
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+
+
+def test_cache_salts_keep_tenants_apart_across_replicas(world):
+    """vLLM folds ``cache_salt`` into its block hashes: the same tokens under another salt
+    are never a hit from another replica (tokens equal the no-sharing run); under the same
+    salt they are (#23)."""
+    lt, r = world
+    a, b = r.replicas
+    shared = tokens(31, PREFIX)
+    lt.run(a.reset_prefix_cache())
+    lt.run(b.reset_prefix_cache())
+    lt.run(a.generate([shared + tokens(32, 40)], cache_salt="tenant-a"))  # A exports, salted
+    lt.run(a.flush())  # published
+    asked = shared + tokens(33, 40)
+    before = lt.run(b.counters())
+    other = lt.run(b.generate([asked], cache_salt="tenant-b"))[0]
+    c = delta(before, lt.run(b.counters()))
+    assert other["cached"] == 0 and c["hit_blocks"] == 0 and c["blocks_written"] == 0
+    lt.run(a.reset_prefix_cache())
+    alone = lt.run(a.generate([asked], xavier=False, cache_salt="tenant-b"))[0]
+    assert other["ids"] == alone["ids"]
+    before = lt.run(b.counters())
+    same = lt.run(b.generate([asked], cache_salt="tenant-a"))[0]
+    c = delta(before, lt.run(b.counters()))
+    assert same["cached"] == PREFIX and c["hit_blocks"] == PREFIX // BLOCK
+    if DEVICE == "cpu":  # CPU kernels: a loaded prefix gives the whole-prompt tokens
+        assert same["ids"] == alone["ids"]
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0

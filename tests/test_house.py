@@ -85,3 +85,16 @@ def test_every_overridden_connector_method_states_its_contract():
     undocumented = [name for name in overridden
                     if not (getattr(XavierConnector, name).__doc__ or "").strip()]
     assert undocumented == []
+
+
+def test_production_objects_carry_no_test_hooks():
+    """Faults and digest readers live in tests/support (#23): the actor and the worker's
+    data plane that a deployment runs have none of them."""
+    from tests.support.worker_hooks import WorkerHooks
+    from xinference.model.llm.vllm.xavier.transfer import TransferActor
+    from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane
+
+    hooks = {n for n in vars(WorkerHooks) if not n.startswith("_")}
+    assert {"inject_fault", "raw_load", "stored_block_digests"} <= hooks
+    for production in (TransferActor, WorkerDataPlane):
+        assert hooks & set(dir(production)) <= {"flush"}, production.__name__

@@ -67,10 +67,12 @@ class ReplicaActor(xo.StatelessActor):
         return await self.engine.init_xavier()
 
     async def generate(self, prompts: Sequence[List[int]], max_tokens: int = 16,
-                       xavier: bool = True) -> List[Dict[str, Any]]:
-        """Greedy generation of all ``prompts`` concurrently.  Per request: token ids, the
-        prompt tokens vLLM did not compute (local prefix cache + external loads), time to
-        first token and latency (seconds, measured here, next to the engine)."""
+                       xavier: bool = True, cache_salt: Optional[str] = None
+                       ) -> List[Dict[str, Any]]:
+        """Greedy generation of all ``prompts`` concurrently (``cache_salt``: vLLM's tenant
+        salt for each).  Per request: token ids, the prompt tokens vLLM did not compute
+        (local prefix cache + external loads), time to first token and latency (seconds,
+        measured here, next to the engine)."""
         import time
 
         from vllm import SamplingParams
@@ -84,7 +86,10 @@ class ReplicaActor(xo.StatelessActor):
             first = None
             rid = f"r{self.rank}-{os.urandom(4).hex()}-{i}"
             t0 = time.perf_counter()
-            async for out in self.engine.generate({"prompt_token_ids": list(ids)}, params, rid):
+            prompt: Dict[str, Any] = {"prompt_token_ids": list(ids)}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            async for out in self.engine.generate(prompt, params, rid):
                 if first is None and out.outputs and out.outputs[0].token_ids:
                     first = time.perf_counter() - t0
                 last = out
