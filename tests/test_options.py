@@ -58,3 +58,18 @@ def test_batched_loads_switch():
         is False
     with pytest.raises(ValueError, match="xavier_batched_loads: expected true or false"):
         XavierOptions.from_xavier_config({**BASE, "xavier_batched_loads": "sometimes"}, {})
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("XAVIER_CPU_BUGDET", "did you mean XAVIER_CPU_BUDGET?"),
+    ("XAVIER_GPU_BUDGE", "did you mean XAVIER_GPU_BUDGET?"),
+    ("XAVIER_FROBNICATE", "known: XAVIER_GPU_BUDGET, XAVIER_CPU_BUDGET")])
+def test_a_misspelled_setting_fails_naming_the_closest_known_one(name, hint):
+    base = {"rank": 1, "rank_address": "a", "block_tracker_address": "b",
+            "block_tracker_uid": "t"}
+    with pytest.raises(ValueError, match=rf"^{name}: unknown Xavier setting; {hint}"):
+        XavierOptions.from_xavier_config(base, {name: "8GiB"})
+    # known names, the test tooling's and other programs' variables pass
+    env = {"XAVIER_CPU_BUDGET": "8GiB", "XAVIER_TEST_DEVICE": "cpu",
+           "XAVIER_TINY_MODEL_DIR": "/m", "XINFERENCE_XAVIER_OVERLAY": "1", "HOME": "/root"}
+    assert XavierOptions.from_xavier_config(base, env).cpu_budget_bytes == 8 << 30

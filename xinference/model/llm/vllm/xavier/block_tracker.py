@@ -41,7 +41,9 @@ class VLLMBlockTracker(xo.StatelessActor):
 
     def unregister_rank(self, rank: int) -> int:
         dropped = self._directory.unregister_rank(rank)
-        logger.info("block tracker: rank %d unregistered, %d blocks dropped", rank, dropped)
+        if dropped:  # a rank that comes back: its old blocks go (a first start drops none)
+            logger.info("block tracker: rank %d re-registered, %d old blocks dropped", rank,
+                        dropped)
         return dropped
 
     def register(self, rank: int, entries: Any) -> int:

@@ -12,6 +12,7 @@ Every error is a ``ValueError`` whose message starts with the option's name.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
@@ -23,6 +24,12 @@ DEFAULT_CPU_BUDGET = "1GiB"
 ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
 ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
+#: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
+KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, "XAVIER_LOG_LEVEL",
+             "XAVIER_COPY_KERNEL", "XAVIER_TEST_HOOKS")
+#: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
+TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
+               "XAVIER_GPU_TEST_TIMEOUT", "XAVIER_EAGER_VLLM_VERSION")
 EXTRA_KEY = "xavier"
 #: Xinference's uid stem of a rank's transfer actor (``TransferActor.default_uid()``)
 TRANSFER_ACTOR_UID = "vllm-transfer-actor"
@@ -62,6 +69,7 @@ class XavierOptions:
                            environ: Optional[Mapping[str, str]] = None) -> XavierOptions:
         """From Xinference's ``xavier_config`` (see the 3.5.0 contract) and the environment."""
         env = environ or {}
+        check_env_names(env)
         cfg = dict(xavier_config or {})
         for key in ("rank", "rank_address", "block_tracker_address", "block_tracker_uid"):
             if cfg.get(key) in (None, ""):
@@ -116,3 +124,15 @@ def _parse_bool(option: str, value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{option}: expected true or false, got {value!r}")
+
+
+def check_env_names(environ: Mapping[str, str]) -> None:
+    """A misspelled ``XAVIER_*`` variable fails, naming the closest known one: otherwise its
+    default would silently apply (e.g. the whole GPU budget for ``XAVIER_GPU_BUGDET``)."""
+    for name in sorted(environ):
+        if (not name.startswith("XAVIER_") or name in KNOWN_ENV or name in TOOLING_ENV
+                or name.startswith("XAVIER_TEST_")):
+            continue
+        close = difflib.get_close_matches(name, KNOWN_ENV, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(KNOWN_ENV)}"
+        raise ValueError(f"{name}: unknown Xavier setting; {hint}")
