@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -41,6 +42,7 @@ ENV_SWITCH = "XINFERENCE_XAVIER_OVERLAY"
 #: the bootstrap file written into Xinference's per-model virtualenvs
 CHILD_PTH = "xinference_xavier_overlay.pth"
 WORKER_MODULE = "xinference.core.worker"
+SUPERVISOR_MODULE = "xinference.core.supervisor"
 
 logger = logging.getLogger("xinference_xavier_overlay")
 
@@ -85,9 +87,10 @@ def install(location: Optional[str] = None) -> bool:
         sys.meta_path.insert(0, XavierOverlayFinder)  # type: ignore[arg-type]
     if not any(f is _WorkerHook for f in sys.meta_path):
         sys.meta_path.insert(1, _WorkerHook)  # type: ignore[arg-type]
-    worker = sys.modules.get(WORKER_MODULE)
-    if worker is not None:
-        _patch_worker(worker)
+    for name, patch in _PATCHES.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            patch(module)
     return True
 
 
@@ -149,8 +152,43 @@ def _patch_worker(module: ModuleType) -> bool:
     return True
 
 
+def _patch_supervisor(module: ModuleType) -> bool:
+    """Wrap ``SupervisorActor.launch_builtin_model`` so that Xavier's launch options are
+    normalized and checked before upstream reads them (``planning/launch_checks.py``: the
+    CLI's ``enable-xavier`` spelling, ``enable_xavier`` as a strict switch, the replica
+    count and ``XAVIER_*`` envs).  Idempotent; a missing method (other Xinference) is
+    logged and the launch stays upstream's."""
+    cls = getattr(module, "SupervisorActor", None)
+    func = getattr(cls, "__dict__", {}).get("launch_builtin_model")
+    if func is None or not inspect.iscoroutinefunction(func):
+        logger.warning("xavier overlay: %s.SupervisorActor.launch_builtin_model not found; "
+                       "Xavier's launch options are not checked in the supervisor",
+                       SUPERVISOR_MODULE)
+        return False
+    if getattr(func, "_xavier_overlay", False):
+        return True
+    signature = inspect.signature(func)
+
+    @functools.wraps(func)
+    async def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch
+
+        bound = signature.bind(self, *args, **kwargs)
+        extra = bound.arguments.get("kwargs", {})
+        normalize_launch(extra, bound.arguments.get("replica", 1), bound.arguments.get("envs"))
+        return await func(*bound.args, **bound.kwargs)
+
+    launch._xavier_overlay = True  # type: ignore[attr-defined]
+    cls.launch_builtin_model = launch  # type: ignore[union-attr]
+    return True
+
+
+#: upstream modules wrapped when imported, and how
+_PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor}
+
+
 class _HookLoader:
-    """Runs the real loader, then patches the worker module."""
+    """Runs the real loader, then patches the module (see :data:`_PATCHES`)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -161,21 +199,21 @@ class _HookLoader:
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         try:
-            _patch_worker(module)
+            _PATCHES[module.__name__](module)
         except Exception as exc:
-            logger.warning("xavier overlay: patching the worker failed: %s", exc)
+            logger.warning("xavier overlay: patching %s failed: %s", module.__name__, exc)
 
     def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... of the real one
         return getattr(self._inner, name)
 
 
 class _WorkerHook:
-    """Meta-path finder that only wraps the loader of :data:`WORKER_MODULE`."""
+    """Meta-path finder that only wraps the loaders of the modules in :data:`_PATCHES`."""
 
     @classmethod
     def find_spec(cls, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != WORKER_MODULE:
+        if fullname not in _PATCHES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:

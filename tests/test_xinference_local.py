@@ -180,5 +180,28 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
         assert server.call("GET", "/v1/models")["data"] == []
         time.sleep(2)
         assert server.engine_cores() == []
+
+        # checked in the supervisor before any engine starts (the overlay's wrapper of
+        # launch_builtin_model): the CLI's spelling, a strict switch, replicas, env names
+        fast = {
+            "enable_xavier: expected true or false, got 'maybe'": {"enable_xavier": "maybe"},
+            "enable_xavier: expected true or false, got 'sure'": {"enable-xavier": "sure"},
+            "enable_xavier: shares prefixes between replicas and needs replica >= 2": {
+                "replica": 1},
+            "XAVIER_CPU_BUGDET: unknown Xavier setting; did you mean XAVIER_CPU_BUDGET?": {
+                "envs": {"XAVIER_CPU_BUGDET": "64MiB"}},
+        }
+        for message, change in fast.items():
+            body = launch_body(tiny_model_dir, envs)
+            if "enable-xavier" in change:
+                body.pop("enable_xavier")
+            body.update(change)
+            t0 = time.monotonic()
+            with pytest.raises(urllib.error.HTTPError) as err:
+                server.call("POST", "/v1/models", body)
+            print(f"refused in {time.monotonic() - t0:.2f} s: {message}")
+            assert message in json.loads(err.value.read())["detail"]
+        assert server.call("GET", "/v1/models")["data"] == []
+        assert server.engine_cores() == []
     finally:
         server.stop()

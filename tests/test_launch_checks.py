@@ -1,0 +1,81 @@
+"""Xavier's launch options as the supervisor sees them (pure), and the overlay's wrapper of
+the real ``SupervisorActor.launch_builtin_model`` (fresh interpreters, overlay on and off)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch, parse_switch
+
+
+@pytest.mark.parametrize("value, on", [
+    (True, True), (False, False), (1, True), (0, False), ("true", True), ("False", False),
+    ("yes", True), ("no", False), (" ON ", True), ("off", False)])
+def test_switch_values(value, on):
+    assert parse_switch("enable_xavier", value) is on
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, None, [True]])
+def test_other_switch_values_fail_naming_the_option(value):
+    with pytest.raises(ValueError, match="^enable_xavier: expected true or false"):
+        parse_switch("enable_xavier", value)
+
+
+def test_the_cli_spelling_and_the_strict_switch():
+    kwargs = {"enable-xavier": "true", "vllm-transfer-backend-type": "ipc", "other-key": 1}
+    normalize_launch(kwargs, 2, {"XAVIER_CPU_BUDGET": "1GiB"})
+    assert kwargs == {"enable_xavier": True, "vllm_transfer_backend_type": "ipc",
+                      "other-key": 1}  # only Xavier's own keys are renamed
+    off = {"enable_xavier": "false"}
+    normalize_launch(off, 1, {"XAVIER_CPU_BUGDET": "x"})  # off: nothing else is checked
+    assert off == {"enable_xavier": False}
+    untouched = {"foo": "bar"}
+    normalize_launch(untouched, 1, None)
+    assert untouched == {"foo": "bar"}
+
+
+@pytest.mark.parametrize("kwargs, replica, envs, message", [
+    ({"enable_xavier": True}, 1, None, "^enable_xavier: .* needs replica >= 2, got replica=1"),
+    ({"enable_xavier": True, "enable-xavier": True}, 2, None, "^enable_xavier: given twice"),
+    ({"enable_xavier": "true"}, 2, {"XAVIER_CPU_BUGDET": "1GiB"},
+     "^XAVIER_CPU_BUGDET: unknown Xavier setting; did you mean XAVIER_CPU_BUDGET"),
+    ({"enable_xavier": "true"}, 2, {"XAVIER_GPU_BUDGET": "lots"},
+     "^xavier_gpu_budget: 'lots' is not a size")])
+def test_bad_launches_fail_naming_the_option(kwargs, replica, envs, message):
+    with pytest.raises(ValueError, match=message):
+        normalize_launch(dict(kwargs), replica, envs)
+
+
+CHECK = r"""
+import asyncio, sys
+import xinference.core.supervisor as s
+method = s.SupervisorActor.launch_builtin_model
+print("PATCHED", getattr(method, "_xavier_overlay", False))
+if "--call" in sys.argv:
+    try:
+        asyncio.run(method(object(), None, "m", None, None, None, "vllm", "LLM", replica=2,
+                           **{"enable-xavier": "maybe"}))
+    except ValueError as exc:
+        print("ERROR", exc)
+"""
+
+
+def run_check(*args, overlay="1"):
+    env = dict(os.environ, XINFERENCE_XAVIER_OVERLAY=overlay)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_overlay_wraps_the_supervisors_launch_and_checks_first():
+    out = run_check("--call")
+    assert "PATCHED True" in out
+    assert "ERROR enable_xavier: expected true or false, got 'maybe'" in out
+
+
+def test_without_the_overlay_the_launch_is_upstreams():
+    assert "PATCHED False" in run_check(overlay="0")

@@ -1,0 +1,65 @@
+"""Xavier's launch options, checked in the supervisor before any engine starts (pure).
+
+Xinference 3.5.0's supervisor reads ``enable_xavier`` with ``bool()`` (so ``"false"`` turns
+Xavier on) and passes unknown keys, such as the CLI spelling ``enable-xavier``, to vLLM,
+which fails only after the engines started.  The overlay wraps the supervisor's
+``launch_builtin_model`` to run :func:`normalize_launch` on its keyword arguments first:
+Xavier's own keys in either spelling, ``enable_xavier`` as a strict switch, and, when it is
+on, the replica count and the ``XAVIER_*`` launch envs, each failing at once with a message
+that starts with the option's name.  Nothing else of the launch is touched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, MutableMapping, Optional
+
+from .budget import parse_bytes
+from .options import ENV_CPU_BUDGET, ENV_GPU_BUDGET, check_env_names
+
+#: Xavier's own launch keys: the dashed spelling (the CLI's ``--enable-xavier``) is accepted
+XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_type",
+               "xavier_transfer_block_num")
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off", "")
+
+
+def parse_switch(name: str, value: Any) -> bool:
+    """``True``/``False`` from a bool, 0/1, or true/false/yes/no/on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{name}: expected true or false, got {value!r}")
+
+
+def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
+                     envs: Optional[Dict[str, str]]) -> None:
+    """Rewrite Xavier's keys of a launch's extra keyword arguments in place; raise
+    ``ValueError`` naming the option for a value that would fail later or silently."""
+    for key in XAVIER_KEYS:
+        dashed = key.replace("_", "-")
+        if dashed in kwargs:
+            if key in kwargs:
+                raise ValueError(f"{key}: given twice (as {key} and {dashed})")
+            kwargs[key] = kwargs.pop(dashed)
+    if "enable_xavier" not in kwargs:
+        return
+    on = parse_switch("enable_xavier", kwargs["enable_xavier"])
+    kwargs["enable_xavier"] = on
+    if not on:
+        return
+    try:
+        replicas = int(replica)
+    except (TypeError, ValueError):
+        replicas = 0
+    if replicas < 2:
+        raise ValueError(f"enable_xavier: shares prefixes between replicas and needs "
+                         f"replica >= 2, got replica={replica!r}")
+    env = dict(envs or {})
+    check_env_names(env)
+    for name, option in ((ENV_GPU_BUDGET, "xavier_gpu_budget"),
+                         (ENV_CPU_BUDGET, "xavier_cpu_budget")):
+        if name in env:
+            parse_bytes(option, env[name])
