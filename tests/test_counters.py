@@ -57,3 +57,18 @@ def test_another_process_reads_what_the_writer_adds_and_the_file_goes_with_its_o
     owner.close()
     assert not os.path.exists(owner.path)
     assert TransferCounters.of(Counters()).batch_calls == 0
+
+
+def test_activity_line_says_what_a_rank_did_since_the_last_one():
+    from xinference.model.llm.vllm.xavier.planning.counters import activity_line
+
+    before = {"queried_blocks": 10, "hit_blocks": 2, "batch_calls": 1}
+    now = {"queried_blocks": 74, "hit_blocks": 34, "requests_with_hits": 1, "hit_tokens": 512,
+           "blocks_written": 32, "batch_calls": 2, "export_calls": 3, "export_exported": 40,
+           "export_skipped_no_slot": 4, "storage_gpu_used_blocks": 40,
+           "storage_gpu_free_blocks": 60}
+    assert activity_line(2, now, before) == (
+        "xavier rank 2: external hit rate 50.0 % (32 of 64 blocks asked, 1 requests, 512 "
+        "tokens); loaded 32 blocks in 1 calls, 0 failed; exported 40 blocks, 4 skipped (no "
+        "free slot); storage blocks used GPU 40/100")
+    assert activity_line(2, now, now) is None  # nothing happened: no line

@@ -21,6 +21,7 @@ is up.  The engine's vLLM worker moves the bytes of its own loads and exports
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -32,7 +33,7 @@ from .mechanism.kv_schema import KVLayout
 from .mechanism.nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
 from .mechanism.remote_fetch import StagingRows, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
-from .planning.counters import SharedCounters, prometheus_text, sum_snapshots
+from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
 from .planning.options import TRANSFER_ACTOR_UID, XavierOptions, transfer_actor_uid
 from .planning.routes import (
     ROUTE_NIXL,
@@ -44,6 +45,9 @@ from .planning.routes import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: how often each rank logs what it did (hit rate, loads, exports, storage), when it did
+ACTIVITY_LOG_S = 30.0
 
 
 class TransferClosedError(RuntimeError):
@@ -78,6 +82,9 @@ class TransferActor(xo.StatelessActor):
         #: rank -> (peer actor ref, address its copy_to writes to) of peers on other hosts
         self._remote: Dict[int, Tuple[Any, str]] = {}
         self._stats: Dict[str, int] = {}
+        #: the counters at the last activity log line (see :meth:`_log_activity`)
+        self._logged: Dict[str, int] = {}
+        self._activity: Optional[asyncio.Task[None]] = None
 
     # --------------------------------------------------------------- lifecycle
     async def register_engine(self, layout: KVLayout, options: XavierOptions,
@@ -121,6 +128,8 @@ class TransferActor(xo.StatelessActor):
         if counters_path:
             self._worker_counters = SharedCounters.open(counters_path)
             self._worker_counters.set("world_epoch", self._world_epoch)
+        if self._activity is None:
+            self._activity = asyncio.create_task(self._activity_loop())
         logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
                     dev, layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
@@ -167,7 +176,24 @@ class TransferActor(xo.StatelessActor):
         return list(self.world_addresses)
 
     async def __pre_destroy__(self) -> None:
+        if self._activity is not None:
+            self._activity.cancel()
+            self._activity = None
         await self._close_runtime()
+
+    async def _activity_loop(self) -> None:
+        while True:
+            await asyncio.sleep(ACTIVITY_LOG_S)
+            self._log_activity()
+
+    def _log_activity(self) -> Optional[str]:
+        """Log what this rank did since the last line (nothing when it did nothing)."""
+        now = self.counters()
+        line = activity_line(self.rank, now, self._logged)
+        if line is not None:
+            self._logged = now
+            logger.info(line)
+        return line
 
     async def _close_runtime(self) -> None:
         storage, self._storage = self._storage, None

@@ -219,3 +219,27 @@ def elapsed_us(add: Callable[[int], None]) -> Iterator[None]:
 
 def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def activity_line(rank: int, now: Mapping[str, int], before: Mapping[str, int]
+                  ) -> Optional[str]:
+    """One log line of what rank ``rank`` did since ``before`` (like vLLM's prefix-cache hit
+    rate line); ``None`` when it looked nothing up, loaded nothing and exported nothing."""
+    def d(name: str) -> int:
+        return int(now.get(name, 0)) - int(before.get(name, 0))
+
+    queried, hits = d("queried_blocks"), d("hit_blocks")
+    if not (queried or d("batch_calls") or d("export_calls") or d("load_failures")):
+        return None
+    rate = f"{100.0 * hits / queried:.1f} %" if queried else "-"
+    tiers = []
+    for tier in ("gpu", "cpu"):
+        used = int(now.get(f"storage_{tier}_used_blocks", 0))
+        free = int(now.get(f"storage_{tier}_free_blocks", 0))
+        if used or free:
+            tiers.append(f"{tier.upper()} {used}/{used + free}")
+    return (f"xavier rank {rank}: external hit rate {rate} ({hits} of {queried} blocks asked, "
+            f"{d('requests_with_hits')} requests, {d('hit_tokens')} tokens); loaded "
+            f"{d('blocks_written')} blocks in {d('batch_calls')} calls, {d('load_failures')} "
+            f"failed; exported {d('export_exported')} blocks, {d('export_skipped_no_slot')} "
+            f"skipped (no free slot); storage blocks used {', '.join(tiers) or '-'}")
