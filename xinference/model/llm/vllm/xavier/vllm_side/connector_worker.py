@@ -34,6 +34,8 @@ class XavierConnectorWorker:
         self._num_blocks = num_blocks
         self.plane: Optional[WorkerDataPlane] = None
         self._load_errors: Set[int] = set()
+        #: requests whose loads failed without reaching a data plane: reported finished next
+        self._failed_requests: Set[str] = set()
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
 
@@ -57,6 +59,7 @@ class XavierConnectorWorker:
         if step is not None and step.has_loads:
             self._load_errors.update(int(b) for b in step.loads.table[:, DEST])
             self._load_errors.update(step.failed_dests)
+            self._failed_requests.update(step.loads.request_ids)  # vLLM must not wait on them
 
     def start_loads(self, step: Optional[StepMeta]) -> None:
         """Launch ``step``'s loads on the data plane (never waits for them)."""
@@ -81,12 +84,13 @@ class XavierConnectorWorker:
     def finished_loads(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their
         failed blocks are kept for :meth:`take_load_errors`."""
-        if self.plane is None:
-            return None, None
-        stream = torch.cuda.current_stream(self._device) if (
-            self._device is not None and self._device.type == "cuda") else None
-        done, failed = self.plane.finished(stream)
-        self._load_errors.update(failed)
+        done, self._failed_requests = self._failed_requests, set()
+        if self.plane is not None:
+            stream = torch.cuda.current_stream(self._device) if (
+                self._device is not None and self._device.type == "cuda") else None
+            loaded, failed = self.plane.finished(stream)
+            self._load_errors.update(failed)
+            done |= loaded
         return None, (done or None)
 
     def take_load_errors(self) -> Set[int]:

@@ -78,7 +78,8 @@ class PlaneHooks(Protocol):
 
 def load_test_hooks(plane: WorkerDataPlane) -> Optional[PlaneHooks]:
     """The observer named by :data:`TEST_HOOKS_ENV` (``module:Class``), built for ``plane``;
-    ``None`` when unset.  A bad name fails the engine's start, naming the variable."""
+    ``None`` when unset.  A bad name raises naming the variable (the worker connector then
+    turns sharing off on this worker and logs why)."""
     spec = os.environ.get(TEST_HOOKS_ENV, "").strip()
     if not spec:
         return None
