@@ -15,9 +15,12 @@ what :mod:`.kv_schema` compares).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kv_schema import KVLayout
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -90,3 +93,18 @@ def copy_rows_device(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     for s, d in zip(src, dst):
         rows = as_byte_rows(s.index_select(0, src_idx))
         d.index_copy_(0, dst_idx, slab_as(rows, n, d))
+
+
+def layer_tensor(item: object) -> torch.Tensor:
+    """The tensor of a cache entry given as a tensor or as ``(name, tensor)``."""
+    return item[1] if isinstance(item, tuple) else item  # type: ignore[return-value,index]
+
+
+def block_views(caches: Mapping[int, Sequence[object]],
+                layout: KVLayout) -> Dict[int, List[torch.Tensor]]:
+    """Block-first integer views of every layer of ``caches``, per group of ``layout``."""
+    views: Dict[int, List[torch.Tensor]] = {}
+    for g in layout.groups:
+        views[g.group] = [block_view(layer_tensor(item), la.block_dim)
+                          for item, la in zip(caches[g.group], g.layers)]
+    return views

@@ -49,9 +49,10 @@ from ..planning.plan import (
     plan_step,
 )
 from . import block_copy_triton
-from .block_copy import block_view, copy_transfer
+from .block_copy import block_views, copy_transfer, layer_tensor
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
+from .load_checks import check_plan
 from .load_completion import EngineParts, LoadCompletion, ReleaseLease, record_event
 from .load_handle import (
     CloseError,
@@ -145,7 +146,7 @@ class GPUTransfer:
             if self._local_layout is not None and self._storages:
                 for st in self._storages.values():
                     layout.check_compatible(st.layout, f"rank {st.rank} {st.tier.name} storage")
-            devices = {_tensor(t).device for ts in caches.values() for t in ts}
+            devices = {layer_tensor(t).device for ts in caches.values() for t in ts}
             if len(devices) != 1:
                 raise LoadBatchError(f"local KV caches: expected one device, got {devices}")
             if self._local_release is not None:  # replaced caches are let go, like storages
@@ -155,7 +156,7 @@ class GPUTransfer:
                 if pool is not None:
                     pool.close()
             self._device = devices.pop()
-            self._local_layers = _block_views(caches, layout)
+            self._local_layers = block_views(caches, layout)
             self._local_pointer_tables = {}
             self._fused_cache.clear()
             self._indices = IndexUploader(self._device)
@@ -182,7 +183,7 @@ class GPUTransfer:
         on mismatch nothing is mapped (and ``release`` is not called)."""
         layout = layout_of(caches, block_dim)
         self._install_storage(MappedStorage(
-            rank, Tier(tier), layout, _block_views(caches, layout), release), "map_storage")
+            rank, Tier(tier), layout, block_views(caches, layout), release), "map_storage")
         return layout
 
     def map_remote_storage(self, rank: int, tier: Tier, layout: KVLayout,
@@ -271,29 +272,10 @@ class GPUTransfer:
         return plan
 
     def _validate(self, plan: LoadPlan) -> None:
-        layout = self._local_layout
-        if layout is None:
+        if self._local_layout is None:
             raise LoadRejected("local KV caches are not registered (set_local_caches)")
-        local_groups = set(layout.group_ids)
-        for t in plan.transfers:
-            if t.group not in local_groups:
-                raise LoadRejected(f"group: KV-cache group {t.group} unknown locally "
-                                   f"(groups {sorted(local_groups)})")
-            st = self._storages.get((t.source_rank, t.tier))
-            if st is None:
-                raise LoadRejected(
-                    f"rank: no storage mapped for rank {t.source_rank} tier {t.tier.name}")
-            slots = st.layout.group(t.group).num_blocks
-            if t.rows and int(t.src_slots.max()) >= slots:
-                raise LoadRejected(
-                    f"slot: {int(t.src_slots.max())} out of range [0, {slots}) for rank "
-                    f"{t.source_rank} {t.tier.name} storage, group {t.group}")
-            blocks = layout.group(t.group).num_blocks
-            if len(t.dst_blocks) and int(t.dst_blocks.max()) >= blocks:
-                raise LoadRejected(
-                    f"dest: block id {int(t.dst_blocks.max())} out of range [0, {blocks}) "
-                    f"for KV-cache group {t.group}")
-            self._fused_ok(st, t.group)  # copy_kernel="triton" refuses here, before any copy
+        for st, group in check_plan(plan, self._local_layout, self._storages):
+            self._fused_ok(st, group)  # copy_kernel="triton" refuses here, before any copy
 
     def _split(self, plan: LoadPlan) -> Tuple[List[Tuple[Transfer, MappedStorage]],
                                               List[Tuple[Transfer, MappedStorage]]]:
@@ -434,16 +416,3 @@ class GPUTransfer:
             self._stream = None
             self._closed = True
             logger.info("rank %d: transfer engine closed", self.rank)
-
-
-def _tensor(item: object) -> torch.Tensor:
-    return item[1] if isinstance(item, tuple) else item  # type: ignore[return-value,index]
-
-
-def _block_views(caches: Mapping[int, LayerTensors],
-                 layout: KVLayout) -> Dict[int, List[torch.Tensor]]:
-    views: Dict[int, List[torch.Tensor]] = {}
-    for g in layout.groups:
-        views[g.group] = [block_view(_tensor(item), la.block_dim)
-                          for item, la in zip(caches[g.group], g.layers)]
-    return views
