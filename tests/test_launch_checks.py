@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch, parse_switch
+from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch
+from xinference.model.llm.vllm.xavier.planning.options import parse_switch
 
 
 @pytest.mark.parametrize("value, on", [

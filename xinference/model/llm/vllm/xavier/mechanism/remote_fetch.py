@@ -12,9 +12,7 @@ fetch returned.  Transfer sizes are bounded by the slab: one call per planned tr
 
 from __future__ import annotations
 
-import math
 import os
-import uuid
 from typing import Any, Dict, List, Sequence
 
 import numpy as np
@@ -23,7 +21,7 @@ import xoscar as xo
 
 from ..planning.load_batch import Tier
 from .kv_schema import KVLayout
-from .snapshot_storage import ShmHandles, SnapshotStorage, shm_dir
+from .snapshot_storage import ShmHandles, SnapshotStorage, new_shm_tensor
 
 
 async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
@@ -61,11 +59,9 @@ class StagingRows:
             for g in layout.groups:
                 self.rows[g.group], self.handles[g.group] = [], []
                 for la in g.layers:
-                    path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
                     shape = (rows, la.block_bytes)
+                    path, t = new_shm_tensor(shape, torch.uint8)
                     self._files.append(path)
-                    t = torch.from_file(path, shared=True, size=math.prod(shape),
-                                        dtype=torch.uint8).view(shape)
                     self.rows[g.group].append(t)
                     self.handles[g.group].append((path, str(t.dtype), shape))
         except BaseException:

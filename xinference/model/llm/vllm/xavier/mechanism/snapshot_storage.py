@@ -98,9 +98,7 @@ class SnapshotStorage:
                 shape = (slots, *la.block_shape)
                 dtype = torch_dtype(la.dtype)
                 if cfg.shared_memory:
-                    path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
-                    t = torch.from_file(path, shared=True, size=math.prod(shape),
-                                        dtype=dtype).view(shape)
+                    path, t = new_shm_tensor(shape, dtype)
                     files.append(path)
                 else:
                     t = torch.empty(shape, dtype=dtype, device=cfg.device)
@@ -268,6 +266,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def new_shm_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> Tuple[str, torch.Tensor]:
+    """A new tensor backed by a file in :func:`shm_dir` (this process's name on it), and the
+    file's path: other processes of the host map it with :func:`open_shm`; the caller
+    unlinks it."""
+    path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+    tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
+    return path, tensor.view(shape)
 
 
 def shm_dir() -> str:

@@ -14,24 +14,11 @@ from __future__ import annotations
 from typing import Any, Dict, MutableMapping, Optional
 
 from .budget import parse_bytes
-from .options import ENV_CPU_BUDGET, ENV_GPU_BUDGET, check_env_names
+from .options import ENV_CPU_BUDGET, ENV_GPU_BUDGET, check_env_names, parse_switch
 
 #: Xavier's own launch keys: the dashed spelling (the CLI's ``--enable-xavier``) is accepted
 XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_type",
                "xavier_transfer_block_num")
-_TRUE = ("true", "1", "yes", "on")
-_FALSE = ("false", "0", "no", "off", "")
-
-
-def parse_switch(name: str, value: Any) -> bool:
-    """``True``/``False`` from a bool, 0/1, or true/false/yes/no/on/off (any case)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError(f"{name}: expected true or false, got {value!r}")
 
 
 def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,

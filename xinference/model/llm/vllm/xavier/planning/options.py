@@ -88,7 +88,7 @@ class XavierOptions:
             raise ValueError("xavier_gpu_budget: both storage tiers are 0 bytes: nothing could "
                              "be shared (set xavier_gpu_budget or xavier_cpu_budget)")
         transport = normalize_transport(cfg.get("vllm_transfer_backend_type"))
-        batched = _parse_bool("xavier_batched_loads",
+        batched = parse_switch("xavier_batched_loads",
                               cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
@@ -115,7 +115,9 @@ class XavierOptions:
             raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None
 
 
-def _parse_bool(option: str, value: Any) -> bool:
+def parse_switch(option: str, value: Any) -> bool:
+    """``True``/``False`` from a bool or true/false/1/0/yes/no/on/off (any case); anything
+    else raises ``ValueError`` naming ``option``."""
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()

@@ -19,33 +19,23 @@ class TrackerLink:
     def __init__(self, bridge: ActorBridge, tracker: LazyActor) -> None:
         self._bridge, self._tracker = bridge, tracker
 
-    def _ref(self) -> Any:
-        return self._tracker.get()  # unchecked: a ref without a lookup
+    def _call(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` on the tracker; a failure forgets the ref (looked up again next
+        time: the directory may have restarted) and raises."""
+        ref = self._tracker.get()  # unchecked: a ref without a lookup
+        try:
+            return self._bridge.call(lambda: getattr(ref, method)(*args), CALL_TIMEOUT_S)
+        except Exception:
+            self._tracker.forget()
+            raise
 
     def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        ref, rows = self._ref(), [tuple(int(x) for x in e) for e in entries]
-        try:
-            return int(self._bridge.call(lambda: ref.register(rank, rows), CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+        return int(self._call("register", rank, [tuple(int(x) for x in e) for e in entries]))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
-        ref, ids = self._ref(), [int(s) for s in slots]
-        try:
-            return list(self._bridge.call(lambda: ref.claim(rank, tier, group, ids),
-                                          CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+        return list(self._call("claim", rank, tier, group, [int(s) for s in slots]))
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
              slots: Sequence[int]) -> List[int]:
-        ref, ids = self._ref(), [int(s) for s in slots]
-        rows = [tuple(int(x) for x in e) for e in entries]
-        try:
-            return list(self._bridge.call(lambda: ref.move(rank, rows, tier, group, ids),
-                                          CALL_TIMEOUT_S))
-        except Exception:
-            self._tracker.forget()
-            raise
+        return list(self._call("move", rank, [tuple(int(x) for x in e) for e in entries],
+                               tier, group, [int(s) for s in slots]))
