@@ -9,6 +9,7 @@ is written for regular wheels (``build_py``) and editable installs
 """
 
 import os
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -43,6 +44,9 @@ def write_pth(directory):
 
 class BuildPyWithPth(build_py):
     def run(self):
+        # setuptools never prunes build_lib: a module moved or deleted in the source would
+        # otherwise ship in the next wheel built from the same checkout.
+        shutil.rmtree(os.path.join(self.build_lib, FORK_PACKAGE), ignore_errors=True)
         super().run()
         self._pth = write_pth(self.build_lib)
 

@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata as md
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import sysconfig
@@ -122,7 +123,12 @@ def test_regular_wheel_install_leaves_upstream_untouched(tmp_path):
     (wheel,) = wheel_dir.glob("xinference_xavier-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "xinference_xavier_overlay.pth" in names
-    assert "_xinference_xavier_fork/plan.py" in names
+    fork_dir = pathlib.Path(REPO) / "xinference/model/llm/vllm/xavier"
+    sources = {"_xinference_xavier_fork/" + p.relative_to(fork_dir).as_posix()
+               for p in fork_dir.rglob("*.py") if "__pycache__" not in p.parts}
+    shipped = {n for n in names if n.startswith("_xinference_xavier_fork/")}
+    assert "_xinference_xavier_fork/planning/plan.py" in sources
+    assert shipped == sources, (sorted(shipped - sources), sorted(sources - shipped))
     assert not [n for n in names if n.startswith("xinference/")]
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
