@@ -94,6 +94,23 @@ def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_s
     assert w.leases == 6  # held until the worker's load releases them
 
 
+def test_a_request_is_offered_one_load_and_recomputes_after_it_failed():
+    """vLLM asks again after a failed load (its source died, the directory does not know
+    yet): the answer is 0, no lookup, no lease -- vLLM recomputes.  Control: before its
+    hit was allocated, asking again gets the same hit."""
+    w = World(held_keys=keys_of(6))
+    w.side.track("r", lambda: keys_of(6), 200)
+    assert w.side.match("r", 200, 0) == 6 * BS
+    assert w.side.match("r", 200, 0) == 6 * BS  # not allocated yet: the same answer
+    assert w.side.allocated("r", [list(range(1, 13))], [[False] * 12], 6 * BS) == 6
+    meta = w.side.build_step([("r", 6 * BS, 10)], {})
+    assert meta.loads.request_ids == ("r",) and w.calls == [1]
+    w.release([lease.lease_id for lease in meta.leases])  # the worker's load failed
+    assert w.side.match("r", 200, 0) == 0
+    assert w.leases == 0 and w.calls == [1]
+    w.side.finished("r")
+
+
 def test_fewer_external_tokens_than_offered_releases_the_rest():
     w = World(held_keys=keys_of(6))
     w.side.track("r", lambda: keys_of(6), 200)

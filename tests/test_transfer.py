@@ -61,14 +61,16 @@ def test_release_engine_names_its_owner_and_keeps_the_storage():
     assert list(kept) == [int(Tier.CPU)] and kept[int(Tier.CPU)][0] == "shm"
 
 
-@pytest.mark.parametrize("transport,route", [("xavier", "nixl"), ("nixl", "nixl")])
-def test_remote_route_follows_the_transport_option(transport, route):
+@pytest.mark.parametrize("transport", ["xavier", "nixl", "sockets"])
+def test_remote_route_follows_the_transport_option_on_this_host(transport):
+    from xinference.model.llm.vllm.xavier.mechanism.nixl_endpoint import rdma_devices
+
     from .support.pools import nixl_available
 
     actor = TransferActor(1, 3, "127.0.0.1:1", "127.0.0.1", 0, [])
     actor._options = opts(vllm_transfer_backend_type=transport)
-    want = "sockets" if route == "nixl" and transport == "xavier" and not nixl_available() \
-        else route
+    auto = "nixl" if nixl_available() and rdma_devices() else "sockets"
+    want = {"xavier": auto, "nixl": "nixl", "sockets": "sockets"}[transport]
     assert actor._remote_route() == want
 
 
@@ -95,6 +97,7 @@ def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(m
     monkeypatch.setattr(transfer_mod.xo, "actor_ref", actor_ref)
     monkeypatch.setattr(transfer_mod, "open_nixl_endpoint", no_endpoint)
     monkeypatch.setattr(transfer_mod, "nixl_importable", lambda: True)
+    monkeypatch.setattr(transfer_mod, "rdma_devices", lambda: ["mlx5_0"])
 
     async def run(transport):
         actor = TransferActor(2, 3, "127.0.0.1:2", "127.0.0.1", 0,
@@ -111,3 +114,29 @@ def test_automatic_transport_falls_back_to_sockets_when_no_nixl_endpoint_opens(m
     assert actor._remote_route() == "sockets"  # the endpoint is not tried again
     actor, route, err = asyncio.run(run("nixl"))
     assert "no usable transport" in str(err) and actor._stats == {}
+
+
+@pytest.mark.parametrize("devices,transport,route", [
+    (["mlx5_0"], "xavier", "nixl"), ([], "xavier", "sockets"), ([], "nixl", "nixl"),
+    (["mlx5_0"], "sockets", "sockets")])
+def test_automatic_transport_uses_nixl_across_hosts_only_with_an_rdma_device(
+        monkeypatch, devices, transport, route):
+    """Over plain TCP NIXL is no faster than sockets and its progress thread costs a core
+    (doc/multi-host.md): the automatic transport takes it only where the host has an RDMA
+    device; ``nixl`` forces it, ``sockets`` never takes it."""
+    from xinference.model.llm.vllm.xavier import transfer as transfer_mod
+
+    monkeypatch.setattr(transfer_mod, "nixl_importable", lambda: True)
+    monkeypatch.setattr(transfer_mod, "rdma_devices", lambda: devices)
+    actor = TransferActor(1, 3, "127.0.0.1:1", "127.0.0.1", 0, [])
+    actor._options = opts(vllm_transfer_backend_type=transport)
+    assert actor._remote_route() == route
+
+
+def test_rdma_devices_lists_the_sysfs_class(tmp_path):
+    from xinference.model.llm.vllm.xavier.mechanism.nixl_endpoint import rdma_devices
+
+    assert rdma_devices(str(tmp_path / "absent")) == []
+    (tmp_path / "mlx5_1").mkdir()
+    (tmp_path / "mlx5_0").mkdir()
+    assert rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]

@@ -7,7 +7,10 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
   on ``unregister_rank`` it sends the new world (rank -> address) to every rank, which then
   maps its peers again on first use.  Ranks that cannot be reached are logged, not fatal: a
   rank that misses an update only misses hits (its loads from an unmapped peer fail and
-  vLLM recomputes).
+  vLLM recomputes).  It also checks every few seconds that each rank still answers: a rank
+  whose worker or host died (Xinference tells Xavier nothing then) is unregistered after
+  :attr:`CollectiveManager.LIVENESS_MISSES` missed checks in a row, so its blocks leave the
+  directory and the other ranks stop trying to read them.
 * :class:`Rank0ModelActor` (worker, GPU-less subpool, uid ``"<model_uid>-rank0"``): rank 0
   holds no engine; its :class:`Rank0TransferActor` only answers the world updates so that
   the manager can treat all ranks alike.
@@ -42,6 +45,10 @@ class Rank0TransferActor(xo.StatelessActor):
 
     def update_world(self, world_addresses: List[str]) -> None:
         self.world_addresses = list(world_addresses)
+
+    def world(self) -> List[str]:
+        """The rank addresses this rank was last told."""
+        return list(self.world_addresses)
 
     def is_ready(self) -> bool:
         return False
@@ -98,18 +105,29 @@ class Rank0ModelActor(xo.StatelessActor):
 class CollectiveManager(xo.StatelessActor):
     """Rank registry of one Xavier model (uid ``f"{default_uid()}-{model_uid}"``)."""
 
+    #: seconds between two liveness checks of every rank, and the time one check may take
+    LIVENESS_INTERVAL_S = 5.0
+    #: missed checks in a row after which a rank counts as dead and is unregistered
+    LIVENESS_MISSES = 2
+
     @classmethod
     def default_uid(cls) -> str:
         return "xavier-collective-manager"
 
-    def __init__(self, model_uid: str) -> None:
+    def __init__(self, model_uid: str, liveness_interval_s: Optional[float] = None) -> None:
         super().__init__()
         self._model_uid = model_uid
         self._addresses: Dict[int, str] = {}
         self._refs: Dict[int, Any] = {}
+        #: bumped at every registration: a liveness verdict only applies to the
+        #: registration it checked (a rank recovered meanwhile is not dropped)
+        self._generation: Dict[int, int] = {}
         self._tracker: Any = None
         self._lock = asyncio.Lock()
+        self._interval = float(liveness_interval_s or self.LIVENESS_INTERVAL_S)
+        self._watch: Optional[asyncio.Task] = None
         self.world_updates = 0
+        self.ranks_dropped_unreachable = 0
 
     async def __post_create__(self) -> None:
         from .block_tracker import VLLMBlockTracker
@@ -120,6 +138,7 @@ class CollectiveManager(xo.StatelessActor):
         except Exception as exc:  # created first in a test, or the tracker lives elsewhere
             logger.warning("xavier collective manager %s: no block tracker: %s",
                            self._model_uid, exc)
+        self._watch = asyncio.create_task(self._watch_ranks())
 
     async def register_rank(self, rank: int, address: str, update: bool = False) -> None:
         """Record ``rank``'s transfer actor at ``address``; with ``update`` (recovery) send
@@ -128,6 +147,7 @@ class CollectiveManager(xo.StatelessActor):
         async with self._lock:
             self._refs[rank] = ref
             self._addresses[rank] = address
+            self._generation[rank] = self._generation.get(rank, 0) + 1
         logger.info("xavier %s: rank %d registered at %s%s", self._model_uid, rank, address,
                     " (world update)" if update else "")
         if update:
@@ -136,7 +156,15 @@ class CollectiveManager(xo.StatelessActor):
     async def unregister_rank(self, rank: int) -> None:
         """Forget ``rank`` (it died): its blocks leave the directory, the others stop
         reading from it."""
+        await self._forget(rank, None)
+
+    async def _forget(self, rank: int, generation: Optional[int]) -> bool:
+        """Forget ``rank`` (only its registration ``generation`` when given: a rank that
+        registered again meanwhile stays); False when nothing was forgotten."""
         async with self._lock:
+            if generation is not None and (self._generation.get(rank) != generation
+                                           or rank not in self._refs):
+                return False
             self._refs.pop(rank, None)
             self._addresses.pop(rank, None)
         if self._tracker is not None:
@@ -144,6 +172,54 @@ class CollectiveManager(xo.StatelessActor):
             logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
                         rank, dropped)
         await self._update_world()
+        return True
+
+    async def __pre_destroy__(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    async def _watch_ranks(self) -> None:
+        """Every interval, ask every registered rank whether it is there; a rank that has
+        not answered :attr:`LIVENESS_MISSES` times in a row is unregistered."""
+        misses: Dict[tuple, int] = {}
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self._check_ranks(misses)
+            except Exception as exc:  # the watch outlives one bad round
+                logger.warning("xavier %s: rank liveness check failed: %r", self._model_uid,
+                               exc)
+
+    async def _check_ranks(self, misses: Dict[tuple, int]) -> None:
+        async with self._lock:
+            checked = [(rank, self._generation.get(rank, 0), ref)
+                       for rank, ref in self._refs.items()]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(ref.is_ready(), self._interval) for _, _, ref in checked),
+            return_exceptions=True)
+        for (rank, generation, _), result in zip(checked, results):
+            key = (rank, generation)
+            if not isinstance(result, Exception):
+                misses.pop(key, None)
+                continue
+            misses[key] = misses.get(key, 0) + 1
+            if misses[key] >= self.LIVENESS_MISSES:
+                misses.pop(key, None)
+                await self._drop_unreachable(rank, generation, result)
+
+    async def _drop_unreachable(self, rank: int, generation: int, error: Exception) -> None:
+        address = self._addresses.get(rank, "")
+        if await self._forget(rank, generation):
+            self.ranks_dropped_unreachable += 1
+            logger.warning("xavier %s: rank %d at %s did not answer %d checks in a row (%r): "
+                           "unregistered", self._model_uid, rank, address,
+                           self.LIVENESS_MISSES, error)
+
+    def liveness(self) -> Dict[str, Any]:
+        """The ranks watched now and how many were dropped as unreachable."""
+        return {"ranks": sorted(self._refs), "dropped_unreachable":
+                self.ranks_dropped_unreachable, "interval_s": self._interval}
 
     def world(self) -> List[str]:
         """Rank addresses by rank ("" where a rank is missing)."""

@@ -30,7 +30,12 @@ import torch
 import xoscar as xo
 
 from .mechanism.kv_schema import KVLayout
-from .mechanism.nixl_endpoint import NixlEndpoint, nixl_importable, open_nixl_endpoint
+from .mechanism.nixl_endpoint import (
+    NixlEndpoint,
+    nixl_importable,
+    open_nixl_endpoint,
+    rdma_devices,
+)
 from .mechanism.remote_fetch import StagingRows, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
@@ -272,11 +277,12 @@ class TransferActor(xo.StatelessActor):
         return route
 
     def _remote_route(self) -> str:
-        """``nixl`` where NIXL can be used (the ``nixl`` transport: always), else
-        ``sockets``; ``LookupError`` for the ``ipc`` transport (it never reads another
+        """``nixl`` where NIXL can be used and pays (an RDMA device; the ``nixl`` transport:
+        always), else ``sockets``; ``LookupError`` for the ``ipc`` transport (it never reads another
         host)."""
         transport = self._options.transport if self._options is not None else ""
-        return peer_route(transport, False, not self._nixl_broken and nixl_importable())
+        usable = not self._nixl_broken and nixl_importable() and bool(rdma_devices())
+        return peer_route(transport, False, usable)
 
     async def fetch_blocks(self, rank: int, tier: int, group: int,
                            slots: Sequence[int]) -> int:

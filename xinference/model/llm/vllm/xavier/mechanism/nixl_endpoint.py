@@ -16,8 +16,9 @@ Needs NIXL's Python package (``nixl``, on GPU machines ``nixl_cu12``/``nixl_cu13
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, List
 
 import xoscar as xo
 
@@ -33,6 +34,18 @@ def nixl_importable() -> bool:
     except Exception:
         return False
     return True
+
+
+def rdma_devices(sysfs: str = "/sys/class/infiniband") -> List[str]:
+    """This host's RDMA devices (InfiniBand, RoCE; empty without any).  The automatic
+    transport uses NIXL across hosts only where there is one: over plain TCP, UCX moves
+    the bytes no faster than xoscar's sockets (measured on simulated hosts,
+    doc/multi-host.md) and NIXL's progress thread keeps a CPU core busy in every process
+    that holds an agent."""
+    try:
+        return sorted(os.listdir(sysfs))
+    except OSError:
+        return []
 
 
 def endpoint_host(rank_address: str) -> str:

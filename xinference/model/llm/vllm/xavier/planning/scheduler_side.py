@@ -11,7 +11,11 @@ role), which translates vLLM's objects into plain values.  Contract:
   token: vLLM must compute at least one token), or ``None`` while the lookup is still
   out (vLLM asks again next step; the wait is bounded per step).  The leases of the hit
   are held until the request is allocated; asking again for the same request reuses the
-  hit when the local hit did not move, else releases it and looks again.
+  hit when the local hit did not move, else releases it and looks again.  A request is
+  offered at most ONE load: once its hit was allocated, vLLM asking again means the load
+  failed (or the request was preempted) and the answer is 0, so vLLM recomputes.  (Else a
+  source that died keeps being offered until the directory drops it: a request retried
+  its failed load ~1,300 times in 6 s on simulated hosts.)
 * :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
   rows for the destination blocks vLLM allocated (null blocks skipped, their leases
   still carried so they are released after the step's load); with no external tokens
@@ -119,6 +123,8 @@ class _Tracked:
     block_ids: List[List[int]] = field(default_factory=list)  # per group
     null: List[List[bool]] = field(default_factory=list)
     sharing: bool = True
+    #: a load was planned for it: it is never offered another one
+    loaded: bool = False
 
 
 class SchedulerSide:
@@ -160,7 +166,7 @@ class SchedulerSide:
         """External tokens loadable beyond ``num_computed_tokens`` (block aligned), or
         ``None`` while the lookup is out."""
         tracked = self._tracked.get(request_id)
-        if tracked is None or not tracked.sharing or not ready:
+        if tracked is None or not tracked.sharing or not ready or tracked.loaded:
             self._drop_hit(request_id)
             self.lookups.drop(request_id)
             return 0
@@ -263,6 +269,8 @@ class SchedulerSide:
                                       int(block_ids[loc.group][pos])))
         if drop:
             self._release(drop)
+        if tracked is not None:
+            tracked.loaded = True
         self._step_loads.append((request_id, rows, leases))
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens

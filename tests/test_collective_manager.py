@@ -1,0 +1,72 @@
+"""The rank registry on real xoscar pools: a rank whose process dies (its worker or host
+went away; Xinference tells Xavier nothing then) is found by the manager's liveness checks
+and unregistered: its blocks leave the directory and the remaining ranks get the new
+world.  A rank that stays alive is never dropped (negative control)."""
+
+import asyncio
+import os
+import signal
+import time
+
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+from xinference.model.llm.vllm.xavier.collective_manager import (
+    CollectiveManager,
+    Rank0TransferActor,
+)
+from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
+
+from .support.pools import actor_pool, sub_pool_addresses
+from .support.probe_actor import OverlayProbeActor
+
+MODEL_UID = "liveness-model"
+INTERVAL_S = 0.5
+
+
+def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
+    async def run():
+        async with actor_pool(n_process=2) as pool:
+            tracker = await xo.create_actor(
+                VLLMBlockTracker, address=pool.external_address,
+                uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
+            manager = await xo.create_actor(
+                CollectiveManager, MODEL_UID, liveness_interval_s=INTERVAL_S,
+                address=pool.external_address,
+                uid=f"{CollectiveManager.default_uid()}-{MODEL_UID}")
+            addresses = sub_pool_addresses(pool)
+            ranks = {}
+            for rank, address in zip((1, 2), addresses):
+                ranks[rank] = await xo.create_actor(
+                    Rank0TransferActor, rank=rank, address=address,
+                    uid=transfer_actor_uid(rank))
+                await manager.register_rank(rank, address)
+                await tracker.register_rank(rank)
+                await tracker.register(rank, [(0, 1000 * rank + i, 0, i, 1) for i in range(8)])
+            assert (await tracker.stats())["blocks"] == 16
+
+            # both alive for several rounds: nobody is dropped
+            await asyncio.sleep(6 * INTERVAL_S)
+            assert (await manager.liveness())["ranks"] == [1, 2]
+            assert (await manager.liveness())["dropped_unreachable"] == 0
+
+            probe = await xo.create_actor(OverlayProbeActor, address=addresses[0],
+                                          uid="probe-1")
+            pid = (await probe.where())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while (await manager.liveness())["ranks"] != [2]:
+                assert time.monotonic() - t0 < 30, await manager.liveness()
+                await asyncio.sleep(0.1)
+            dropped_after = time.monotonic() - t0
+            print(f"rank 1 dropped {dropped_after:.1f} s after its process was killed")
+            assert (await manager.liveness())["dropped_unreachable"] == 1
+            stats = await tracker.stats()
+            assert stats["blocks"] == 8  # rank 2's only
+            assert (await tracker.query(0, [1000 + i for i in range(8)])).num_hits == 0
+            assert (await tracker.query(0, [2000 + i for i in range(8)])).num_hits == 8
+            # the survivor was told: rank 1 has no address any more
+            assert (await ranks[2].world()) == ["", "", addresses[1]]
+            await xo.destroy_actor(manager)
+
+    asyncio.run(run())

@@ -1,0 +1,396 @@
+"""Xinference's distributed deployment with Xavier across two (simulated) hosts.
+
+Two Linux network namespaces joined by a veth pair (``tests/support/netns.py``) are the
+hosts: ``xinference-supervisor`` and one ``xinference-worker`` on host A, one
+``xinference-worker`` on host B, each bound to its host's private address.  A model is
+launched over REST with ``"replica": 2, "enable_xavier": true``; Xinference's own
+placement (fewest models first) puts one replica on each host.  A long prefix computed by
+one replica is requested from the other, which loads it across the hosts: with the
+automatic transport (these hosts have no RDMA device, so xoscar's sockets: NIXL over TCP
+is no faster and costs a core, doc/multi-host.md) and with NIXL forced
+(``vllm_transfer_backend_type: nixl``, UCX over TCP).  Counters prove which channel moved
+the bytes and that no memory of the other host was mapped; the texts equal those of a
+launch without Xavier.
+
+Faults: the worker of the host that holds the prefix is killed (SIGKILL, its engine
+too); the other replica's next request still finds the blocks in the directory (the
+supervisor has not noticed yet), its load fails, vLLM recomputes: correct text, no hang,
+no lease left; the directory's liveness check then drops the dead rank and its blocks.
+With the host's worker back, the model launched again shares across the hosts again.
+(Xinference 3.5.0 neither relaunches a replica on a returning worker nor adds replicas to
+Xavier models, so "back" means a new launch.)
+
+The hosts share one kernel: the workers run with ``UCX_TLS=tcp`` so that UCX does not
+pick its shared-memory transports between them (real separate hosts cannot), and the
+measured figures are printed and, with ``XAVIER_TEST_LOG_DIR``, written as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Dict, List, Optional
+
+import pytest
+import xoscar as xo
+
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+from xinference.model.llm.vllm.xavier.collective_manager import CollectiveManager
+from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
+
+from .support.netns import SimulatedHosts, simulated_hosts
+
+REQUIRED = os.environ.get("XAVIER_TEST_REQUIRE_NETNS") == "1"  # CI: fail, never skip
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 and not REQUIRED,
+                       reason="simulated hosts (network namespaces) need root"),
+]
+
+MODEL = "qwen2.5-instruct"
+HTTP_PORT, SUPERVISOR_PORT, WORKER_PORT = 9997, 9999, 30001
+BIN = os.path.dirname(sys.executable)
+TEXT = open(os.__file__).read()
+#: one shared prefix (~900 tokens, 55 full blocks of 16) and different tails
+PREFIX = TEXT[:2500]
+PASSWORD = "xavier-test-pw"
+
+
+def prompt(i: int, round_: int = 0) -> str:
+    """Request ``i`` of a round; every round has a prefix of its own (round 0: PREFIX)."""
+    prefix = TEXT[round_ * 3000:round_ * 3000 + 2500]
+    return prefix + f"\n# request {i}\n" + TEXT[7000 + 100 * i:7100 + 100 * i]
+
+
+#: every prompt these tests send: (round, request)
+PROMPTS = [(0, i) for i in range(5)] + [(r, i) for r in (1, 2) for i in (2 * r, 2 * r + 1)]
+
+
+class Cluster:
+    """Supervisor + worker on host A, worker on host B; REST and xoscar calls are made
+    from a thread inside host A's namespace."""
+
+    def __init__(self, hosts: SimulatedHosts, home: str, model_dir: str) -> None:
+        self.hosts, self.home, self.model_dir = hosts, home, model_dir
+        self.a, self.b = hosts.addresses
+        self.base = f"http://{self.a}:{HTTP_PORT}"
+        self.supervisor_address = f"{self.a}:{SUPERVISOR_PORT}"
+        self.token = ""
+        self.workers: Dict[int, subprocess.Popen] = {}
+        env = self.env("supervisor")
+        hosts.popen(0, [os.path.join(BIN, "xinference-supervisor"), "-H", self.a,
+                        "-p", str(HTTP_PORT), "--supervisor-port", str(SUPERVISOR_PORT)],
+                    env, self.log("supervisor"))
+        self.wait(lambda: self.call("GET", "/status", auth=False), 180, "supervisor /status")
+        self.call("POST", "/v1/admin/setup", {"username": "admin", "password": PASSWORD},
+                  auth=False)
+        self.token = self.call("POST", "/token", {"username": "admin", "password": PASSWORD},
+                               auth=False)["access_token"]
+        for host in (0, 1):
+            self.start_worker(host)
+
+    def env(self, name: str) -> Dict[str, str]:
+        return dict(os.environ, XINFERENCE_HOME=os.path.join(self.home, name),
+                    PYTHONUNBUFFERED="1", UCX_TLS="tcp")
+
+    def log(self, name: str) -> str:
+        return os.path.join(self.home, f"{name}.log")
+
+    def start_worker(self, host: int) -> None:
+        name = f"worker-{'ab'[host]}"
+        started = self.count_in_log(name, "started")
+        self.workers[host] = self.hosts.popen(
+            host, [os.path.join(BIN, "xinference-worker"), "-e", self.base,
+                   "-H", self.hosts.addresses[host], "--worker-port", str(WORKER_PORT)],
+            self.env(name), self.log(name))
+        self.wait(lambda: self.count_in_log(name, "Xinference worker") > started, 180,
+                  f"{name} start")
+
+    def kill_worker(self, host: int) -> None:
+        """SIGKILL the worker's process group: its sub pools and engines die with it."""
+        os.killpg(self.workers[host].pid, signal.SIGKILL)
+        self.workers[host].wait(timeout=30)
+
+    def count_in_log(self, name: str, needle: str) -> int:
+        try:
+            with open(self.log(name)) as f:
+                return sum(needle in line for line in f)
+        except FileNotFoundError:
+            return 0
+
+    @staticmethod
+    def wait(check: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if check():
+                    return
+            except Exception:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"{what}: not within {timeout} s")
+
+    def call(self, method: str, path: str, body: Any = None, auth: bool = True,
+             timeout: float = 600) -> Any:
+        def request() -> Any:
+            headers = {"Content-Type": "application/json"}
+            if auth:
+                headers["Authorization"] = f"Bearer {self.token}"
+            req = urllib.request.Request(
+                self.base + path, method=method, headers=headers,
+                data=None if body is None else json.dumps(body).encode())
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return json.loads(r.read() or b"null")
+            except urllib.error.HTTPError as exc:
+                exc.msg = f"{exc.msg}: {exc.read()[:2000]!r}"
+                raise
+
+        return self.hosts.run_in(0, request, timeout + 30)
+
+    def actor_call(self, address: str, uid: str, method: str, *args: Any) -> Any:
+        async def go() -> Any:
+            ref = await xo.actor_ref(address, uid)
+            return await asyncio.wait_for(getattr(ref, method)(*args), 60)
+
+        return self.hosts.run_in(0, lambda: asyncio.run(go()), 120)
+
+    # ----------------------------------------------------------------- a model
+    def launch(self, xavier: bool, transport: Optional[str] = None) -> float:
+        body = {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
+                "model_type": "LLM", "model_format": "pytorch",
+                "model_path": self.model_dir,
+                "replica": 2 if xavier else 1, "enable_virtual_env": False,
+                "envs": {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0",
+                         "VLLM_CPU_KVCACHE_SPACE": "1"},
+                "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_model_len": 2048,
+                "enforce_eager": True, "block_size": 16, "dtype": "bfloat16",
+                "max_num_seqs": 16}
+        if xavier:
+            body["enable_xavier"] = True
+        if transport:
+            body["vllm_transfer_backend_type"] = transport
+        t0 = time.monotonic()
+        assert self.call("POST", "/v1/models", body) == {"model_uid": MODEL}
+        return time.monotonic() - t0
+
+    def terminate(self, timeout: float = 180) -> None:
+        """Terminate the model; while a dead worker still holds a replica, Xinference
+        answers with an error until its health check has dropped the worker: try again."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                self.call("DELETE", f"/v1/models/{MODEL}")
+                return
+            except urllib.error.HTTPError:
+                if time.monotonic() - t0 > timeout:
+                    raise
+                time.sleep(2)
+
+    def complete(self, text: str) -> Dict[str, Any]:
+        """One completion (greedy, 8 tokens): its text and how long it took."""
+        t0 = time.monotonic()
+        out = self.call("POST", "/v1/completions", {
+            "model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0})
+        return {"text": out["choices"][0]["text"], "s": time.monotonic() - t0}
+
+    def complete_eventually(self, text: str, timeout: float) -> Dict[str, Any]:
+        """:meth:`complete`, sent again while Xinference answers with an error (after a
+        worker died, until its health check has dropped the worker); the failed tries
+        are listed."""
+        t0, failed = time.monotonic(), []
+        while True:
+            try:
+                return dict(self.complete(text), failed=failed, total_s=time.monotonic() - t0)
+            except urllib.error.HTTPError as exc:
+                failed.append((round(time.monotonic() - t0, 1), exc.code, str(exc.msg)[:200]))
+                if time.monotonic() - t0 > timeout:
+                    raise
+                time.sleep(2)
+
+    def world(self) -> List[str]:
+        return self.actor_call(self.supervisor_address,
+                               f"{CollectiveManager.default_uid()}-{MODEL}", "world")
+
+    def liveness(self) -> Dict[str, Any]:
+        return self.actor_call(self.supervisor_address,
+                               f"{CollectiveManager.default_uid()}-{MODEL}", "liveness")
+
+    def directory(self) -> Dict[str, int]:
+        return self.actor_call(self.supervisor_address,
+                               f"{VLLMBlockTracker.default_uid()}-{MODEL}", "stats")
+
+    def counters(self, world: List[str]) -> Dict[int, Dict[str, int]]:
+        return {r: self.actor_call(world[r], transfer_actor_uid(r), "counters")
+                for r in (1, 2) if r < len(world) and world[r]}
+
+
+def host_of(address: str, cluster: Cluster) -> str:
+    return "A" if address.startswith(cluster.a + ":") else "B"
+
+
+def delta(after: Dict[int, Dict[str, int]], before: Dict[int, Dict[str, int]], rank: int,
+          name: str) -> int:
+    return after.get(rank, {}).get(name, 0) - before.get(rank, {}).get(name, 0)
+
+
+FIGURES: Dict[str, Any] = {}
+
+
+def record(key: str, value: Any) -> None:
+    FIGURES[key] = value
+    print(f"two hosts: {key} = {value}")
+    out = os.environ.get("XAVIER_TEST_LOG_DIR")
+    if out:
+        with open(os.path.join(out, "two-hosts.json"), "w") as f:
+            json.dump(FIGURES, f, indent=1, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
+    home = str(tmp_path_factory.mktemp("two-hosts"))
+    with simulated_hosts() as hosts:
+        try:
+            yield Cluster(hosts, home, tiny_model_dir)
+        except BaseException:
+            raise
+        finally:
+            for name in ("supervisor", "worker-a", "worker-b"):
+                path = os.path.join(home, f"{name}.log")
+                if os.path.exists(path):
+                    keep = os.environ.get("XAVIER_TEST_LOG_DIR")
+                    if keep:
+                        subprocess.run(["cp", path, os.path.join(keep, f"two-hosts-{name}.log")])
+    assert hosts.exists() == []  # the namespaces (and the veth pair) are gone
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster: Cluster) -> Dict[Any, str]:
+    """The texts of every prompt these tests send, from one replica without Xavier."""
+    cluster.launch(xavier=False)
+    try:
+        return {(r, i): cluster.complete(prompt(i, r))["text"] for r, i in PROMPTS}
+    finally:
+        cluster.terminate()
+
+
+def launched_across_hosts(cluster: Cluster, transport: str) -> List[str]:
+    seconds = cluster.launch(xavier=True, transport=transport)
+    world = cluster.world()
+    assert len(world) == 3 and all(world), world
+    hosts = sorted(host_of(world[r], cluster) for r in (1, 2))
+    assert hosts == ["A", "B"], world  # Xinference put one replica on each host
+    record(f"{transport}: launch_s", round(seconds, 1))
+    return world
+
+
+@pytest.mark.parametrize("transport,route", [("xavier", "sockets"), ("nixl", "nixl")])
+def test_a_prefix_computed_on_one_host_is_loaded_on_the_other(cluster, baseline, transport,
+                                                              route):
+    world = launched_across_hosts(cluster, transport)
+    try:
+        before = cluster.counters(world)
+        # round robin: the first request goes to one replica (which computes the prefix),
+        # the second to the other (which loads it from the first one's host); a load that
+        # fails is recomputed, so further pairs with new prefixes are tried until the
+        # channel has moved bytes once (the first NIXL connection may time out on a
+        # two-core machine, see doc/multi-host.md)
+        rounds = []
+        for round_ in range(3):
+            i0, i1 = 2 * round_, 2 * round_ + 1
+            first = cluster.complete(prompt(i0, round_))
+            second = cluster.complete(prompt(i1, round_))
+            rounds.append({"compute_s": round(first["s"], 3), "load_s": round(second["s"], 3)})
+            assert first["text"] == baseline[round_, i0]
+            assert second["text"] == baseline[round_, i1]
+            after = cluster.counters(world)
+            if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
+                break
+        record(f"{transport}: requests (s)", rounds)
+        loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
+        source = 3 - loader
+        assert host_of(world[loader], cluster) != host_of(world[source], cluster)
+        figures = {k: delta(after, before, loader, k) for k in (
+            "hit_blocks", "blocks_written", "load_failures", "remote_fetches", "remote_bytes",
+            "useful_bytes", "load_launch_us", "peers_mapped_ipc", f"peers_mapped_{route}")}
+        figures["served_bytes (source)"] = delta(after, before, source, "served_bytes")
+        record(f"{transport}: loader counters", figures)
+        assert figures["hit_blocks"] >= 2500 // 4 // 16
+        assert figures["remote_fetches"] >= 1 and figures["remote_bytes"] > 0
+        assert figures["served_bytes (source)"] == figures["remote_bytes"]
+        assert figures[f"peers_mapped_{route}"] == 1  # the channel that moved the bytes
+        assert figures["peers_mapped_ipc"] == 0  # the other host's memory was never mapped
+        assert all(delta(after, before, r, "peers_mapped_ipc") == 0 for r in (1, 2))
+        assert cluster.directory()["outstanding_leases"] == 0
+    finally:
+        cluster.terminate()
+
+
+def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
+        cluster, baseline):
+    world = launched_across_hosts(cluster, "sockets")
+    assert cluster.complete(prompt(0))["text"] == baseline[0, 0]
+    counters = cluster.counters(world)
+    source = max((1, 2), key=lambda r: counters[r].get("export_exported", 0))
+    survivor = 3 - source
+    dead_host = 0 if host_of(world[source], cluster) == "A" else 1
+    used = {r: counters[r].get("storage_cpu_used_blocks", 0) for r in (1, 2)}
+    assert used[source] > 0 and cluster.directory()["blocks"] == used[1] + used[2]
+    survivor_only = [world[r] if r == survivor else "" for r in range(3)]
+
+    # the source's host loses its worker (and with it the engine and the storage) before
+    # the survivor reads: the directory still lists the blocks there
+    cluster.kill_worker(dead_host)
+    t0 = time.monotonic()
+    # Xinference's round robin hands the next request to the survivor
+    served = cluster.complete_eventually(prompt(1), 120)
+    record("host death: request after the kill", {k: served[k] for k in ("s", "failed")})
+    assert served["text"] == baseline[0, 1]  # recomputed: the right text, no hang
+    after = cluster.counters(survivor_only)
+    figures = {k: delta(after, counters, survivor, k) for k in (
+        "requests_with_hits", "hit_blocks", "load_failures", "rows_unreachable",
+        "blocks_written", "peer_map_failures")}
+    record("host death: survivor counters", figures)
+    # ONE hit offered and ONE failed load: vLLM asks again after the failure and is told
+    # to recompute (not offered the dead host's blocks again until the directory drops them)
+    assert figures["requests_with_hits"] == 1
+    assert figures["hit_blocks"] >= 2500 // 4 // 16
+    assert figures["rows_unreachable"] == figures["hit_blocks"]
+    assert figures["blocks_written"] == 0
+
+    # the manager's liveness check drops the dead rank: its blocks leave the directory
+    Cluster.wait(lambda: source not in cluster.liveness()["ranks"], 60, "the rank dropped")
+    record("host death: rank dropped after (s)", round(time.monotonic() - t0, 1))
+    live = cluster.liveness()
+    assert live["dropped_unreachable"] >= 1 and survivor in live["ranks"]
+    stats = cluster.directory()
+    assert stats["outstanding_leases"] == 0
+    assert stats["blocks"] == cluster.counters(survivor_only)[survivor][
+        "storage_cpu_used_blocks"]  # the survivor's own blocks only
+    # Xinference answers again once its health check has dropped the dead worker
+    served = cluster.complete_eventually(prompt(2), 180)
+    record("host death: Xinference serves again", {k: served[k] for k in ("total_s", "failed")})
+    assert served["text"] == baseline[0, 2]
+    t1 = time.monotonic()
+    cluster.terminate()
+    record("host death: terminate took (s)", round(time.monotonic() - t1, 1))
+
+    # the host's worker is back: a new launch shares across the hosts again
+    cluster.start_worker(dead_host)
+    world = launched_across_hosts(cluster, "sockets")
+    try:
+        before = cluster.counters(world)
+        assert cluster.complete(prompt(3))["text"] == baseline[0, 3]
+        assert cluster.complete(prompt(4))["text"] == baseline[0, 4]
+        after = cluster.counters(world)
+        assert sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) == 1
+        assert sum(delta(after, before, r, "load_failures") for r in (1, 2)) == 0
+    finally:
+        cluster.terminate()
