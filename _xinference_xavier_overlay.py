@@ -20,6 +20,12 @@ import of ``xinference.core.worker`` and, once it is loaded, wraps
 gets :data:`CHILD_PTH`, a one-line bootstrap that loads this module by its
 absolute path and installs the finder with the fork's location.  Only that file
 in the child venv is written; upstream's files are not.
+
+Two more upstream modules are wrapped when imported: ``xinference.core.supervisor``
+(Xavier's launch options checked before any engine starts) and
+``xinference.core.metrics`` (a :class:`XavierMetricsSink` under the name
+:data:`METRICS_SINK`, so that replicas' counters reach the worker's metrics endpoint
+through upstream's own ``WorkerActor.record_metrics``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ ENV_SWITCH = "XINFERENCE_XAVIER_OVERLAY"
 CHILD_PTH = "xinference_xavier_overlay.pth"
 WORKER_MODULE = "xinference.core.worker"
 SUPERVISOR_MODULE = "xinference.core.supervisor"
+METRICS_MODULE = "xinference.core.metrics"
+#: the name Xavier's transfer actors pass to ``WorkerActor.record_metrics``
+METRICS_SINK = "xavier_counters"
 
 logger = logging.getLogger("xinference_xavier_overlay")
 
@@ -156,8 +165,10 @@ def _patch_supervisor(module: ModuleType) -> bool:
     """Wrap ``SupervisorActor.launch_builtin_model`` so that Xavier's launch options are
     normalized and checked before upstream reads them (``planning/launch_checks.py``: the
     CLI's ``enable-xavier`` spelling, ``enable_xavier`` as a strict switch, the replica
-    count and ``XAVIER_*`` envs).  Idempotent; a missing method (other Xinference) is
-    logged and the launch stays upstream's."""
+    count and ``XAVIER_*`` envs), and a Xavier launch first removes the actors an earlier
+    termination of the same uid left behind (``collective_manager.drop_leftover_actors``).
+    Idempotent; a missing method (other Xinference) is logged and the launch stays
+    upstream's."""
     cls = getattr(module, "SupervisorActor", None)
     func = getattr(cls, "__dict__", {}).get("launch_builtin_model")
     if func is None or not inspect.iscoroutinefunction(func):
@@ -176,6 +187,14 @@ def _patch_supervisor(module: ModuleType) -> bool:
         bound = signature.bind(self, *args, **kwargs)
         extra = bound.arguments.get("kwargs", {})
         normalize_launch(extra, bound.arguments.get("replica", 1), bound.arguments.get("envs"))
+        if extra.get("enable_xavier") is True:
+            from xinference.model.llm.vllm.xavier.collective_manager import (
+                drop_leftover_actors,
+            )
+
+            uid = bound.arguments.get("model_uid") or bound.arguments.get("model_name")
+            if isinstance(uid, str) and uid:
+                await drop_leftover_actors(self, uid)
         return await func(*bound.args, **bound.kwargs)
 
     launch._xavier_overlay = True  # type: ignore[attr-defined]
@@ -183,8 +202,53 @@ def _patch_supervisor(module: ModuleType) -> bool:
     return True
 
 
+class XavierMetricsSink:
+    """Xavier's counters as series of the worker's metrics endpoint.  Upstream's
+    ``record_metrics(name, op, kwargs)`` looks ``name`` up in ``xinference.core.metrics``
+    and calls ``op`` on it: each replica's transfer actor sends its counter snapshot with
+    ``op="set"`` (and ``"remove"`` when it closes), the path Xinference's model actors use
+    for their own series.  Collectors are made on first use, in the process's registry."""
+
+    def __init__(self) -> None:
+        self._collectors: dict = {}
+
+    def set(self, labels: dict, values: dict) -> None:
+        from aioprometheus import Counter, Gauge
+
+        from xinference.model.llm.vllm.xavier.planning.counters import (
+            XINFERENCE_METRIC_PREFIX,
+            prometheus_series,
+        )
+
+        for metric, kind, help_text, value in prometheus_series(values,
+                                                                XINFERENCE_METRIC_PREFIX):
+            collector = self._collectors.get(metric)
+            if collector is None:
+                collector = (Gauge if kind == "gauge" else Counter)(metric, help_text)
+                self._collectors[metric] = collector
+            collector.set(dict(labels), value)
+
+    def remove(self, labels: dict) -> None:
+        """Drop the series of one replica (aioprometheus has no public removal)."""
+        for collector in self._collectors.values():
+            collector.values.pop(dict(labels), None)
+
+
+def _patch_metrics(module: ModuleType) -> bool:
+    """Put a :class:`XavierMetricsSink` into ``xinference.core.metrics`` under
+    :data:`METRICS_SINK`.  Idempotent; an upstream without ``record_metrics`` is logged."""
+    if not callable(getattr(module, "record_metrics", None)):
+        logger.warning("xavier overlay: %s.record_metrics not found; Xavier's counters are "
+                       "not in the worker's metrics", METRICS_MODULE)
+        return False
+    if not isinstance(getattr(module, METRICS_SINK, None), XavierMetricsSink):
+        setattr(module, METRICS_SINK, XavierMetricsSink())
+    return True
+
+
 #: upstream modules wrapped when imported, and how
-_PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor}
+_PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor,
+            METRICS_MODULE: _patch_metrics}
 
 
 class _HookLoader:

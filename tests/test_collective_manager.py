@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import xoscar as xo
 
@@ -14,6 +15,7 @@ from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 from xinference.model.llm.vllm.xavier.collective_manager import (
     CollectiveManager,
     Rank0TransferActor,
+    drop_leftover_actors,
 )
 from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
 
@@ -68,5 +70,32 @@ def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
             # the survivor was told: rank 1 has no address any more
             assert (await ranks[2].world()) == ["", "", addresses[1]]
             await xo.destroy_actor(manager)
+
+    asyncio.run(run())
+
+
+def test_actors_left_by_a_failed_termination_are_dropped_before_a_new_launch():
+    """Xinference 3.5.0 skips its Xavier cleanup when a termination meets a dead worker;
+    the launch hook destroys the leftovers of a uid that is not running (and, the negative
+    control, nothing of a uid that is)."""
+    async def run():
+        async with actor_pool(n_process=0) as pool:
+            await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
+                                  uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
+            await xo.create_actor(CollectiveManager, MODEL_UID, address=pool.external_address,
+                                  uid=f"{CollectiveManager.default_uid()}-{MODEL_UID}")
+            running = SimpleNamespace(address=pool.external_address,
+                                      _model_uid_to_replica_info={MODEL_UID: object()},
+                                      _block_tracker_mapping={}, _collective_manager_mapping={})
+            assert await drop_leftover_actors(running, MODEL_UID) == 0
+            gone = SimpleNamespace(address=pool.external_address, _model_uid_to_replica_info={},
+                                   _block_tracker_mapping={MODEL_UID: "stale"},
+                                   _collective_manager_mapping={MODEL_UID: "stale"})
+            assert await drop_leftover_actors(gone, MODEL_UID) == 2
+            assert gone._block_tracker_mapping == {} == gone._collective_manager_mapping
+            assert await drop_leftover_actors(gone, MODEL_UID) == 0
+            # the uid can be created again: a new launch goes through
+            await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
+                                  uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
 
     asyncio.run(run())

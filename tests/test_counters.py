@@ -69,6 +69,6 @@ def test_activity_line_says_what_a_rank_did_since_the_last_one():
            "storage_gpu_free_blocks": 60}
     assert activity_line(2, now, before) == (
         "xavier rank 2: external hit rate 50.0 % (32 of 64 blocks asked, 1 requests, 512 "
-        "tokens); loaded 32 blocks in 1 calls, 0 failed; exported 40 blocks, 4 skipped (no "
-        "free slot); storage blocks used GPU 40/100")
+        "tokens); loaded 32 blocks in 1 calls, 0 failed, 0 blocks unreachable (recomputed); "
+        "exported 40 blocks, 4 skipped (no free slot); storage blocks used GPU 40/100")
     assert activity_line(2, now, now) is None  # nothing happened: no line

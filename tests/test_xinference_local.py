@@ -75,6 +75,18 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read() or b"null")
 
+    def launch(self, body, wait_for_worker_s=120):
+        """POST /v1/models; while the local worker has not joined yet Xinference answers
+        503 ("No available worker found"): try again."""
+        deadline = time.monotonic() + wait_for_worker_s
+        while True:
+            try:
+                return self.call("POST", "/v1/models", body)
+            except urllib.error.HTTPError as exc:
+                if exc.code != 503 or time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+
     def engine_cores(self):
         return engine_cores(self.proc.pid)
 
@@ -120,6 +132,35 @@ def log_lines(home, needle):
         return [line for line in f if needle in line]
 
 
+def metrics_endpoint(home):
+    """The worker's metrics endpoint, from its start-up line in the log."""
+    (line,) = log_lines(home, "Metrics server is started at:")[-1:]
+    return line.rsplit("started at:", 1)[1].strip().replace("0.0.0.0", "127.0.0.1") + "/metrics"
+
+
+def scrape(endpoint, metric):
+    """``[(labels, value)]`` of ``metric`` in a Prometheus text scrape of ``endpoint``."""
+    with urllib.request.urlopen(endpoint, timeout=30) as r:
+        text = r.read().decode()
+    out = []
+    for line in text.splitlines():
+        if line.startswith(metric + "{"):
+            body, value = line[len(metric) + 1:].rsplit("} ", 1)
+            labels = dict(item.split("=", 1) for item in body.split(","))
+            out.append(({k: v.strip('"') for k, v in labels.items()}, float(value)))
+    return out
+
+
+def wait_for_series(endpoint, metric, count, timeout):
+    """:func:`scrape` until ``count`` series are there (or ``timeout`` passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = scrape(endpoint, metric)
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(1)
+
+
 async def counters(address, rank):
     ref = await xo.actor_ref(address, f"vllm-transfer-actor-{rank}")
     return await ref.counters()
@@ -132,8 +173,7 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
     server = Server(home)
     try:
         envs = xavier_envs()
-        assert server.call("POST", "/v1/models", launch_body(tiny_model_dir, envs)) == {
-            "model_uid": MODEL}
+        assert server.launch(launch_body(tiny_model_dir, envs)) == {"model_uid": MODEL}
         # our hook classes did the work (upstream's would not log these)
         registered = log_lines(home, "xavier.collective_manager")
         assert sum(f"rank {r} registered at" in line for line in registered
@@ -164,12 +204,23 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
         assert sum(c[r].get("batch_calls", 0) for r in (1, 2)) == 1
         assert sum(c[r].get("load_failures", 0) for r in (1, 2)) == 0
 
+        # the same counters on the worker's metrics endpoint, per replica (sent every 5 s)
+        endpoint = metrics_endpoint(home)
+        series = wait_for_series(endpoint, "xinference:xavier_hit_blocks_total", 2, 30)
+        print("worker metrics:", endpoint, series)
+        assert sorted(labels["replica"] for labels, _ in series) == ["0", "1"]
+        assert {labels["model"] for labels, _ in series} == {MODEL}
+        hit_blocks = {int(labels["replica"]) + 1: value for labels, value in series}
+        assert hit_blocks == {r: c[r].get("hit_blocks", 0) for r in (1, 2)}
+
         assert server.call("DELETE", f"/v1/models/{MODEL}") is None
         deadline = time.monotonic() + 60
         while server.engine_cores() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert server.engine_cores() == []
         assert server.call("GET", "/v1/models")["data"] == []
+        # a terminated model's series are gone from the worker's metrics
+        assert scrape(endpoint, "xinference:xavier_hit_blocks_total") == []
 
         # a bad option fails the launch and names it; nothing stays behind
         bad = dict(envs, XAVIER_CPU_BUDGET="lots")

@@ -4,13 +4,14 @@ This package is served as ``xinference.model.llm.vllm.xavier`` by the import
 overlay of this project (``_xinference_xavier_overlay``); upstream's V0-only
 package of the same name stays installed and untouched.
 
-Layers (see ``doc/architecture.md``):
+Layers, one folder each, imports only downwards (see ``doc/architecture.md``):
 
-* planning, pure (numpy only): :mod:`.load_batch`, :mod:`.plan`;
-* mechanism (torch): :mod:`.kv_schema`, :mod:`.slabs`, :mod:`.block_copy`,
-  :mod:`.gpu_transfer`, :mod:`.counters`;
-* adapters (xoscar / Xinference hook classes): :mod:`.transport`,
-  :mod:`.block_tracker`, :mod:`.collective_manager`.
+* :mod:`.planning` -- pure (numpy and the standard library): load batches and plans,
+  the block directory, leases, the scheduler side, options, counters;
+* :mod:`.mechanism` -- torch: KV layouts, storage tiers, copies, the load engine, NIXL;
+* :mod:`.vllm_side` -- vLLM's connector halves, the worker's data plane, peers;
+* this folder -- the modules Xinference 3.5.0 imports by path: :mod:`.engine`,
+  :mod:`.transfer`, :mod:`.block_tracker`, :mod:`.collective_manager`, :mod:`.transport`.
 
 The package itself imports nothing heavy: Xinference's supervisor imports
 :mod:`.block_tracker`, :mod:`.collective_manager` and :mod:`.transport` at

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import xoscar as xo
 
+from .block_tracker import VLLMBlockTracker
 from .mechanism.kv_schema import KVLayout
 from .mechanism.nixl_endpoint import (
     NixlEndpoint,
@@ -53,6 +54,11 @@ logger = logging.getLogger(__name__)
 
 #: how often each rank logs what it did (hit rate, loads, exports, storage), when it did
 ACTIVITY_LOG_S = 30.0
+#: how often each rank sends its counters to its Xinference worker's metrics endpoint
+METRICS_PUSH_S = 5.0
+#: the overlay's ``XavierMetricsSink`` in ``xinference.core.metrics``
+#: (``_xinference_xavier_overlay.METRICS_SINK``)
+METRICS_SINK = "xavier_counters"
 
 
 class TransferClosedError(RuntimeError):
@@ -90,6 +96,10 @@ class TransferActor(xo.StatelessActor):
         #: the counters at the last activity log line (see :meth:`_log_activity`)
         self._logged: Dict[str, int] = {}
         self._activity: Optional[asyncio.Task[None]] = None
+        #: this pool's Xinference worker (None: not looked up yet; False: there is none)
+        self._metrics_worker: Any = None
+        #: the counters last sent to it
+        self._pushed: Dict[str, int] = {}
 
     # --------------------------------------------------------------- lifecycle
     async def register_engine(self, layout: KVLayout, options: XavierOptions,
@@ -187,9 +197,56 @@ class TransferActor(xo.StatelessActor):
         await self._close_runtime()
 
     async def _activity_loop(self) -> None:
+        waited = 0.0
         while True:
-            await asyncio.sleep(ACTIVITY_LOG_S)
-            self._log_activity()
+            await asyncio.sleep(METRICS_PUSH_S)
+            await self._push_metrics()
+            waited += METRICS_PUSH_S
+            if waited >= ACTIVITY_LOG_S:
+                waited = 0.0
+                self._log_activity()
+
+    def _metric_labels(self) -> Dict[str, str]:
+        """``model`` (Xinference's model uid) and ``replica`` (Xinference's replica index:
+        rank 1 is replica 0)."""
+        uid = self._options.block_tracker_uid if self._options is not None else ""
+        stem = f"{VLLMBlockTracker.default_uid()}-"
+        return {"model": uid[len(stem):] if uid.startswith(stem) else uid,
+                "replica": str(self.rank - 1)}
+
+    async def _worker_for_metrics(self) -> Any:
+        """The Xinference worker of this sub pool (its main pool), or None without one."""
+        if self._metrics_worker is None:
+            self._metrics_worker = False
+            try:
+                config = await xo.get_pool_config(self.address)
+                main = config.get_external_addresses()[0]
+                if main != self.address:
+                    self._metrics_worker = await xo.actor_ref(main, "worker")
+            except Exception as exc:  # test pools, other hosts of Xavier: counters stay here
+                logger.info("transfer actor rank %d: no Xinference worker to send metrics "
+                            "to (%s); counters() and metrics_text() have them", self.rank, exc)
+        return self._metrics_worker or None
+
+    async def _push_metrics(self, op: str = "set") -> None:
+        """Send this rank's counters (``op="set"``, when they changed) or the removal of its
+        series (``"remove"``) through ``WorkerActor.record_metrics``; failures are logged."""
+        try:
+            worker = await self._worker_for_metrics()
+            if worker is None:
+                return
+            if op == "remove":
+                await worker.record_metrics(METRICS_SINK, "remove",
+                                            {"labels": self._metric_labels()})
+                self._pushed = {}
+                return
+            now = self.counters()
+            if now != self._pushed:
+                await worker.record_metrics(METRICS_SINK, "set",
+                                            {"labels": self._metric_labels(), "values": now})
+                self._pushed = now
+        except Exception as exc:  # metrics never stop the rank
+            logger.info("transfer actor rank %d: metrics %s failed: %r", self.rank, op, exc)
 
     def _log_activity(self) -> Optional[str]:
         """Log what this rank did since the last line (nothing when it did nothing)."""
@@ -201,6 +258,8 @@ class TransferActor(xo.StatelessActor):
         return line
 
     async def _close_runtime(self) -> None:
+        if self._pushed:
+            await self._push_metrics("remove")
         storage, self._storage = self._storage, None
         self._engine_owner = None
         self._remote.clear()

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, fields
-from typing import Callable, Dict, Iterator, Mapping, Optional, Protocol, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -191,18 +191,32 @@ _HELP = {
 }
 
 
-def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
-                    prefix: str = "xavier_") -> str:
-    """Prometheus text exposition of a counter snapshot (``*_total`` counters, gauges by
-    their name)."""
-    label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    lines = []
+#: Xavier's series in Xinference's metrics (Xinference names its own ``xinference:...``)
+XINFERENCE_METRIC_PREFIX = "xinference:xavier_"
+
+
+def prometheus_series(counters: Mapping[str, int], prefix: str = "xavier_"
+                      ) -> List[Tuple[str, str, str, int]]:
+    """``(metric, kind, help, value)`` per counter of a snapshot: ``*_total`` counters,
+    gauges (the levels of :data:`GAUGE_NAMES`) by their name."""
+    series = []
     for name, value in counters.items():
         gauge = name in GAUGE_NAMES
         metric = f"{prefix}{name}" if gauge else f"{prefix}{name}_total"
-        lines.append(f"# HELP {metric} Xavier {_HELP.get(name, name.replace('_', ' '))}")
-        lines.append(f"# TYPE {metric} {'gauge' if gauge else 'counter'}")
-        lines.append(f"{metric}{{{label}}} {int(value)}")
+        series.append((metric, "gauge" if gauge else "counter",
+                       f"Xavier {_HELP.get(name, name.replace('_', ' '))}", int(value)))
+    return series
+
+
+def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
+                    prefix: str = "xavier_") -> str:
+    """Prometheus text exposition of a counter snapshot (see :func:`prometheus_series`)."""
+    label = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    lines = []
+    for metric, kind, help_text, value in prometheus_series(counters, prefix):
+        lines.append(f"# HELP {metric} {help_text}")
+        lines.append(f"# TYPE {metric} {kind}")
+        lines.append(f"{metric}{{{label}}} {value}")
     return "\n".join(lines) + "\n"
 
 
@@ -241,5 +255,6 @@ def activity_line(rank: int, now: Mapping[str, int], before: Mapping[str, int]
     return (f"xavier rank {rank}: external hit rate {rate} ({hits} of {queried} blocks asked, "
             f"{d('requests_with_hits')} requests, {d('hit_tokens')} tokens); loaded "
             f"{d('blocks_written')} blocks in {d('batch_calls')} calls, {d('load_failures')} "
-            f"failed; exported {d('export_exported')} blocks, {d('export_skipped_no_slot')} "
-            f"skipped (no free slot); storage blocks used {', '.join(tiers) or '-'}")
+            f"failed, {d('rows_unreachable')} blocks unreachable (recomputed); exported "
+            f"{d('export_exported')} blocks, {d('export_skipped_no_slot')} skipped (no free "
+            f"slot); storage blocks used {', '.join(tiers) or '-'}")
