@@ -198,6 +198,9 @@ class CollectiveManager(xo.StatelessActor):
         results = await asyncio.gather(
             *(asyncio.wait_for(ref.is_ready(), self._interval) for _, _, ref in checked),
             return_exceptions=True)
+        current = {(rank, generation) for rank, generation, _ in checked}
+        for stale in [key for key in misses if key not in current]:
+            del misses[stale]  # unregistered or registered again meanwhile
         for (rank, generation, _), result in zip(checked, results):
             key = (rank, generation)
             if not isinstance(result, Exception):

@@ -2,11 +2,11 @@
 
 Four transports (the launch option ``vllm_transfer_backend_type``): ``xavier`` (automatic:
 map peers of this host; NIXL to other hosts where NIXL is importable and the host has an
-RDMA device, else sockets), ``ipc`` (this
-host only), ``nixl`` (every peer through NIXL, this host too) and ``sockets`` (map peers of
-this host, xoscar's sockets to other hosts: NIXL is never opened).  :func:`peer_route` turns
-a transport and a peer's place into one route; the worker maps ``ipc`` routes itself and
-asks its rank's transfer actor for the others.
+RDMA device, else sockets), ``ipc`` (this host only), ``nixl`` (every peer through NIXL,
+this host too) and ``sockets`` (map peers of this host, xoscar's sockets to other hosts:
+NIXL is never opened).  :func:`peer_route` turns a transport and a peer's place into one
+route; the worker maps ``ipc`` routes itself and asks its rank's transfer actor for the
+others.
 """
 
 from __future__ import annotations
