@@ -127,6 +127,25 @@ def xavier_envs():
     return {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+#: ``xinference`` as a user runs it (see LOCAL_CMD)
+CLI_SCRIPT = os.path.join(os.path.dirname(sys.executable), "xinference")
+CLI_CMD = ([CLI_SCRIPT] if os.path.exists(CLI_SCRIPT) else
+           [sys.executable, "-c", "from xinference.deploy.cmdline import cli; cli()"])
+
+
+def cli_launch(server, model_dir, *xavier_args):
+    """``xinference launch`` of the tiny model with two replicas and ``xavier_args``."""
+    args = ["launch", "--endpoint", server.base, "--api-key", server.token,
+            "--model-engine", "vllm", "--model-name", MODEL, "--size-in-billions", "0_5",
+            "--model-format", "pytorch", "--model-path", model_dir, "--replica", "2",
+            "--disable-virtual-env", "--env", "XAVIER_GPU_BUDGET", "0",
+            "--env", "VLLM_CPU_KVCACHE_SPACE", "1", *xavier_args,
+            "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+            "--max_model_len", "2048", "--enforce_eager", "true", "--block_size", "16",
+            "--dtype", "bfloat16", "--max_num_seqs", "16"]
+    return subprocess.run(CLI_CMD + args, capture_output=True, text=True, timeout=600)
+
+
 def log_lines(home, needle):
     with open(os.path.join(home, "xinference-local.log")) as f:
         return [line for line in f if needle in line]
@@ -253,6 +272,23 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
             print(f"refused in {time.monotonic() - t0:.2f} s: {message}")
             assert message in json.loads(err.value.read())["detail"]
         assert server.call("GET", "/v1/models")["data"] == []
+        assert server.engine_cores() == []
+
+        # the CLI, with the card's spelling: a refused option exits non-zero at once; a
+        # launch that fails once the engines are up (a CPU tier too small for one block)
+        # exits 1 with the replicas' error (upstream's CLI would print "Model uid" and 0)
+        refused = cli_launch(server, tiny_model_dir, "--enable-xavier", "maybe")
+        assert refused.returncode != 0
+        assert "enable_xavier: expected true or false, got 'maybe'" in refused.stderr
+        failed = cli_launch(server, tiny_model_dir, "--enable-xavier", "true",
+                            "--env", "XAVIER_CPU_BUDGET", "1KiB")
+        print("cli exit", failed.returncode, failed.stderr[-600:])
+        assert failed.returncode == 1
+        assert f"Launch of {MODEL} failed" in failed.stderr
+        assert "xavier_cpu_budget" in failed.stderr.split(f"Launch of {MODEL} failed")[1]
+        deadline = time.monotonic() + 60
+        while server.engine_cores() and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert server.engine_cores() == []
     finally:
         server.stop()
