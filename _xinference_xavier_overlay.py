@@ -21,12 +21,11 @@ gets :data:`CHILD_PTH`, a one-line bootstrap that loads this module by its
 absolute path and installs the finder with the fork's location.  Only that file
 in the child venv is written; upstream's files are not.
 
-Three more upstream modules are wrapped when imported: ``xinference.core.supervisor``
-(Xavier's launch options checked before any engine starts), ``xinference.core.metrics``
-(a :class:`XavierMetricsSink` under the name :data:`METRICS_SINK`, so that replicas'
-counters reach the worker's metrics endpoint through upstream's own
-``WorkerActor.record_metrics``) and ``xinference.deploy.cmdline`` (``xinference launch``
-of a Xavier model exits non-zero, with the replicas' errors, when the launch failed).
+Two more upstream modules are wrapped when imported: ``xinference.core.supervisor``
+(Xavier's launch options checked before any engine starts) and
+``xinference.core.metrics`` (a :class:`XavierMetricsSink` under the name
+:data:`METRICS_SINK`, so that replicas' counters reach the worker's metrics endpoint
+through upstream's own ``WorkerActor.record_metrics``).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ CHILD_PTH = "xinference_xavier_overlay.pth"
 WORKER_MODULE = "xinference.core.worker"
 SUPERVISOR_MODULE = "xinference.core.supervisor"
 METRICS_MODULE = "xinference.core.metrics"
-CLI_MODULE = "xinference.deploy.cmdline"
 #: the name Xavier's transfer actors pass to ``WorkerActor.record_metrics``
 METRICS_SINK = "xavier_counters"
 
@@ -248,77 +246,9 @@ def _patch_metrics(module: ModuleType) -> bool:
     return True
 
 
-def launch_failure(client: Any, model_uid: str) -> Optional[str]:
-    """The errors of ``model_uid``'s replicas after a launch (``None``: none failed), read
-    through the CLI's own REST client."""
-    response = client.session.get(f"{client.base_url}/v1/models/{model_uid}/replicas",
-                                  headers=client._headers)
-    if response.status_code == 200:
-        failed = [r for r in response.json() if r.get("status") == "ERROR"]
-        if failed:
-            return "; ".join(f"replica {r.get('replica_id')}: {r.get('error_message')}"
-                             for r in failed)
-        return None
-    for info in client.get_instance_info("", model_uid) or []:
-        if info.get("status") == "ERROR":
-            return f"status ERROR ({response.status_code} from /replicas: see the server log)"
-    return None
-
-
-def _asks_for_xavier(args: Sequence[str]) -> bool:
-    return any(str(a).lstrip("-").replace("-", "_") == "enable_xavier" for a in args[::2])
-
-
-def _patch_cmdline(module: ModuleType) -> bool:
-    """Wrap ``xinference launch`` (``model_launch``): upstream launches with
-    ``wait_ready=False``, waits for READY or ERROR and exits 0 either way; for a launch that
-    names ``enable_xavier`` the wrapper looks at the replicas afterwards and exits 1 with
-    their errors when one failed.  Other launches are untouched.  Idempotent; an upstream
-    of another shape is logged and left alone."""
-    command = getattr(module, "model_launch", None)
-    callback = getattr(command, "callback", None)
-    client_cls = getattr(module, "RESTfulClient", None)
-    if not callable(callback) or client_cls is None:
-        logger.warning("xavier overlay: %s.model_launch not found; `xinference launch` exits "
-                       "0 on a failed Xavier launch", CLI_MODULE)
-        return False
-    if getattr(callback, "_xavier_overlay", False):
-        return True
-
-    @functools.wraps(callback)
-    def launch(*args: Any, **kwargs: Any) -> Any:
-        import click
-
-        if not _asks_for_xavier(list(click.get_current_context().args)):
-            return callback(*args, **kwargs)
-        seen: dict = {}
-
-        class RecordingClient(client_cls):  # type: ignore[misc, valid-type]
-            def launch_model(self, *a: Any, **kw: Any) -> Any:
-                uid = super().launch_model(*a, **kw)
-                seen["client"], seen["uid"] = self, uid
-                return uid
-
-        module.RESTfulClient = RecordingClient  # type: ignore[attr-defined]
-        try:
-            result = callback(*args, **kwargs)
-        finally:
-            module.RESTfulClient = client_cls  # type: ignore[attr-defined]
-        if "uid" in seen:
-            failure = launch_failure(seen["client"], seen["uid"])
-            if failure:
-                print(f"Launch of {seen['uid']} failed: {failure}", file=sys.stderr)
-                sys.exit(1)
-        return result
-
-    launch._xavier_overlay = True  # type: ignore[attr-defined]
-    command.callback = launch  # type: ignore[union-attr]
-    return True
-
-
 #: upstream modules wrapped when imported, and how
 _PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor,
-            METRICS_MODULE: _patch_metrics, CLI_MODULE: _patch_cmdline}
+            METRICS_MODULE: _patch_metrics}
 
 
 class _HookLoader:
