@@ -270,8 +270,6 @@ def cluster(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     with simulated_hosts() as hosts:
         try:
             yield Cluster(hosts, home, tiny_model_dir)
-        except BaseException:
-            raise
         finally:
             for name in ("supervisor", "worker-a", "worker-b"):
                 path = os.path.join(home, f"{name}.log")
