@@ -159,14 +159,19 @@ class CollectiveManager(xo.StatelessActor):
         await self._forget(rank, None)
 
     async def _forget(self, rank: int, generation: Optional[int]) -> bool:
-        """Forget ``rank`` (only its registration ``generation`` when given: a rank that
-        registered again meanwhile stays); False when nothing was forgotten."""
+        """Forget ``rank`` (only its registration ``generation`` when given, which means the
+        rank was found unreachable: a rank that registered again meanwhile stays); False when
+        nothing was forgotten."""
         async with self._lock:
             if generation is not None and (self._generation.get(rank) != generation
                                            or rank not in self._refs):
                 return False
             self._refs.pop(rank, None)
             self._addresses.pop(rank, None)
+            if generation is not None:
+                # counted with the removal, so that liveness() never shows the rank gone
+                # and the count not yet raised (it answers while the directory is told)
+                self.ranks_dropped_unreachable += 1
         if self._tracker is not None:
             dropped = await self._tracker.unregister_rank(rank)
             logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
@@ -214,7 +219,6 @@ class CollectiveManager(xo.StatelessActor):
     async def _drop_unreachable(self, rank: int, generation: int, error: Exception) -> None:
         address = self._addresses.get(rank, "")
         if await self._forget(rank, generation):
-            self.ranks_dropped_unreachable += 1
             logger.warning("xavier %s: rank %d at %s did not answer %d checks in a row (%r): "
                            "unregistered", self._model_uid, rank, address,
                            self.LIVENESS_MISSES, error)
