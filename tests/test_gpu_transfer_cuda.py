@@ -194,10 +194,13 @@ def test_cuda_ipc_storage_from_another_process():
         proc.join(60)
 
 
-def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
+@pytest.mark.parametrize("uva", ["1", "0"])
+def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier(uva, monkeypatch):
     """The worker's storage writer on CUDA: a fused gather into the GPU tier (no host
     wait), published once the bytes landed; room made by demoting to a page-locked CPU
-    tier in the background; stored bytes equal the engine blocks."""
+    tier (written in place through its CUDA view; with ``XAVIER_UVA=0`` by a host copy);
+    the bytes in the storage's own tensors (what peers read) equal the engine blocks."""
+    monkeypatch.setenv("XAVIER_UVA", uva)
     from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
     from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
     from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
@@ -226,8 +229,73 @@ def test_exports_gather_on_the_gpu_and_demotions_land_in_the_pinned_cpu_tier():
     assert res.exported == 4 and res.skipped_no_slot == 0 and writer.flush(30)
     for key, block in [(100 + i, i) for i in range(8)] + [(200 + i, 20 + i) for i in range(4)]:
         tier, slot, _ = writer.lookup(0, key)
-        stored = [v[slot].cpu() for v in writer.views(tier, 0)]
+        stored = [block_view(t, 0)[slot].cpu() for t in st.caches(tier)[0]]
         assert all(torch.equal(s, v[block].cpu()) for s, v in zip(stored, views[0])), key
     assert {writer.lookup(0, 100 + i)[0] for i in range(4)} == {Tier.CPU}
+    assert writer.sink.snapshot()["uva_tiers_written"] == (1 if uva == "1" else 0)
+    assert (writer.views(Tier.CPU, 0)[0].device.type == "cuda") == (uva == "1")
     writer.close()
     st.close()
+
+
+def test_cuda_views_read_and_write_page_locked_host_memory_in_place(monkeypatch):
+    """A CUDA view of registered host memory: a GPU write lands in the host tensor and a
+    host write is read by the GPU; an index-less ``cuda`` device is accepted (the view is on
+    the current device); unregistered memory and ``XAVIER_UVA=0`` give no view."""
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import pin_host, unpin_host
+    from xinference.model.llm.vllm.xavier.mechanism.uva import cuda_views
+
+    host = torch.zeros(64, 32, dtype=torch.int64)
+    assert cuda_views({0: [host]}, torch.device("cuda")) is None  # not page-locked
+    pinned = pin_host([host])
+    try:
+        for dev in (torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())):
+            views = cuda_views({0: [host]}, dev)
+            assert views is not None, dev
+        view = views[0][0]
+        assert view.device.type == "cuda" and view.shape == host.shape
+        src = torch.randint(0, 2**62, (8, 32), dtype=torch.int64, device="cuda")
+        view.index_copy_(0, torch.arange(8, 16, device="cuda"), src)
+        torch.cuda.synchronize()
+        assert torch.equal(host[8:16], src.cpu()) and int(host[:8].abs().sum()) == 0
+        host[40] = 7
+        assert int(view[40].sum().item()) == 7 * 32
+        monkeypatch.setenv("XAVIER_UVA", "0")
+        assert cuda_views({0: [host]}, torch.device("cuda")) is None
+    finally:
+        unpin_host(pinned)
+
+
+@pytest.mark.parametrize("uva", ["1", "0"])
+def test_loads_from_a_page_locked_cpu_tier_are_launched_with_the_step(uva, monkeypatch):
+    """A peer's page-locked CPU tier on a CUDA engine is read by the fused kernel through
+    its CUDA view, launched with the step (no completion-thread copy); without views the
+    completion thread copies it.  Bytes exact either way."""
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import pin_host, unpin_host
+
+    monkeypatch.setenv("XAVIER_UVA", uva)
+    local = storage(128, 41)
+    peer = storage(96, 42, device="cpu")
+    pinned = pin_host(peer)
+    try:
+        rows = [[(0, 700 + i, 1, int(Tier.CPU), (5 * i) % 96, 10 + i) for i in range(64)]]
+        eng = GPUTransfer(0, SlabConfig(32, 8, 2))
+        eng.set_local_caches({0: local})
+        eng.map_storage(1, Tier.CPU, {0: peer})
+        handle = eng.load_gpu_requests_v1(loads(rows))
+        if uva == "1":  # reportable at once: the step's report need not wait for a thread
+            assert handle.reportable
+        handle.wait(60)
+        assert not handle.failed
+        handle.order(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        for a, b in zip(local, peer):
+            assert torch.equal(bits(a[10:74]).cpu(),
+                               bits(b[torch.tensor([(5 * i) % 96 for i in range(64)])]))
+        c = eng.sink.snapshot()
+        assert c["uva_storages_mapped"] == (1 if uva == "1" else 0)
+        assert c["loads_in_background"] == (0 if uva == "1" else 1)
+        assert c["fused_transfers"] == (2 if uva == "1" else 0)
+        eng.close()
+    finally:
+        unpin_host(pinned)

@@ -209,27 +209,33 @@ def test_slab_config_validation_names_field():
 
 
 @st.composite
-def one_source_steps(draw):
-    """Steps of the common kind: one (source rank, tier, group), distinct keys and
-    destinations, no null block; several requests."""
+def distinct_row_steps(draw):
+    """Steps of the common kind: distinct (group, key) and (group, destination) pairs, no
+    null block, from one or several (source rank, tier, group) buckets; several requests."""
     n = draw(st.integers(1, 60))
     keys = draw(st.lists(st.integers(1, 2**40), min_size=n, max_size=n, unique=True))
     dests = draw(st.lists(st.integers(1, 500), min_size=n, max_size=n, unique=True))
     slots = draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
-    rank, tier, group = draw(st.integers(1, 3)), draw(st.integers(0, 1)), draw(st.integers(0, 1))
+    buckets = draw(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 1), st.integers(0, 1)),
+                            min_size=1, max_size=4))
+    which = draw(st.lists(st.integers(0, len(buckets) - 1), min_size=n, max_size=n))
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=4)))
-    rows = [(group, k, rank, tier, s, d) for k, s, d in zip(keys, slots, dests)]
+    rows = [(buckets[b][2], k, buckets[b][0], buckets[b][1], s, d)
+            for k, s, d, b in zip(keys, slots, dests, which)]
     bounds = [0] + cuts + [n]
     return batch_of(*[rows[a:b] for a, b in zip(bounds, bounds[1:])])
 
 
-@settings(max_examples=200, deadline=None)
-@given(one_source_steps(), st.integers(0, 3))
-def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batch, small):
-    from xinference.model.llm.vllm.xavier.planning.plan import _plan_general, _plan_one_source
+@settings(max_examples=300, deadline=None)
+@given(distinct_row_steps(), st.integers(0, 3))
+def test_the_distinct_rows_fast_path_makes_the_same_copies_as_the_general_path(batch, small):
+    from xinference.model.llm.vllm.xavier.planning.plan import (
+        _plan_distinct_rows,
+        _plan_general,
+    )
 
     state = SlabState({int(batch.table[0][2]): PeerSlabState(small, small >= 2)})
-    fast = _plan_one_source(batch, CFG, state)
+    fast = _plan_distinct_rows(batch, CFG, state)
     assert fast is not None
     (fp, fs), (gp, gs) = fast, _plan_general(batch, CFG, state)
     assert fs == gs
@@ -237,8 +243,8 @@ def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batc
         [(t.source_rank, t.tier, t.group, t.slab_rows, t.rows) for t in gp.transfers]
 
     def copies(plan):
-        return sorted((int(t.src_slots[r]), int(d)) for t in plan.transfers
-                      for r, d in zip(t.dst_rows, t.dst_blocks))
+        return sorted((t.source_rank, int(t.tier), t.group, int(t.src_slots[r]), int(d))
+                      for t in plan.transfers for r, d in zip(t.dst_rows, t.dst_blocks))
 
     assert copies(fp) == copies(gp)
     assert {g: v.tolist() for g, v in fp.written.items()} == \
@@ -249,10 +255,13 @@ def test_the_one_source_fast_path_makes_the_same_copies_as_the_general_path(batc
 
 
 def test_steps_of_another_kind_take_the_general_path():
-    from xinference.model.llm.vllm.xavier.planning.plan import _plan_one_source
+    from xinference.model.llm.vllm.xavier.planning.plan import _plan_distinct_rows
 
-    two_ranks = batch_of([(0, 1, 1, 0, 5, 10), (0, 2, 2, 0, 6, 11)])
+    one_key_twice = batch_of([(0, 1, 1, 0, 5, 10), (0, 1, 2, 1, 6, 11)])  # read once
     null = batch_of([(0, 1, 1, 0, 5, NULL_BLOCK_ID)])
     same_dest = batch_of([(0, 1, 1, 0, 5, 10)], [(0, 1, 1, 0, 5, 10)])
-    for b in (two_ranks, null, same_dest):
-        assert _plan_one_source(b, CFG, SlabState()) is None
+    for b in (one_key_twice, null, same_dest):
+        assert _plan_distinct_rows(b, CFG, SlabState()) is None
+    # the same key and destination id in two KV-cache groups are two distinct blocks
+    two_groups = batch_of([(0, 1, 1, 0, 5, 10), (1, 1, 1, 0, 5, 10)])
+    assert _plan_distinct_rows(two_groups, CFG, SlabState()) is not None

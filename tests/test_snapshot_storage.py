@@ -133,3 +133,11 @@ def test_fp8_typed_caches_are_stored_and_mapped_bit_exact(dtype):
             assert torch.equal(own.view(torch.uint8), seen.view(torch.uint8))
     release()
     st.close()
+
+
+def test_no_cuda_views_of_host_tiers_on_a_cpu_engine():
+    """The CPU engine keeps reading and writing host tiers directly (no CUDA views)."""
+    from xinference.model.llm.vllm.xavier.mechanism.uva import cuda_views
+
+    assert cuda_views({0: [torch.zeros(4, 8)]}, torch.device("cpu")) is None
+    assert cuda_views({0: [torch.zeros(4, 8)]}, None) is None

@@ -13,8 +13,9 @@ The call
 3. launches the copies that read device memory on the engine's CUDA stream of its own,
    after the work already queued on the caller's stream (the blocks' previous users), and
    records an event; it does NOT wait for them (a CPU engine copies right away);
-4. hands the rest to the completion thread: copies that read host memory on a CUDA
-   engine (a CPU tier), copies from another host's storage (``map_remote_storage``);
+4. hands the rest to the completion thread: copies from another host's storage
+   (``map_remote_storage``), and copies that read host memory on a CUDA engine where the
+   host tier has no CUDA view (:mod:`.uva`: page-locked tiers are read by the kernel);
 5. the completion thread waits for the event and the background copies, then releases
    every lease -- on success and failure alike -- and completes the :class:`LoadHandle`.
 
@@ -64,6 +65,7 @@ from .load_handle import (
     TransferClosedError,
 )
 from .slabs import SlabPool
+from .uva import cuda_views
 
 logger = logging.getLogger(__name__)
 
@@ -180,10 +182,18 @@ class GPUTransfer:
                     release: Optional[Callable[[], None]] = None) -> KVLayout:
         """Map the snapshot storage of ``rank``'s ``tier`` (tensors already opened,
         e.g. from CUDA IPC or shared memory).  Validated against the local layout;
-        on mismatch nothing is mapped (and ``release`` is not called)."""
+        on mismatch nothing is mapped (and ``release`` is not called).  A page-locked host
+        tier of a CUDA engine is read through CUDA views (:mod:`.uva`): its copies are
+        launched with the step's GPU copies instead of on the completion thread."""
         layout = layout_of(caches, block_dim)
+        views = cuda_views(caches, self._device)
+        if views is not None:
+            self.sink.add("uva_storages_mapped")
         self._install_storage(MappedStorage(
-            rank, Tier(tier), layout, block_views(caches, layout), release), "map_storage")
+            rank, Tier(tier), layout, block_views(views or caches, layout), release,
+            host_layers={g: [layer_tensor(x) for x in ts] for g, ts in caches.items()}
+            if views else None),
+            "map_storage")
         return layout
 
     def map_remote_storage(self, rank: int, tier: Tier, layout: KVLayout,

@@ -70,6 +70,9 @@ class MappedStorage:
     pointer_tables: Dict[int, torch.Tensor] = field(default_factory=dict)
     #: set for a remote storage (no local tensors): how to fetch its blocks
     fetch: Optional[RemoteFetch] = None
+    #: page-locked host layers that ``layers`` view through CUDA (:mod:`.uva`): kept alive
+    #: as long as the views are
+    host_layers: Optional[Dict[int, List[torch.Tensor]]] = None
 
 
 @dataclass

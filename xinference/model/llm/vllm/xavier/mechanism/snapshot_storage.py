@@ -281,15 +281,22 @@ def shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+#: ``cudaHostRegisterPortable | cudaHostRegisterMapped``: every CUDA context of the process
+#: sees the memory as page-locked, and it has a device address (the CUDA views of :mod:`.uva`)
+HOST_REGISTER_FLAGS = 0x01 | 0x02
+
+
 def pin_host(tensors: Sequence[torch.Tensor]) -> List[int]:
-    """Page-lock CPU ``tensors`` with CUDA; returns the registered pointers (none without
-    CUDA).  A registration that fails is logged and leaves that tensor pageable."""
+    """Page-lock CPU ``tensors`` with CUDA (mapped: :data:`HOST_REGISTER_FLAGS`); returns
+    the registered pointers (none without CUDA).  A registration that fails is logged and
+    leaves that tensor pageable."""
     if not torch.cuda.is_available():
         return []
     cudart = torch.cuda.cudart()
     done = []
     for t in tensors:
-        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
+                                      HOST_REGISTER_FLAGS)
         if int(err) != 0:
             logger.warning("snapshot storage: cudaHostRegister of %d bytes failed (%s); "
                            "the CPU tier stays pageable", t.numel() * t.element_size(), err)

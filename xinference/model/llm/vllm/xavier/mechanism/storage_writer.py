@@ -23,9 +23,13 @@ victims from the directory (a slot under lease is refused and kept), so that the
 export finds free slots.  Victims whose publication is still pending are never taken (a
 claim must not overtake the registration it would undo).
 
-A CPU tier on a CPU engine is written by the step thread directly (no stream).  A CPU
-top tier on a CUDA engine (no GPU tier) is written in two halves: the gather and a copy
-into page-locked rows on the stream, the scatter into the tier on the publisher thread.
+A CPU tier on a CPU engine is written by the step thread directly (no stream).  The
+page-locked CPU tier of a CUDA engine is seen through CUDA views (:mod:`.uva`): a demotion
+is one gather-scatter from the GPU tier into it on the room stream, an export into a CPU
+top tier (no GPU tier) one fused gather.  Without views (``XAVIER_UVA=0``, or no UVA) a
+demotion is a device gather, a copy into page-locked rows and a host scatter, and an
+export into a CPU top tier is written in two halves: the gather and a copy into
+page-locked rows on the stream, the scatter into the tier on the publisher thread.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from ..planning.slot_allocator import SlotAllocator, take_free_slots
 from . import block_copy_triton
 from .block_copy import as_byte_rows, block_view, copy_rows, copy_rows_device, slab_as
 from .kv_schema import KVLayout
+from .uva import cuda_views
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +98,10 @@ class StorageWriter:
         self.sink: CounterSink = counters if counters is not None else Counters()
         self._directory = directory
         self._order = sorted(tiers)
+        #: page-locked host tiers of a CUDA engine, kept alive while their CUDA views are
+        #: written and read in place (:mod:`.uva`)
+        self._host_tiers: Dict[Tier, Dict[int, List[torch.Tensor]]] = {}
+        tiers = {t: self._cuda_tier(t, groups) for t, groups in tiers.items()}
         self._views = {t: {g: [block_view(x, 0) for x in layers] for g, layers in groups.items()}
                        for t, groups in tiers.items()}
         self._slots = {t: min(layers[0].shape[0] for layers in groups.values())
@@ -123,6 +132,17 @@ class StorageWriter:
                                           name=f"xavier-room-{rank}")
             self._room.start()
         self._gauges()
+
+    def _cuda_tier(self, tier: Tier, groups: Dict[int, List[torch.Tensor]]
+                   ) -> Dict[int, List[torch.Tensor]]:
+        """A page-locked host tier of a CUDA engine as CUDA views (the copy kernels write it
+        in place); the tier itself otherwise."""
+        views = cuda_views(groups, self.device)
+        if views is None:
+            return groups
+        self._host_tiers[tier] = groups
+        self.sink.add("uva_tiers_written")
+        return views
 
     # ------------------------------------------------------------------ views
     @property
@@ -380,6 +400,10 @@ class StorageWriter:
         if self._room_stream is None or src[0].device.type != "cuda":
             copy_rows(src, dst, src_slots, dst_slots)
             return
+        if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
+            self._gather_scatter_on_room_stream(src_tier, dst_tier, group, src_slots,
+                                                dst_slots)
+            return
         with torch.cuda.stream(self._room_stream):
             last = self._last_event
             if last is not None:  # read the victims after the exports that wrote them
@@ -396,6 +420,31 @@ class StorageWriter:
         slots = torch.tensor(dst_slots, dtype=torch.int64)
         for d, h in zip(dst, host):
             d.index_copy_(0, slots.to(d.device), slab_as(h, len(dst_slots), d).to(d.device))
+
+    def _gather_scatter_on_room_stream(self, src_tier: Tier, dst_tier: Tier, group: int,
+                                       src_slots: List[int], dst_slots: List[int]) -> None:
+        """One device-side copy of slots between two tiers on the room stream, after the
+        last export's copies (which may have written the victims); complete on return."""
+        assert self._room_stream is not None
+        src, dst = self._views[src_tier][group], self._views[dst_tier][group]
+        with torch.cuda.stream(self._room_stream):
+            last = self._last_event
+            if last is not None:
+                self._room_stream.wait_event(last)
+            src_idx = torch.tensor(src_slots, dtype=torch.int64).pin_memory().to(
+                self.device, non_blocking=True)
+            dst_idx = torch.tensor(dst_slots, dtype=torch.int64).pin_memory().to(
+                self.device, non_blocking=True)
+            if block_copy_triton.supports(src, dst):
+                block_copy_triton.gather_scatter(
+                    self._tier_table(src_tier, group, src), self._tier_table(dst_tier, group, dst),
+                    len(dst), int(dst[0].shape[1]), src[0].stride(0), dst[0].stride(0),
+                    src_idx, dst_idx)
+            else:
+                copy_rows_device(src, dst, src_idx, dst_idx)
+            event = torch.cuda.Event()
+            event.record(self._room_stream)
+        event.synchronize()
 
     def _gauges(self) -> None:
         for tier in self._order:
@@ -430,5 +479,6 @@ class StorageWriter:
         if self._room is not None:
             self._room.join(timeout)
         self._views.clear()
+        self._host_tiers.clear()
         self._tables.clear()
         self._engine_tables.clear()

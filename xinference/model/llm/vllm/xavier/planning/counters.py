@@ -44,6 +44,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
     "world_updates_seen",
+    # page-locked host tiers read and written through CUDA views (mechanism/uva.py)
+    "uva_storages_mapped", "uva_tiers_written",
     # test-only fault switches (XAVIER_TEST_FAULTS=1)
     "faults_skip_copy", "faults_fail_one_block", "faults_stall_load", "faults_hold_finish",
 )
