@@ -21,7 +21,16 @@ from xinference.model.llm.vllm.xavier.mechanism.load_handle import (
 from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Lease, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import ConflictingWriteError, SlabConfig
 
-from .kvfixtures import BLOCK_DIM, bits, block, expected_after, loads, make_caches, make_world
+from .kvfixtures import (
+    BLOCK_DIM,
+    bits,
+    block,
+    expected_after,
+    loads,
+    make_caches,
+    make_world,
+    random_bits,
+)
 from .support.reliability import record
 
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
@@ -405,3 +414,53 @@ def test_block_view_is_an_integer_view_that_writes_through(shape, dim, word):
     v[4] = -1  # all bits set: a bf16 NaN pattern
     assert bits(t.select(dim, 4)).eq(-1).all()
     assert int(bits(t).ne(0).sum()) == t.select(dim, 4).numel()
+
+
+def _permuted_cache(n_blocks, gen):
+    """vLLM's TRITON_ATTN cache on CUDA: logical ``[blocks, heads, tokens, 2*head]``, stored
+    ``[blocks, tokens, heads, 2*head]`` (its NHD stride order), as a permuted view."""
+    return random_bits((n_blocks, 16, 2, 8), torch.bfloat16, gen).permute(0, 2, 1, 3)
+
+
+def test_permuted_engine_caches_round_trip_through_a_storage_bit_exact():
+    """Blocks of a permuted engine cache are one dense range each: the block view is one row
+    of their bytes in memory order, the layout's block shape is that order, a storage
+    allocated from the layout holds the bytes as they lie, and a load into another permuted
+    engine gives back every logical element.  A contiguous engine of the same logical shape
+    is refused naming the block shape (its bytes lie differently)."""
+    gen = torch.Generator().manual_seed(7)
+    source, dest = _permuted_cache(12, gen), _permuted_cache(20, gen)
+    assert not source.is_contiguous()
+    layout = layout_of({0: [source]})
+    assert layout.groups[0].layers[0].block_shape == (16, 2, 8)  # memory order
+    view = block_copy.block_view(source, 0)
+    assert view.dim() == 2 and view.dtype == torch.int64 and view.shape == (12, 16 * 2 * 8 // 4)
+    storage = torch.zeros((6, *layout.groups[0].layers[0].block_shape), dtype=torch.bfloat16)
+    block_copy.copy_rows([view], [block_copy.block_view(storage, 0)], [3, 7, 11], [0, 1, 2])
+
+    eng = GPUTransfer(0, SlabConfig(4, 2, 2))
+    eng.set_local_caches({0: [dest]})
+    eng.map_storage(1, Tier.GPU, {0: [storage]})
+    before = dest.clone()
+    eng.load_gpu_requests_v1(loads([[(0, 70 + i, 1, 0, i, 5 + i) for i in range(3)]])).wait(30)
+    for src_block, dst_block in zip((3, 7, 11), (5, 6, 7)):
+        assert torch.equal(bits(dest[dst_block]), bits(source[src_block]))  # logical equality
+    untouched = [b for b in range(20) if b not in (5, 6, 7)]
+    assert torch.equal(bits(dest[untouched]), bits(before[untouched]))
+    eng.close()
+
+    contiguous = torch.zeros((20, 2, 16, 8), dtype=torch.bfloat16)
+    eng = GPUTransfer(0, SlabConfig(4, 2, 2))
+    eng.set_local_caches({0: [contiguous]})
+    with pytest.raises(SchemaMismatchError, match="block_shape"):
+        eng.map_storage(1, Tier.GPU, {0: [storage]})
+    eng.close()
+
+
+def test_blocks_that_are_not_one_dense_range_keep_the_logical_view():
+    """K and V halves apart (``[2, blocks, ...]`` moved block-first): no row view, the
+    layout keeps the logical block shape."""
+    t = torch.zeros((2, 10, 16, 8), dtype=torch.bfloat16)
+    assert block_copy.block_memory_order(t.movedim(1, 0)) is None
+    assert block_copy.block_view(t, 1).dim() == 4
+    assert layout_of({0: [t]}, 1).groups[0].layers[0].block_shape == (2, 16, 8)

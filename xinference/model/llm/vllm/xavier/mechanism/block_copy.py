@@ -8,14 +8,15 @@ move bits, never values: bf16/fp16 NaN payloads survive, and wide words make
 
 A slab layer is a contiguous ``uint8`` buffer ``[rows, block_bytes]``; it is
 reinterpreted to match each side's view, so a source stored block-first can
-feed a destination whose block dimension is 1 (the per-block logical order is
-what :mod:`.kv_schema` compares).
+feed a destination whose block dimension is 1 (the per-block order is what
+:mod:`.kv_schema` compares: a block's memory order where a block is one dense range
+of memory, as in vLLM's permuted CUDA caches, its logical order otherwise).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Dict, List, Mapping, Sequence
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -25,14 +26,37 @@ if TYPE_CHECKING:  # pragma: no cover
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def block_memory_order(v: torch.Tensor) -> Optional[List[int]]:
+    """The dimensions after the first (blocks) of ``v`` in memory order (outermost first)
+    when every block is one dense range of memory, else None.  A contiguous tensor gives
+    ``[1, 2, ...]``; vLLM's permuted caches (a logical ``[blocks, heads, tokens, 2*head]``
+    stored as ``[blocks, tokens, heads, 2*head]``, say) give their physical order."""
+    dims = sorted(range(1, v.dim()), key=lambda d: v.stride(d), reverse=True)  # stable
+    expected = 1
+    for d in reversed(dims):
+        if v.shape[d] == 1:
+            continue
+        if v.stride(d) != expected:
+            return None
+        expected *= v.shape[d]
+    if v.shape[0] > 1 and v.stride(0) < expected:
+        return None
+    return dims
+
+
 def block_view(t: torch.Tensor, block_dim: int) -> torch.Tensor:
-    """Block-first integer view of ``t`` (no copy; writes go through to ``t``)."""
+    """Block-first integer view of ``t`` (no copy; writes go through to ``t``): one row
+    per block, its bytes in memory order, when every block is one dense range of memory
+    (contiguous or permuted within the block: :func:`block_memory_order`); otherwise the
+    block dimension moved first with the element-sized integer type."""
     v = t.movedim(block_dim, 0) if block_dim else t
     itemsize = v.element_size()
-    if v.is_contiguous():
-        flat = v.reshape(v.shape[0], math.prod(v.shape[1:]))
-        row_bytes = flat.shape[1] * itemsize
-        if itemsize < 8 and row_bytes % 8 == 0 and (v.storage_offset() * itemsize) % 8 == 0:
+    if block_memory_order(v) is not None:
+        row = math.prod(v.shape[1:])
+        flat = v.as_strided((v.shape[0], row), (v.stride(0) if v.shape[0] > 1 else row, 1))
+        if (itemsize < 8 and (row * itemsize) % 8 == 0
+                and (flat.stride(0) * itemsize) % 8 == 0
+                and (v.storage_offset() * itemsize) % 8 == 0):
             return flat.view(torch.uint8).view(torch.int64)
         return flat.view(_INT_OF_SIZE[itemsize])
     return v.view(_INT_OF_SIZE[itemsize])
@@ -93,6 +117,28 @@ def copy_rows_device(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor],
     for s, d in zip(src, dst):
         rows = as_byte_rows(s.index_select(0, src_idx))
         d.index_copy_(0, dst_idx, slab_as(rows, n, d))
+
+
+def indices_on(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied from page-locked memory on the
+    current stream (the host does not wait for the stream)."""
+    host = torch.tensor(list(values), dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def gather_to_pinned(src: Sequence[torch.Tensor], rows: Sequence[int],
+                     device: torch.device) -> List[torch.Tensor]:
+    """Queue on the current stream: rows ``rows`` of every layer of ``src`` (CUDA block
+    views) into new page-locked ``uint8`` rows ``[len(rows), bytes per row]`` per layer;
+    their contents are valid once the stream has passed this point."""
+    idx = indices_on(rows, device)
+    host = [torch.empty((len(rows), as_byte_rows(s[:1]).shape[1]), dtype=torch.uint8,
+                        pin_memory=True) for s in src]
+    for s, h in zip(src, host):
+        h.copy_(as_byte_rows(s.index_select(0, idx)), non_blocking=True)
+    return host
 
 
 def layer_tensor(item: object) -> torch.Tensor:

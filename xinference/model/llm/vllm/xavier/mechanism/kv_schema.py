@@ -153,6 +153,19 @@ def layout_of(caches: Mapping[int, LayerTensors],
             shape = tuple(int(s) for s in t.shape)
             layers.append(LayerLayout(
                 name=name, dtype=str(t.dtype), block_dim=dim, num_blocks=shape[dim],
-                block_shape=shape[:dim] + shape[dim + 1:]))
+                block_shape=_block_shape(t, dim)))
         groups.append(GroupLayout(int(gid), tuple(layers)))
     return KVLayout(tuple(groups))
+
+
+def _block_shape(t: torch.Tensor, block_dim: int) -> Tuple[int, ...]:
+    """One block's shape in memory order where a block is one dense range of memory (so a
+    storage allocated ``[slots, *block_shape]`` holds the engine's block bytes as they lie,
+    and two engines whose caches lie differently in memory are told apart), in logical
+    order otherwise."""
+    from .block_copy import block_memory_order
+
+    v = t.movedim(block_dim, 0) if block_dim else t
+    order = block_memory_order(v)
+    dims = order if order is not None else list(range(1, v.dim()))
+    return tuple(int(v.shape[d]) for d in dims)

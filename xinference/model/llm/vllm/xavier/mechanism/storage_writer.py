@@ -24,12 +24,9 @@ export finds free slots.  Victims whose publication is still pending are never t
 claim must not overtake the registration it would undo).
 
 A CPU tier on a CPU engine is written by the step thread directly (no stream).  The
-page-locked CPU tier of a CUDA engine is seen through CUDA views (:mod:`.uva`): a demotion
-is one gather-scatter from the GPU tier into it on the room stream, an export into a CPU
-top tier (no GPU tier) one fused gather.  Without views (``XAVIER_UVA=0``, or no UVA) a
-demotion is a device gather, a copy into page-locked rows and a host scatter, and an
-export into a CPU top tier is written in two halves: the gather and a copy into
-page-locked rows on the stream, the scatter into the tier on the publisher thread.
+page-locked CPU tier of a CUDA engine is written in place through CUDA views (:mod:`.uva`):
+demotions and exports into it are gathers on a stream.  Without views (``XAVIER_UVA=0``)
+they are a device gather and a copy into page-locked rows, scattered on the host after.
 """
 
 from __future__ import annotations
@@ -48,7 +45,14 @@ from ..planning.directory_link import DirectoryLink, Entry, ExportRow
 from ..planning.load_batch import Tier
 from ..planning.slot_allocator import SlotAllocator, take_free_slots
 from . import block_copy_triton
-from .block_copy import as_byte_rows, block_view, copy_rows, copy_rows_device, slab_as
+from .block_copy import (
+    block_view,
+    copy_rows,
+    copy_rows_device,
+    gather_to_pinned,
+    indices_on,
+    slab_as,
+)
 from .kv_schema import KVLayout
 from .uva import cuda_views
 
@@ -101,15 +105,20 @@ class StorageWriter:
         #: page-locked host tiers of a CUDA engine, kept alive while their CUDA views are
         #: written and read in place (:mod:`.uva`)
         self._host_tiers: Dict[Tier, Dict[int, List[torch.Tensor]]] = {}
-        tiers = {t: self._cuda_tier(t, groups) for t, groups in tiers.items()}
+        tiers = dict(tiers)
+        for tier, groups in list(tiers.items()):
+            views = cuda_views(groups, device)
+            if views is not None:
+                self._host_tiers[tier], tiers[tier] = groups, views
+                self.sink.add("uva_tiers_written")
         self._views = {t: {g: [block_view(x, 0) for x in layers] for g, layers in groups.items()}
                        for t, groups in tiers.items()}
         self._slots = {t: min(layers[0].shape[0] for layers in groups.values())
                        for t, groups in tiers.items()}
         self._alloc: Dict[Tier, Dict[int, SlotAllocator]] = {
             t: {g.group: SlotAllocator(self._slots[t]) for g in layout.groups} for t in tiers}
-        self._tables: Dict[Tuple[Tier, int], torch.Tensor] = {}
-        self._engine_tables: Dict[int, torch.Tensor] = {}
+        #: fused-kernel pointer tables by ("engine" or tier, group)
+        self._tables: Dict[Tuple[object, int], torch.Tensor] = {}
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
@@ -132,17 +141,6 @@ class StorageWriter:
                                           name=f"xavier-room-{rank}")
             self._room.start()
         self._gauges()
-
-    def _cuda_tier(self, tier: Tier, groups: Dict[int, List[torch.Tensor]]
-                   ) -> Dict[int, List[torch.Tensor]]:
-        """A page-locked host tier of a CUDA engine as CUDA views (the copy kernels write it
-        in place); the tier itself otherwise."""
-        views = cuda_views(groups, self.device)
-        if views is None:
-            return groups
-        self._host_tiers[tier] = groups
-        self.sink.add("uva_tiers_written")
-        return views
 
     # ------------------------------------------------------------------ views
     @property
@@ -230,24 +228,12 @@ class StorageWriter:
         with torch.cuda.stream(self.stream):
             for group, (blocks, slots) in placed.items():
                 src, dst = engine_views[group], self._views[tier][group]
-                src_idx = torch.tensor(blocks, dtype=torch.int64).pin_memory().to(
-                    self.device, non_blocking=True)
                 if dst[0].device.type == "cuda":
-                    dst_idx = torch.tensor(slots, dtype=torch.int64).pin_memory().to(
-                        self.device, non_blocking=True)
-                    if block_copy_triton.supports(src, dst):
-                        block_copy_triton.gather_scatter(
-                            self._engine_table(group, src), self._tier_table(tier, group, dst),
-                            len(dst), int(dst[0].shape[1]), src[0].stride(0), dst[0].stride(0),
-                            src_idx, dst_idx)
-                    else:
-                        copy_rows_device(src, dst, src_idx, dst_idx)
-                else:  # CPU top tier: gather, then into page-locked rows; scatter later
-                    host = [torch.empty(as_byte_rows(s[:1]).shape[1] * len(blocks),
-                                        dtype=torch.uint8, pin_memory=True).view(len(blocks), -1)
-                            for s in src]
-                    for s, h in zip(src, host):
-                        h.copy_(as_byte_rows(s.index_select(0, src_idx)), non_blocking=True)
+                    self._gather_scatter(("engine", group), src, (tier, group), dst, blocks,
+                                         slots)
+                else:  # CPU top tier without a CUDA view: gather, then into page-locked
+                    # rows; the publisher scatters them
+                    host = gather_to_pinned(src, blocks, self.device)
                     pub.scatter.append((dst, torch.tensor(slots, dtype=torch.int64), host))
             event = torch.cuda.Event()
             event.record(self.stream)
@@ -255,17 +241,24 @@ class StorageWriter:
         pub.event = event
         self._last_event = event
 
-    def _engine_table(self, group: int, views: List[torch.Tensor]) -> torch.Tensor:
-        table = self._engine_tables.get(group)
-        if table is None:
-            table = self._engine_tables[group] = block_copy_triton.pointer_table(views)
-        return table
-
-    def _tier_table(self, tier: Tier, group: int, views: List[torch.Tensor]) -> torch.Tensor:
-        table = self._tables.get((tier, group))
-        if table is None:
-            table = self._tables[(tier, group)] = block_copy_triton.pointer_table(views)
-        return table
+    def _gather_scatter(self, src_key: Tuple[object, int], src: List[torch.Tensor],
+                        dst_key: Tuple[object, int], dst: List[torch.Tensor],
+                        src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """On the current stream, row ``dst_slots[i]`` of every layer of ``dst`` receives
+        row ``src_slots[i]`` of ``src`` (same device): the fused kernel where it applies
+        (pointer tables built once per ``*_key``), the torch gather otherwise."""
+        src_idx, dst_idx = indices_on(src_slots, self.device), indices_on(dst_slots, self.device)
+        if not block_copy_triton.supports(src, dst):
+            copy_rows_device(src, dst, src_idx, dst_idx)
+            return
+        tables = []
+        for key, views in ((src_key, src), (dst_key, dst)):
+            table = self._tables.get(key)
+            if table is None:
+                table = self._tables[key] = block_copy_triton.pointer_table(views)
+            tables.append(table)
+        block_copy_triton.gather_scatter(tables[0], tables[1], len(dst), int(dst[0].shape[1]),
+                                         src[0].stride(0), dst[0].stride(0), src_idx, dst_idx)
 
     # ------------------------------------------------------------ publication
     def _publish_loop(self) -> None:
@@ -395,56 +388,29 @@ class StorageWriter:
 
     def _copy_between(self, src_tier: Tier, dst_tier: Tier, group: int,
                       src_slots: List[int], dst_slots: List[int]) -> None:
-        """Copy slots between two tiers of this storage, complete on return (room thread)."""
+        """Copy slots between two tiers of this storage, complete on return (room thread),
+        after the last export's copies (which may have written the victims)."""
         src, dst = self._views[src_tier][group], self._views[dst_tier][group]
         if self._room_stream is None or src[0].device.type != "cuda":
             copy_rows(src, dst, src_slots, dst_slots)
             return
-        if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
-            self._gather_scatter_on_room_stream(src_tier, dst_tier, group, src_slots,
-                                                dst_slots)
-            return
-        with torch.cuda.stream(self._room_stream):
-            last = self._last_event
-            if last is not None:  # read the victims after the exports that wrote them
-                self._room_stream.wait_event(last)
-            idx = torch.tensor(src_slots, dtype=torch.int64).to(self.device)
-            host = [torch.empty(as_byte_rows(s[:1]).shape[1] * len(src_slots),
-                                dtype=torch.uint8, pin_memory=True).view(len(src_slots), -1)
-                    for s in src]
-            for s, h in zip(src, host):
-                h.copy_(as_byte_rows(s.index_select(0, idx)), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._room_stream)
-        event.synchronize()
-        slots = torch.tensor(dst_slots, dtype=torch.int64)
-        for d, h in zip(dst, host):
-            d.index_copy_(0, slots.to(d.device), slab_as(h, len(dst_slots), d).to(d.device))
-
-    def _gather_scatter_on_room_stream(self, src_tier: Tier, dst_tier: Tier, group: int,
-                                       src_slots: List[int], dst_slots: List[int]) -> None:
-        """One device-side copy of slots between two tiers on the room stream, after the
-        last export's copies (which may have written the victims); complete on return."""
-        assert self._room_stream is not None
-        src, dst = self._views[src_tier][group], self._views[dst_tier][group]
         with torch.cuda.stream(self._room_stream):
             last = self._last_event
             if last is not None:
                 self._room_stream.wait_event(last)
-            src_idx = torch.tensor(src_slots, dtype=torch.int64).pin_memory().to(
-                self.device, non_blocking=True)
-            dst_idx = torch.tensor(dst_slots, dtype=torch.int64).pin_memory().to(
-                self.device, non_blocking=True)
-            if block_copy_triton.supports(src, dst):
-                block_copy_triton.gather_scatter(
-                    self._tier_table(src_tier, group, src), self._tier_table(dst_tier, group, dst),
-                    len(dst), int(dst[0].shape[1]), src[0].stride(0), dst[0].stride(0),
-                    src_idx, dst_idx)
+            if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
+                self._gather_scatter((src_tier, group), src, (dst_tier, group), dst,
+                                     src_slots, dst_slots)
+                staged = None
             else:
-                copy_rows_device(src, dst, src_idx, dst_idx)
+                staged = gather_to_pinned(src, src_slots, self.device)
             event = torch.cuda.Event()
             event.record(self._room_stream)
         event.synchronize()
+        if staged is not None:
+            slots = torch.tensor(dst_slots, dtype=torch.int64)
+            for d, h in zip(dst, staged):
+                d.index_copy_(0, slots, slab_as(h, len(dst_slots), d))
 
     def _gauges(self) -> None:
         for tier in self._order:
@@ -481,4 +447,3 @@ class StorageWriter:
         self._views.clear()
         self._host_tiers.clear()
         self._tables.clear()
-        self._engine_tables.clear()
