@@ -73,3 +73,20 @@ def test_a_misspelled_setting_fails_naming_the_closest_known_one(name, hint):
     env = {"XAVIER_CPU_BUDGET": "8GiB", "XAVIER_TEST_DEVICE": "cpu",
            "XAVIER_TINY_MODEL_DIR": "/m", "XINFERENCE_XAVIER_OVERLAY": "1", "HOME": "/root"}
     assert XavierOptions.from_xavier_config(base, env).cpu_budget_bytes == 8 << 30
+
+
+def test_every_xavier_variable_the_package_reads_is_a_known_setting():
+    """A variable the package reads but the launch check does not know would fail every
+    launch that sets it (``XAVIER_UVA`` nearly did)."""
+    import pathlib
+    import re
+
+    from xinference.model.llm.vllm.xavier.planning.options import KNOWN_ENV, TOOLING_ENV
+
+    package = pathlib.Path(__file__).resolve().parents[1] / "xinference/model/llm/vllm/xavier"
+    read = {m for f in package.rglob("*.py")
+            for m in re.findall(r"\"(XAVIER_[A-Z_]*[A-Z])\"", f.read_text())}
+    assert {"XAVIER_GPU_BUDGET", "XAVIER_UVA"} <= read  # the scan sees the package
+    unknown = {n for n in read if n not in KNOWN_ENV + TOOLING_ENV
+               and not n.startswith("XAVIER_TEST_")}
+    assert not unknown, unknown

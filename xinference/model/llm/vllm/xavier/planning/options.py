@@ -26,7 +26,7 @@ ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, "XAVIER_LOG_LEVEL",
-             "XAVIER_COPY_KERNEL", "XAVIER_TEST_HOOKS")
+             "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
                "XAVIER_GPU_TEST_TIMEOUT", "XAVIER_EAGER_VLLM_VERSION")
