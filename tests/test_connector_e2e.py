@@ -93,6 +93,7 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     asked = shared + tokens(3, 40)
     base = baseline_then_prime(lt, r, [asked], [shared + tokens(2, 40)], local_hit=PREFIX)
     before = lt.run(b.counters())
+    stats_before = lt.run(b.connector_stats())
     out = lt.run(b.generate([asked]))
     c = delta(before, lt.run(b.counters()))
     assert out[0]["ids"] == base[0]
@@ -109,6 +110,11 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     if DEVICE == "cuda":  # vLLM's caches (permuted within a block) take the fused kernel
         assert c["fused_transfers"] == c["transfers"] > 0
     assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
+    # vLLM's own connector statistics (its "KV Transfer metrics" line) carry the same load
+    vllm_stats = delta(stats_before, lt.run(b.connector_stats()))
+    assert vllm_stats.get("blocks_written") == c["blocks_written"]
+    assert vllm_stats.get("useful_bytes") == c["useful_bytes"] > 0
+    assert vllm_stats.get("batch_calls") == 1
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
     # the default transport maps a peer of the same host (test_nixl_endpoint: through NIXL)
     mapped = lt.run(b.counters())

@@ -25,6 +25,30 @@ from .pools import actor_pool, gpu_envs, sub_pool_addresses
 
 MODEL_UID = "xavier-test"
 
+#: what vLLM's stat loggers received as the connector's statistics in this process, summed
+RECORDED_CONNECTOR_STATS: Dict[str, int] = {}
+
+
+def _connector_stats_recorder() -> Any:
+    """A vLLM stat logger (per-engine factory) that sums ``kv_connector_stats``: what vLLM's
+    own logger would print as ``KV Transfer metrics``."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class ConnectorStatsRecorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            data = getattr(scheduler_stats, "kv_connector_stats", None) or {}
+            for name, value in data.items():
+                RECORDED_CONNECTOR_STATS[name] = RECORDED_CONNECTOR_STATS.get(name, 0) + value
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return ConnectorStatsRecorder
+
 
 class ReplicaActor(xo.StatelessActor):
     """One replica: vLLM engine with Xavier + its transfer actor (same pool)."""
@@ -52,7 +76,8 @@ class ReplicaActor(xo.StatelessActor):
             return
         from xinference.model.llm.vllm.xavier.engine import XavierEngine
 
-        self.engine = XavierEngine.from_engine_args(args, xavier_config=self._xavier_config)
+        self.engine = XavierEngine.from_engine_args(
+            args, xavier_config=self._xavier_config, stat_loggers=[_connector_stats_recorder()])
 
     async def start_transfer(self, world_addresses: List[str]) -> bool:
         from xinference.model.llm.vllm.xavier.transfer import TransferActor
@@ -117,6 +142,10 @@ class ReplicaActor(xo.StatelessActor):
 
     async def counters(self) -> Dict[str, int]:
         return await self._transfer.counters() if self._transfer is not None else {}
+
+    async def connector_stats(self) -> Dict[str, int]:
+        """The connector statistics vLLM's stat loggers received so far (summed)."""
+        return dict(RECORDED_CONNECTOR_STATS)
 
     async def metrics_text(self) -> str:
         return await self._transfer.metrics_text()

@@ -51,11 +51,13 @@ from ..planning.options import XavierOptions
 from ..planning.scheduler_side import StepMeta
 from .actor_bridge import ActorBridge
 from .connector_scheduler import XavierConnectorScheduler
+from .connector_stats import XavierKVConnectorStats
 from .connector_worker import XavierConnectorWorker
 from .parent_watch import watch_parent
 
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -280,6 +282,21 @@ class XavierConnector(KVConnectorBase_V1):
         if self.worker is None:
             return set()
         return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        """The worker's loads, exports and demotions since it last reported (vLLM sums
+        them over workers and logs them as ``KV Transfer metrics``); None when nothing
+        changed, and on the scheduler side (vLLM counts the external hits itself)."""
+        if self.worker is None:
+            return None
+        return self.worker.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None
+                                 ) -> Optional[KVConnectorStats]:
+        """vLLM's logger rebuilds the summed payload with this (see
+        :mod:`.connector_stats`)."""
+        return XavierKVConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         """vLLM's connector shutdown (the worker's runs before its process frees the KV

@@ -16,6 +16,7 @@ from ..planning.load_batch import DEST
 from ..planning.options import XavierOptions
 from ..planning.scheduler_side import StepMeta
 from .actor_bridge import ActorBridge
+from .connector_stats import CounterDeltas, XavierKVConnectorStats
 from .kv_caches import group_layers
 from .worker_plane import WorkerDataPlane
 
@@ -38,6 +39,7 @@ class XavierConnectorWorker:
         self._failed_requests: Set[str] = set()
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
+        self._stats: Optional[CounterDeltas] = None
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> Optional[str]:
         """Build the data plane on ``kv_caches`` and attach it; returns why sharing cannot
@@ -52,7 +54,13 @@ class XavierConnectorWorker:
         logger.info("xavier: rank %d KV caches registered (%d groups, %s)",
                     self.options.rank, len(groups), self._device)
         self.plane.attach()
+        self._stats = CounterDeltas(self.plane.counters.get)
         return None
+
+    def stats(self) -> Optional[XavierKVConnectorStats]:
+        """What changed since the last call, for vLLM's connector statistics (None when
+        nothing did, or before the caches are registered)."""
+        return self._stats.take() if self._stats is not None else None
 
     def fail_loads(self, step: Optional[StepMeta]) -> None:
         """Report every load of ``step`` failed (no data plane: vLLM recomputes them)."""
