@@ -299,3 +299,28 @@ def test_loads_from_a_page_locked_cpu_tier_are_launched_with_the_step(uva, monke
         eng.close()
     finally:
         unpin_host(pinned)
+
+
+def test_unmapping_a_viewed_host_tier_waits_for_the_loads_reading_it():
+    """A page-locked tier read through CUDA views is unregistered by its release: unmapping
+    it while a launched load may still read it lets the load finish first."""
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import pin_host, unpin_host
+
+    local, peer = storage(512, 51), storage(512, 52, device="cpu")
+    pinned = pin_host(peer)
+    seen = []
+    try:
+        eng = GPUTransfer(0, SlabConfig(512, 8, 2))
+        eng.set_local_caches({0: local})
+        eng.map_storage(1, Tier.CPU, {0: peer},
+                        release=lambda: seen.append(handle.done))
+        assert eng.sink.snapshot()["uva_storages_mapped"] == 1
+        rows = [[(0, 900 + i, 1, int(Tier.CPU), i, i) for i in range(512)]]
+        handle = eng.load_gpu_requests_v1(loads(rows))
+        assert eng.unmap_storage(1) == 1
+        assert seen == [True]  # released only after the load was done
+        for a, b in zip(local, peer):
+            assert torch.equal(bits(a).cpu(), bits(b))
+        eng.close()
+    finally:
+        unpin_host(pinned)

@@ -217,12 +217,12 @@ class GPUTransfer:
             self._fused_cache.clear()
             old = self._storages.get((st.rank, st.tier))
             self._storages[(st.rank, st.tier)] = st
-            if old is not None and old.release is not None:
-                old.release()
             logger.info("rank %d: mapped %s rank %d %s storage (%s)", self.rank,
                         "remote" if st.fetch is not None else "local", st.rank, st.tier.name,
                         ", ".join(f"group {g.group}: {g.num_blocks} slots"
                                   for g in st.layout.groups))
+        if old is not None:  # outside the lock: letting go may wait for loads in flight
+            self._let_go([old])
 
     def unmap_storage(self, rank: int, tier: Optional[Tier] = None) -> int:
         """Drop the mappings of ``rank`` (one tier or all); returns how many.  Loads
@@ -230,11 +230,21 @@ class GPUTransfer:
         with self._lock:
             keys = [k for k in self._storages if k[0] == rank and (tier is None or k[1] == tier)]
             self._fused_cache.clear()
-            for k in keys:
-                st = self._storages.pop(k)
-                if st.release is not None:
-                    st.release()
-            return len(keys)
+            gone = [self._storages.pop(k) for k in keys]
+        self._let_go(gone)
+        return len(keys)
+
+    def _let_go(self, storages: Sequence[MappedStorage]) -> None:
+        """Release unmapped ``storages`` (never under the lock: the completion thread takes
+        it before completing a load).  A page-locked host tier read through CUDA views is
+        unregistered by its release while a launched kernel may still read it, so loads in
+        flight finish first (a world update that coincides with a load: rare, and as long
+        as one step's copies)."""
+        if any(st.host_layers is not None for st in storages):
+            self.drain()
+        for st in storages:
+            if st.release is not None:
+                st.release()
 
     def mapped(self) -> List[Tuple[int, Tier]]:
         with self._lock:

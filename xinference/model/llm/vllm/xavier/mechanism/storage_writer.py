@@ -117,8 +117,8 @@ class StorageWriter:
                        for t, groups in tiers.items()}
         self._alloc: Dict[Tier, Dict[int, SlotAllocator]] = {
             t: {g.group: SlotAllocator(self._slots[t]) for g in layout.groups} for t in tiers}
-        #: fused-kernel pointer tables by ("engine" or tier, group)
-        self._tables: Dict[Tuple[object, int], torch.Tensor] = {}
+        #: fused-kernel pointer tables by ("engine" or tier, group), and their upload's event
+        self._tables: Dict[Tuple[object, int], Tuple[torch.Tensor, torch.cuda.Event]] = {}
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
@@ -246,17 +246,23 @@ class StorageWriter:
                         src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
         """On the current stream, row ``dst_slots[i]`` of every layer of ``dst`` receives
         row ``src_slots[i]`` of ``src`` (same device): the fused kernel where it applies
-        (pointer tables built once per ``*_key``), the torch gather otherwise."""
+        (pointer tables built once per ``*_key``, on whichever stream first needed them:
+        the export's or the room's, so every use waits for the table's upload), the torch
+        gather otherwise."""
         src_idx, dst_idx = indices_on(src_slots, self.device), indices_on(dst_slots, self.device)
         if not block_copy_triton.supports(src, dst):
             copy_rows_device(src, dst, src_idx, dst_idx)
             return
+        stream = torch.cuda.current_stream(self.device)
         tables = []
         for key, views in ((src_key, src), (dst_key, dst)):
-            table = self._tables.get(key)
-            if table is None:
-                table = self._tables[key] = block_copy_triton.pointer_table(views)
-            tables.append(table)
+            entry = self._tables.get(key)
+            if entry is None:
+                table, uploaded = block_copy_triton.pointer_table(views), torch.cuda.Event()
+                uploaded.record(stream)
+                entry = self._tables[key] = (table, uploaded)
+            stream.wait_event(entry[1])
+            tables.append(entry[0])
         block_copy_triton.gather_scatter(tables[0], tables[1], len(dst), int(dst[0].shape[1]),
                                          src[0].stride(0), dst[0].stride(0), src_idx, dst_idx)
 
