@@ -14,9 +14,11 @@ module never fails: without a working Triton, :data:`AVAILABLE` is False.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+
+from .block_copy import copy_rows_device, indices_on
 
 try:  # pragma: no cover - exercised on the GPU machine
     import triton
@@ -77,3 +79,39 @@ def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: i
     grid = (n, n_layers, triton.cdiv(row_words, block))
     _gather_scatter[grid](src_table, dst_table, src_idx, dst_idx, row_words,
                           src_row_stride, dst_row_stride, BLOCK=block, num_warps=num_warps)
+
+
+class FusedCopier:
+    """Copies between block views of one CUDA device for callers on several streams (the
+    storage writer's export and room threads): row ``dst_slots[i]`` of every layer of
+    ``dst`` receives row ``src_slots[i]`` of ``src``, on the current stream.  The fused
+    kernel where it applies, with pointer tables built once per key on whichever stream
+    first needed them, each use ordered after the table's upload; the torch gather
+    otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tables: Dict[Tuple[object, int], Tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def copy(self, src_key: Tuple[object, int], src: List[torch.Tensor],
+             dst_key: Tuple[object, int], dst: List[torch.Tensor],
+             src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        src_idx, dst_idx = indices_on(src_slots, self.device), indices_on(dst_slots, self.device)
+        if not supports(src, dst):
+            copy_rows_device(src, dst, src_idx, dst_idx)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        tables = []
+        for key, views in ((src_key, src), (dst_key, dst)):
+            entry = self._tables.get(key)
+            if entry is None:
+                table, uploaded = pointer_table(views), torch.cuda.Event()
+                uploaded.record(stream)
+                entry = self._tables[key] = (table, uploaded)
+            stream.wait_event(entry[1])
+            tables.append(entry[0])
+        gather_scatter(tables[0], tables[1], len(dst), int(dst[0].shape[1]), src[0].stride(0),
+                       dst[0].stride(0), src_idx, dst_idx)
+
+    def clear(self) -> None:
+        self._tables.clear()

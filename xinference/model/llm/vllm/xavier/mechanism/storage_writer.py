@@ -48,9 +48,7 @@ from . import block_copy_triton
 from .block_copy import (
     block_view,
     copy_rows,
-    copy_rows_device,
     gather_to_pinned,
-    indices_on,
     slab_as,
 )
 from .kv_schema import KVLayout
@@ -117,8 +115,8 @@ class StorageWriter:
                        for t, groups in tiers.items()}
         self._alloc: Dict[Tier, Dict[int, SlotAllocator]] = {
             t: {g.group: SlotAllocator(self._slots[t]) for g in layout.groups} for t in tiers}
-        #: fused-kernel pointer tables by ("engine" or tier, group), and their upload's event
-        self._tables: Dict[Tuple[object, int], Tuple[torch.Tensor, torch.cuda.Event]] = {}
+        #: device copies of exports (step thread) and demotions (room thread)
+        self._copier = block_copy_triton.FusedCopier(device)
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
@@ -229,7 +227,7 @@ class StorageWriter:
             for group, (blocks, slots) in placed.items():
                 src, dst = engine_views[group], self._views[tier][group]
                 if dst[0].device.type == "cuda":
-                    self._gather_scatter(("engine", group), src, (tier, group), dst, blocks,
+                    self._copier.copy(("engine", group), src, (tier, group), dst, blocks,
                                          slots)
                 else:  # CPU top tier without a CUDA view: gather, then into page-locked
                     # rows; the publisher scatters them
@@ -240,31 +238,6 @@ class StorageWriter:
         caller.wait_event(event)  # vLLM reuses none of these blocks before they were read
         pub.event = event
         self._last_event = event
-
-    def _gather_scatter(self, src_key: Tuple[object, int], src: List[torch.Tensor],
-                        dst_key: Tuple[object, int], dst: List[torch.Tensor],
-                        src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
-        """On the current stream, row ``dst_slots[i]`` of every layer of ``dst`` receives
-        row ``src_slots[i]`` of ``src`` (same device): the fused kernel where it applies
-        (pointer tables built once per ``*_key``, on whichever stream first needed them:
-        the export's or the room's, so every use waits for the table's upload), the torch
-        gather otherwise."""
-        src_idx, dst_idx = indices_on(src_slots, self.device), indices_on(dst_slots, self.device)
-        if not block_copy_triton.supports(src, dst):
-            copy_rows_device(src, dst, src_idx, dst_idx)
-            return
-        stream = torch.cuda.current_stream(self.device)
-        tables = []
-        for key, views in ((src_key, src), (dst_key, dst)):
-            entry = self._tables.get(key)
-            if entry is None:
-                table, uploaded = block_copy_triton.pointer_table(views), torch.cuda.Event()
-                uploaded.record(stream)
-                entry = self._tables[key] = (table, uploaded)
-            stream.wait_event(entry[1])
-            tables.append(entry[0])
-        block_copy_triton.gather_scatter(tables[0], tables[1], len(dst), int(dst[0].shape[1]),
-                                         src[0].stride(0), dst[0].stride(0), src_idx, dst_idx)
 
     # ------------------------------------------------------------ publication
     def _publish_loop(self) -> None:
@@ -405,7 +378,7 @@ class StorageWriter:
             if last is not None:
                 self._room_stream.wait_event(last)
             if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
-                self._gather_scatter((src_tier, group), src, (dst_tier, group), dst,
+                self._copier.copy((src_tier, group), src, (dst_tier, group), dst,
                                      src_slots, dst_slots)
                 staged = None
             else:
@@ -452,4 +425,4 @@ class StorageWriter:
             self._room.join(timeout)
         self._views.clear()
         self._host_tiers.clear()
-        self._tables.clear()
+        self._copier.clear()
