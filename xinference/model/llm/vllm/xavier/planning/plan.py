@@ -220,18 +220,9 @@ def _cut_transfers(sources: np.ndarray, writes: np.ndarray, cfg: SlabConfig,
     transfers of at most the slab chosen for their rank (hysteresis: :class:`SlabState`);
     each transfer carries the writes its reads feed."""
     write_src = _source_of_each_write(sources, writes)
-    next_peers: Dict[int, PeerSlabState] = dict(state.peers)
-    slab_for_rank: Dict[int, int] = {}
-    ranks, counts = np.unique(sources[:, RANK], return_counts=True)
-    for rank, count in zip(ranks.tolist(), counts.tolist()):
-        slab_for_rank[rank], next_peers[rank] = state.choose(cfg, rank, count)
-    bucket_of = _dense_ids(sources[:, RANK], sources[:, TIER], sources[:, GROUP])
-    bucket_first = np.full(int(bucket_of.max()) + 1 if len(bucket_of) else 0, len(bucket_of),
-                           dtype=np.int64)
-    np.minimum.at(bucket_first, bucket_of, np.arange(len(bucket_of), dtype=np.int64))
+    slab_for_rank, next_state = _slabs_per_rank(sources, cfg, state)
     transfers: List[Transfer] = []
-    for b in np.argsort(bucket_first, kind="stable").tolist():
-        members = np.flatnonzero(bucket_of == b)  # indices into `sources`, batch order
+    for members in _buckets(sources):  # indices into `sources`, batch order
         head = sources[members[0]]
         rank, tier, group = int(head[RANK]), int(head[TIER]), int(head[GROUP])
         slab = slab_for_rank[rank]
@@ -245,7 +236,33 @@ def _cut_transfers(sources: np.ndarray, writes: np.ndarray, cfg: SlabConfig,
                 src_slots=sources[chunk, SLOT].astype(np.int64),
                 dst_blocks=writes[feeds, DEST].astype(np.int64),
                 dst_rows=row_of[write_src[feeds]]))
-    return transfers, SlabState(next_peers)
+    return transfers, next_state
+
+
+def _slabs_per_rank(rows: np.ndarray, cfg: SlabConfig,
+                    state: SlabState) -> Tuple[Dict[int, int], SlabState]:
+    """The slab rows for each source rank of ``rows`` (by how many rows it serves this
+    step, with hysteresis) and the advanced slab state."""
+    peers: Dict[int, PeerSlabState] = dict(state.peers)
+    slab_for_rank: Dict[int, int] = {}
+    ranks, counts = np.unique(rows[:, RANK], return_counts=True)
+    for rank, count in zip(ranks.tolist(), counts.tolist()):
+        slab_for_rank[rank], peers[rank] = state.choose(cfg, rank, count)
+    return slab_for_rank, SlabState(peers)
+
+
+def _buckets(rows: np.ndarray) -> List[np.ndarray]:
+    """Indices of ``rows`` per (source rank, tier, group), buckets in the order of their
+    first row, rows in their own order."""
+    n = len(rows)
+    if n == 0:
+        return []
+    if bool(np.all(rows[:, [RANK, TIER, GROUP]] == rows[0, [RANK, TIER, GROUP]])):
+        return [np.arange(n)]  # the common step: one bucket, no grouping
+    bucket_of = _dense_ids(rows[:, RANK], rows[:, TIER], rows[:, GROUP])
+    first = np.full(int(bucket_of.max()) + 1, n, dtype=np.int64)
+    np.minimum.at(first, bucket_of, np.arange(n, dtype=np.int64))
+    return [np.flatnonzero(bucket_of == b) for b in np.argsort(first, kind="stable").tolist()]
 
 
 def _plan_distinct_rows(batch: LoadBatch, cfg: SlabConfig,
@@ -263,21 +280,9 @@ def _plan_distinct_rows(batch: LoadBatch, cfg: SlabConfig,
         return None
     if _repeats(table[:, GROUP], table[:, DEST]) or _repeats(table[:, GROUP], table[:, KEY]):
         return None
-    head = table[0, [RANK, TIER, GROUP]]
-    if bool(np.all(table[:, [RANK, TIER, GROUP]] == head)):  # one bucket: no grouping
-        buckets = [np.arange(n)]
-    else:
-        bucket_of = _dense_ids(table[:, RANK], table[:, TIER], table[:, GROUP])
-        first = np.full(int(bucket_of.max()) + 1, n, dtype=np.int64)
-        np.minimum.at(first, bucket_of, np.arange(n, dtype=np.int64))
-        buckets = [np.flatnonzero(bucket_of == b) for b in np.argsort(first, kind="stable")]
-    peers = dict(state.peers)
-    slab_for_rank: Dict[int, int] = {}
-    ranks, counts = np.unique(table[:, RANK], return_counts=True)
-    for rank, count in zip(ranks.tolist(), counts.tolist()):
-        slab_for_rank[rank], peers[rank] = state.choose(cfg, rank, count)
+    slab_for_rank, next_state = _slabs_per_rank(table, cfg, state)
     transfers = []
-    for members in buckets:
+    for members in _buckets(table):
         rank, tier, group = (int(x) for x in table[members[0], [RANK, TIER, GROUP]])
         slab = slab_for_rank[rank]
         for start in range(0, len(members), slab):
@@ -289,7 +294,7 @@ def _plan_distinct_rows(batch: LoadBatch, cfg: SlabConfig,
     groups = table[:, GROUP]
     written = {int(g): np.sort(table[groups == g, DEST]) for g in np.unique(groups).tolist()}
     plan = LoadPlan(tuple(transfers), batch.request_ids, 0, 0, 0, written)
-    return plan, SlabState(peers)
+    return plan, next_state
 
 
 def _repeats(major: np.ndarray, minor: np.ndarray) -> bool:

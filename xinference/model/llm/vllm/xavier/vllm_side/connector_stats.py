@@ -20,9 +20,13 @@ from typing import Callable, Dict, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 #: the worker counters reported to vLLM (names of :data:`..planning.counters.COUNTER_NAMES`)
-REPORTED_COUNTERS = ("batch_calls", "blocks_written", "useful_bytes", "load_failures",
-                     "rows_unreachable", "export_exported", "export_skipped_no_slot",
-                     "room_demoted")
+#: and the names vLLM's log line shows them under (bytes are shown in MiB)
+LOGGED_AS = {"batch_calls": "xavier_loads", "blocks_written": "loaded_blocks",
+             "useful_bytes": "loaded_MiB", "load_failures": "failed_loads",
+             "rows_unreachable": "unreachable_blocks", "export_exported": "exported_blocks",
+             "export_skipped_no_slot": "exports_skipped_full_tier",
+             "room_demoted": "demoted_blocks"}
+REPORTED_COUNTERS = tuple(LOGGED_AS)
 
 
 @dataclass
@@ -39,15 +43,11 @@ class XavierKVConnectorStats(KVConnectorStats):
         return XavierKVConnectorStats(data=total)
 
     def reduce(self) -> Dict[str, int | float]:
-        d = self.data
-        return {"xavier_loads": int(d.get("batch_calls", 0)),
-                "loaded_blocks": int(d.get("blocks_written", 0)),
-                "loaded_MiB": round(int(d.get("useful_bytes", 0)) / 2**20, 1),
-                "failed_loads": int(d.get("load_failures", 0)),
-                "unreachable_blocks": int(d.get("rows_unreachable", 0)),
-                "exported_blocks": int(d.get("export_exported", 0)),
-                "exports_skipped_full_tier": int(d.get("export_skipped_no_slot", 0)),
-                "demoted_blocks": int(d.get("room_demoted", 0))}
+        out: Dict[str, int | float] = {}
+        for name, label in LOGGED_AS.items():
+            value = int(self.data.get(name, 0))
+            out[label] = round(value / 2**20, 1) if name == "useful_bytes" else value
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
