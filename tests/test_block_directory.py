@@ -163,3 +163,25 @@ def test_a_demotion_registers_the_lower_copy_and_claims_the_upper_slot_in_one_ca
     again = d.query(0, [7, 8], exclude_rank=2)
     assert [(loc.tier, loc.slot) for loc in again.locations] == [(1, 10), (1, 11)]
     d.release(held.lease_ids + again.lease_ids)
+
+
+def test_a_forged_short_key_collision_is_a_counted_miss():
+    """Blocks are found under their full name only: a name with the same low 63 bits as a
+    stored block (what a load row carries; forgeable offline with a known seed) finds
+    nothing, takes no lease and is counted (#23).  Control: the stored name hits, and an
+    unrelated missing name is not counted."""
+    d = BlockDirectory()
+    name = (12345 << 100) | 777
+    forged = (999 << 100) | 777
+    d.register(1, [(0, name, 0, 4, 1)])
+    miss = d.query(0, [forged], exclude_rank=2)
+    assert miss.num_hits == 0 and d.outstanding_leases == 0
+    assert d.stats.identity_mismatches == 1
+    assert d.query(0, [(5 << 100) | 778], exclude_rank=2).num_hits == 0
+    assert d.stats.identity_mismatches == 1  # control: another short key, not counted
+    hit = d.query(0, [name], exclude_rank=2)
+    assert hit.num_hits == 1 and hit.locations[0].slot == 4
+    d.release(hit.lease_ids)
+    assert d.claim(1, 0, 0, [4]) == [4]  # the block goes: nothing is left to mismatch
+    assert d.query(0, [forged], exclude_rank=2).num_hits == 0
+    assert d.stats.identity_mismatches == 1 and not d._short

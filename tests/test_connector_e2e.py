@@ -190,6 +190,104 @@ def test_concurrent_requests_share_one_load_call_per_step(world):
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
 
 
+def block_names_of(seed: str, ids: List[int]) -> List[int]:
+    """Xavier's names of the full blocks of ``ids`` as an engine whose ``NONE_HASH`` comes
+    from ``seed`` hashes them (vLLM's sha256 chain, no extra keys)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens
+
+    from xinference.model.llm.vllm.xavier.planning.block_names import block_name
+
+    fn = get_hash_fn_by_name("sha256")
+    parent, names = BlockHash(fn(seed)), []
+    for i in range(len(ids) // BLOCK):
+        parent = hash_block_tokens(fn, parent, ids[i * BLOCK:(i + 1) * BLOCK])
+        names.append(block_name(parent))
+    return names
+
+
+def test_block_hashes_come_from_the_launchs_secret_seed(world):
+    """#23: the engine seeds vLLM's block hashes with the launch's secret seed, drawn by
+    the directory and fetched by each replica's engine core (both replicas share, as the
+    other tests show): the blocks A exports are named by hashes chained from that seed, not
+    from the public seed "0" used before; no engine process carries ``PYTHONHASHSEED``."""
+    import psutil
+
+    lt, r = world
+    a, _ = r.replicas
+    seed = lt.run(r.tracker.hash_seed())
+    assert isinstance(seed, str) and len(seed) == 64
+    prompt = tokens(41, PREFIX) + tokens(42, 8)
+    lt.run(a.reset_prefix_cache())
+    lt.run(a.reset_recent_loads())
+    lt.run(a.generate([prompt]))
+    lt.run(a.flush())
+    exported = {k for g, k in lt.run(a.recent_export_keys()) if g == 0}
+    expected = block_names_of(seed, prompt)
+    assert len(expected) == PREFIX // BLOCK and set(expected) <= exported
+    assert not set(block_names_of("0", prompt)) & exported  # control: the old public seed
+    pids = lt.run(a.engine_pids())
+    assert pids
+    for pid in pids:
+        try:
+            env = psutil.Process(pid).environ()
+        except psutil.NoSuchProcess:
+            continue
+        assert "PYTHONHASHSEED" not in env and seed not in "".join(env.values())
+
+
+def test_a_forged_short_key_collision_is_never_loaded(world):
+    """#23: blocks registered under names that share only the low 63 bits with the blocks of
+    B's prompt (what a forger with a known seed could make) give B no hit: tokens equal
+    the no-sharing run, nothing loaded, the directory counts the mismatch."""
+    lt, r = world
+    _, b = r.replicas
+    prompt = tokens(43, PREFIX) + tokens(44, 8)
+    real = block_names_of(lt.run(r.tracker.hash_seed()), prompt)
+    forged = [(0, name ^ (1 << 100), 0, 60_000 + i, 1) for i, name in enumerate(real)]
+    assert lt.run(r.tracker.register(1, forged)) == len(forged)
+    try:
+        before, stats = lt.run(b.counters()), lt.run(r.tracker.stats())
+        got = lt.run(b.generate([prompt]))[0]
+        c = delta(before, lt.run(b.counters()))
+        assert got["cached"] == 0 and c["hit_blocks"] == 0 and c["blocks_written"] == 0
+        after = lt.run(r.tracker.stats())
+        assert after["identity_mismatches"] - stats["identity_mismatches"] >= 1
+        lt.run(b.reset_prefix_cache())
+        assert got["ids"] == lt.run(b.generate([prompt], xavier=False))[0]["ids"]
+    finally:
+        lt.run(r.tracker.claim(1, 0, 0, [slot for _, _, _, slot, _ in forged]))
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+
+
+def test_prompt_logprob_requests_never_load(world):
+    """#23: vLLM reads no prefix cache for a request that asks for prompt logprobs (every
+    prompt token must be computed); Xavier offers it no load either, though another
+    replica holds its prefix: its prompt logprobs equal the no-sharing run's.  Control: the
+    same prompt without prompt logprobs is a hit."""
+    lt, r = world
+    a, b = r.replicas
+    shared = tokens(45, PREFIX)
+    lt.run(a.generate([shared + tokens(46, 8)]))  # A computes and exports the prefix
+    lt.run(a.flush())
+    asked = shared + tokens(47, 8)
+    lt.run(b.reset_prefix_cache())
+    before = lt.run(b.counters())
+    got = lt.run(b.generate([asked], prompt_logprobs=1))[0]
+    c = delta(before, lt.run(b.counters()))
+    assert got["cached"] == 0 and c["hit_blocks"] == 0 and c["queries"] == 0
+    lt.run(b.reset_prefix_cache())
+    alone = lt.run(b.generate([asked], xavier=False, prompt_logprobs=1))[0]
+    assert got["prompt_logprobs"] == alone["prompt_logprobs"] and got["ids"] == alone["ids"]
+    assert len(got["prompt_logprobs"]) == len(asked)
+    lt.run(b.reset_prefix_cache())
+    before = lt.run(b.counters())
+    hit = lt.run(b.generate([asked]))[0]
+    assert hit["cached"] == PREFIX  # the control
+    assert delta(before, lt.run(b.counters()))["hit_blocks"] == PREFIX // BLOCK
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+
+
 def test_cache_salts_keep_tenants_apart_across_replicas(world):
     """vLLM folds ``cache_salt`` into its block hashes: the same tokens under another salt
     are never a hit from another replica (tokens equal the no-sharing run); under the same

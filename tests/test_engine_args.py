@@ -32,7 +32,8 @@ def test_kv_transfer_config_seed_and_scheduling(model):
     assert ktc.kv_role == "kv_both" and ktc.kv_load_failure_policy == "recompute"
     assert XavierOptions.from_extra_config(ktc.kv_connector_extra_config) == opts
     assert opts.cpu_budget_bytes == 64 * 2**20
-    assert env["PYTHONHASHSEED"] == "0" and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    # no public seed: the engine core seeds block hashes with the launch's secret (#23)
+    assert "PYTHONHASHSEED" not in env and env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     # vLLM's own speed settings are left alone: async scheduling as vLLM decides (None:
     # on where it applies), the model runner vLLM picks
     assert "VLLM_USE_V2_MODEL_RUNNER" not in env

@@ -7,7 +7,6 @@ from xinference.model.llm.vllm.xavier.planning.load_batch import (
     LoadBatch,
     LoadBatchError,
     empty_batch,
-    fold_block_hash,
 )
 
 
@@ -56,15 +55,6 @@ def test_bad_inputs_named():
 def test_empty():
     b = empty_batch()
     assert b.num_requests == 0 and b.num_rows == 0
-
-
-def test_fold_block_hash_stable_and_non_negative():
-    assert fold_block_hash(b"abc") == fold_block_hash(bytearray(b"abc"))
-    assert fold_block_hash(b"abc") != fold_block_hash(b"abd")
-    assert fold_block_hash(12345) == fold_block_hash(12345)
-    assert fold_block_hash(b"abc", seed=1) != fold_block_hash(b"abc", seed=2)
-    for v in (b"", 0, -5, 2**200, ("x", 1)):
-        assert 0 <= fold_block_hash(v) < 2**63
 
 
 def two_request_batch():

@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import remove_orphaned_shm_files
+from xinference.model.llm.vllm.xavier.planning.block_names import row_key
 
 from .support.loop_thread import LoopThread
 from .support.processes import tokens
@@ -78,10 +79,10 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     dest = n_blocks - 1  # a block B's vLLM has not handed out in this short run
     src_digest = lt.run(a.stored_block_digests([(0, ks[0])]))[(0, ks[0])]
     assert lt.run(b.engine_block_digests(0, [dest]))[0] != src_digest  # a write would show
-    good = [0, ks[0], loc.rank, loc.tier, loc.slot, dest]
+    good = [0, row_key(ks[0]), loc.rank, loc.tier, loc.slot, dest]  # a load row's key
 
     def row(key, slot, to):
-        return [0, key, loc.rank, loc.tier, slot, to]
+        return [0, row_key(key), loc.rank, loc.tier, slot, to]
 
     def meta(table, offsets=None, ids=("r",)):
         q = lt.run(r.tracker.query(0, ks[:1], 2))  # a fresh lease per attempt

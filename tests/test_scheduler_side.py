@@ -254,3 +254,47 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
     assert meta.failed_dests == (1, 2, 3) and len(meta.leases) == 3
     assert meta.stats.rejected_metadata == 1 and w.leases == 3  # the worker releases them
+
+
+def test_names_with_equal_low_bits_never_share_a_step():
+    """The load table carries a block name's low 63 bits: two requests whose blocks have
+    different names with equal low bits would be read from one source by the planner.  The
+    later request's loads are dropped (its destinations failed: vLLM recomputes them),
+    counted; the first keeps its loads (#23).  Control: equal names in two requests are
+    one block read for both (nothing dropped)."""
+    short = 1 << 63
+    names = keys_of(3)
+    forged = [names[0], names[1] + 5 * short, names[2]]  # block 1: same low bits, other name
+    w = World(held_keys=names + forged[1:2])
+    w.side.track("a", lambda: names, 3 * BS + 1)
+    w.side.track("b", lambda: forged, 3 * BS + 1)
+    w.side.track("c", lambda: names, 3 * BS + 1)
+    for rid, dests in (("a", [10, 11, 12]), ("b", [20, 21, 22]), ("c", [30, 31, 32])):
+        assert w.side.match(rid, 3 * BS + 1, 0) == 3 * BS
+        assert w.side.allocated(rid, [dests], [[False] * 3], 3 * BS) == 3
+    step = w.side.build_step([], {})
+    assert step.stats.identity_clashes == 1
+    assert step.loads.request_ids == ("a", "b", "c")
+    assert step.loads.rows_of("b").shape[0] == 0 and sorted(step.failed_dests) == [20, 21, 22]
+    assert step.loads.rows_of("a")[:, DEST].tolist() == [10, 11, 12]
+    assert step.loads.rows_of("c")[:, DEST].tolist() == [30, 31, 32]  # the control
+    assert all(0 <= k < short for k in step.loads.table[:, KEY].tolist())
+    w.release([lease.lease_id for lease in step.leases])  # the worker's part
+    assert w.leases == 0
+
+
+def test_a_request_that_reads_no_prefix_cache_is_never_offered_a_load_but_exports():
+    """vLLM skips its prefix cache for some requests (``skip_reading_prefix_cache``: e.g.
+    prompt logprobs need every prompt token computed); Xavier must not load for them
+    either, but their computed blocks are still exported (#23)."""
+    w = World(held_keys=keys_of(4))
+    w.side.track("r", lambda: keys_of(4), 4 * BS + 1, loads=False)
+    assert w.side.match("r", 4 * BS + 1, 0) == 0
+    assert w.calls == [] and w.leases == 0
+    w.side.allocated("r", [[5, 6, 7, 8, 9]], [[False] * 5], 0)
+    step = w.side.build_step([("r", 0, 4 * BS + 1)], {})
+    assert [k for _, k, _ in step.exports] == keys_of(4) and not step.has_loads
+    w.side.track("control", lambda: keys_of(4), 4 * BS + 1)
+    assert w.side.match("control", 4 * BS + 1, 0) == 4 * BS
+    w.side.finished("control")
+    assert w.leases == 0

@@ -115,17 +115,19 @@ class WorkerHooks:
         views = self._plane.engine_views
         return [(g, k, _digest(views.get(g, []), b)) for (g, k), b in self._recent_loads.items()]
 
-    def stored_block_digests(self, keys: Sequence[Sequence[int]]) -> List[Tuple[int, int, str]]:
+    def stored_block_digests(self, keys: Sequence[Sequence[Any]]) -> List[Tuple[int, str, str]]:
         """``(group, key, sha256)`` of the stored bytes of the ``(group, key)`` blocks this
-        rank's storage holds."""
+        rank's storage holds.  Block names (192 bits) cross vLLM's ``collective_rpc``
+        (msgpack: at most 64-bit ints) as decimal text, here and in the other readers."""
         self._plane.flush()
         writer = self._plane.writer
         out = []
         for group, key in keys:
-            hit = writer.lookup(int(group), int(key)) if writer is not None else None
+            hit = writer.lookup(int(group), _stored_name(writer, int(group), int(key))
+                                ) if writer is not None else None
             if hit is not None and writer is not None:
                 tier, slot, _ = hit
-                out.append((int(group), int(key),
+                out.append((int(group), str(key),
                             _digest(writer.views(tier, int(group)), slot)))
         return out
 
@@ -133,10 +135,11 @@ class WorkerHooks:
         """Recently exported ``(group, key)`` whose stored bytes differ from the engine block
         they were exported from (empty unless wrong KV was published, or vLLM has since
         reused that engine block)."""
-        stored = {(g, k): d for g, k, d in self.stored_block_digests(list(self._recent_exports))}
+        stored = {(g, int(k)): d
+                  for g, k, d in self.stored_block_digests(list(self._recent_exports))}
         views = self._plane.engine_views
-        return [gk for gk, block in self._recent_exports.items()
-                if gk in stored and stored[gk] != _digest(views[gk[0]], block)]
+        return [(g, str(k)) for (g, k), block in self._recent_exports.items()
+                if (g, k) in stored and stored[(g, k)] != _digest(views[g], block)]
 
     def engine_block_digests(self, group: int, block_ids: Sequence[int]) -> List[str]:
         views = self._plane.engine_views.get(int(group), [])
@@ -150,8 +153,8 @@ class WorkerHooks:
         views = self._plane.engine_views.get(int(group), [])
         return int(views[0].shape[0]) if views else 0
 
-    def recent_export_keys(self) -> List[Tuple[int, int]]:
-        return list(self._recent_exports)
+    def recent_export_keys(self) -> List[Tuple[int, str]]:
+        return [(g, str(k)) for g, k in self._recent_exports]
 
     def recorded_faults(self) -> List[Tuple[int, int]]:
         return list(self.fault_blocks)
@@ -197,6 +200,20 @@ class WorkerHooks:
             failed |= h.failed
         plane.flush()
         return {"failed": sorted(failed), "written": written, "error": error}
+
+
+def _stored_name(writer: Any, group: int, key: int) -> int:
+    """The full name of the stored block of ``group`` whose name or load-row key (its low
+    63 bits) is ``key`` (loads report row keys); ``key`` itself when none is stored."""
+    from xinference.model.llm.vllm.xavier.planning.block_names import row_key
+
+    if writer.lookup(group, key) is not None:
+        return key
+    for allocs in writer._alloc.values():
+        for name in allocs[group]._lru:
+            if row_key(name) == key:
+                return int(name)
+    return key
 
 
 def _digest(views: Sequence[torch.Tensor], block: int) -> str:

@@ -92,10 +92,11 @@ class ReplicaActor(xo.StatelessActor):
         return await self.engine.init_xavier()
 
     async def generate(self, prompts: Sequence[List[int]], max_tokens: int = 16,
-                       xavier: bool = True, cache_salt: Optional[str] = None
-                       ) -> List[Dict[str, Any]]:
+                       xavier: bool = True, cache_salt: Optional[str] = None,
+                       prompt_logprobs: Optional[int] = None) -> List[Dict[str, Any]]:
         """Greedy generation of all ``prompts`` concurrently (``cache_salt``: vLLM's tenant
-        salt for each).  Per request: token ids, the prompt tokens vLLM did not compute
+        salt for each; ``prompt_logprobs``: vLLM's, returned as each prompt token's
+        logprob, rounded).    Per request: token ids, the prompt tokens vLLM did not compute
         (local prefix cache + external loads), time to first token and latency (seconds,
         measured here, next to the engine)."""
         import time
@@ -104,7 +105,7 @@ class ReplicaActor(xo.StatelessActor):
 
         extra = None if xavier else {"kv_transfer_params": {"xavier": False}}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                extra_args=extra)
+                                extra_args=extra, prompt_logprobs=prompt_logprobs)
 
         async def one(i: int, ids: List[int]) -> Dict[str, Any]:
             last = None
@@ -119,8 +120,11 @@ class ReplicaActor(xo.StatelessActor):
                     first = time.perf_counter() - t0
                 last = out
             assert last is not None
+            logprobs = [None if lp is None else round(lp[t].logprob, 4)
+                        for t, lp in zip(ids, last.prompt_logprobs or [])]
             return {"ids": list(last.outputs[0].token_ids),
                     "cached": int(last.num_cached_tokens or 0),
+                    "prompt_logprobs": logprobs,
                     "ttft_s": first, "latency_s": time.perf_counter() - t0}
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -164,14 +168,15 @@ class ReplicaActor(xo.StatelessActor):
         return {(g, k): d for g, k, d in await self.hook("loaded_block_digests")}
 
     async def stored_block_digests(self, keys: List[Any]) -> Dict[Any, str]:
-        rows = await self.hook("stored_block_digests", [list(k) for k in keys])
-        return {(g, k): d for g, k, d in rows}
+        # block names (192 bits) cross vLLM's collective_rpc (msgpack) as decimal text
+        rows = await self.hook("stored_block_digests", [[g, str(k)] for g, k in keys])
+        return {(g, int(k)): d for g, k, d in rows}
 
     async def reset_recent_loads(self) -> None:
         await self.hook("reset_recent")
 
     async def stored_vs_engine_mismatches(self) -> List[Any]:
-        return [tuple(x) for x in await self.hook("stored_vs_engine_mismatches")]
+        return [(g, int(k)) for g, k in await self.hook("stored_vs_engine_mismatches")]
 
     async def recorded_faults(self) -> List[Any]:
         return [tuple(x) for x in await self.hook("recorded_faults")]
@@ -195,7 +200,7 @@ class ReplicaActor(xo.StatelessActor):
         return await self.hook("engine_block_digests", group, block_ids)
 
     async def recent_export_keys(self) -> List[Any]:
-        return [tuple(x) for x in await self.hook("recent_export_keys")]
+        return [(g, int(k)) for g, k in await self.hook("recent_export_keys")]
 
     async def engine_num_blocks(self) -> int:
         return await self.hook("engine_num_blocks", 0)

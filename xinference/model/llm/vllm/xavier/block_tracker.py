@@ -17,6 +17,7 @@ import numpy as np
 import xoscar as xo
 
 from .planning.block_directory import BlockDirectory, QueryResult
+from .planning.hash_seed import new_launch_seed
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,9 @@ class VLLMBlockTracker(xo.StatelessActor):
     """Block directory of one Xavier model.
 
     Created by the supervisor with uid ``f"{default_uid()}-{model_uid}"`` and
-    no constructor arguments.
+    no constructor arguments, once per launch: it draws the launch's secret block-hash
+    seed (:mod:`~.planning.hash_seed`), which each replica's engine fetches
+    (:meth:`hash_seed`) before vLLM seeds its block hashes.
     """
 
     @classmethod
@@ -35,6 +38,11 @@ class VLLMBlockTracker(xo.StatelessActor):
     def __init__(self, max_leases: int = 1_000_000) -> None:
         super().__init__()
         self._directory = BlockDirectory(max_leases=max_leases)
+        self._hash_seed = new_launch_seed()
+
+    def hash_seed(self) -> str:
+        """The launch's secret block-hash seed (never logged)."""
+        return self._hash_seed
 
     def register_rank(self, rank: int) -> None:
         self._directory.register_rank(rank)

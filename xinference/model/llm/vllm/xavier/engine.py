@@ -8,8 +8,9 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
 ``from_engine_args``
 
 1. validates the options (:class:`~.options.XavierOptions`; errors name the option);
-2. fixes ``PYTHONHASHSEED`` so every replica hashes blocks alike
-   (:func:`~.hash_seed.ensure_shared_hash_seed`) and makes vLLM spawn its workers;
+2. checks ``PYTHONHASHSEED`` (a user's fixed value is kept, ``random`` refused; unset, the
+   engine core seeds vLLM's block hashes with the launch's secret seed:
+   :mod:`~.planning.hash_seed`) and makes vLLM spawn its workers;
 3. sets ``engine_args.kv_transfer_config`` to the Xavier connector
    (``kv_role="kv_both"``, ``kv_load_failure_policy="recompute"``, options in
    ``kv_connector_extra_config``) and keeps prefix caching on;
@@ -32,7 +33,7 @@ from typing import Any, Dict, Optional
 from vllm.config import KVTransferConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from .planning.hash_seed import ensure_shared_hash_seed
+from .planning.hash_seed import user_seed
 from .planning.options import XavierOptions
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
         raise ValueError("enable_prefix_caching: Xavier shares prefix-cache blocks; it cannot "
                          "run with enable_prefix_caching=False")
     engine_args.enable_prefix_caching = True
-    ensure_shared_hash_seed(env)
+    if user_seed(env) is not None:
+        logger.info("xavier: replicas hash blocks with the user's PYTHONHASHSEED (a known "
+                    "seed; unset, Xavier draws a secret one per launch)")
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)
     if not getattr(engine_args, "worker_extension_cls", ""):

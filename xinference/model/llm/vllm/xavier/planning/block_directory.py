@@ -4,8 +4,12 @@ Hosted by ``VLLMBlockTracker`` in the supervisor pool; one instance per model.
 Every operation is synchronous and runs to completion inside the actor, so
 each one is atomic with respect to the others.
 
-* Blocks are named by ``(group, key)``: the KV-cache group and the block hash
-  (hybrid models hash the same tokens alike in every group).
+* Blocks are named by ``(group, key)``: the KV-cache group and the block's full name
+  (:func:`~.block_names.block_name`, 192 bits of vLLM's block hash; hybrid models hash
+  the same tokens alike in every group).  A query finds a block only under exactly its
+  name; one that finds only another name with the same low 63 bits (what a load row
+  carries) is counted in ``identity_mismatches``: a forged or accidental collision of the
+  short key is a miss, never a load.
 * A **location** is ``(rank, tier, group, slot, generation)``: the slot of a
   rank's tier storage for that group that holds the block.  ``generation`` changes whenever the
   storage reuses a slot, so an entry for an older generation is never
@@ -31,6 +35,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .block_names import row_key
 from .load_batch import Tier
 
 SlotId = Tuple[int, int, int, int]  # (rank, tier, group, slot)
@@ -77,6 +82,8 @@ class DirectoryStats:
     unknown_releases: int = 0
     claims_refused: int = 0
     stale_registrations: int = 0
+    #: lookups that found another block name with the same low 63 bits (a miss)
+    identity_mismatches: int = 0
 
 
 @dataclass
@@ -88,6 +95,9 @@ class BlockDirectory:
     max_leases: int = 1_000_000
     _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
     _by_slot: Dict[SlotId, Tuple[int, int]] = field(default_factory=dict)  # -> (key, gen)
+    #: (group, low 63 bits of a key) -> a key registered with them (only to count
+    #: ``identity_mismatches``; lookups go by the full key)
+    _short: Dict[BlockId, int] = field(default_factory=dict)
     _leases: Dict[int, SlotId] = field(default_factory=dict)
     _lease_count: Dict[SlotId, int] = field(default_factory=dict)
     _ranks: Set[int] = field(default_factory=set)
@@ -146,6 +156,8 @@ class BlockDirectory:
                 # demoted to the CPU tier is registered there before its GPU slot is claimed)
                 self._by_slot.pop(_sid(old), None)
             self._by_slot[sid] = (key, gen)
+            if (group, key) not in self._by_key:
+                self._short[(group, row_key(key))] = key
             self._by_key.setdefault((group, key), {})[rank] = Location(rank, tier, group, slot, gen)
             recorded += 1
         self.stats.registered += recorded
@@ -189,6 +201,9 @@ class BlockDirectory:
                         best.tier, self._lease_count.get(_sid(best), 0)):
                     best = loc
             if best is None:
+                if (group, key) not in self._by_key and self._short.get(
+                        (group, row_key(key)), key) != key:
+                    self.stats.identity_mismatches += 1
                 break
             hit_keys.append(key)
             locs.append(best)
@@ -277,6 +292,9 @@ class BlockDirectory:
             del locs[rank]
             if not locs:
                 del self._by_key[key]
+                short = (key[0], row_key(key[1]))
+                if self._short.get(short) == key[1]:
+                    del self._short[short]
 
 
 def _sid(loc: Location) -> SlotId:

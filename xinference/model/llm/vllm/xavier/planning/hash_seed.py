@@ -1,36 +1,49 @@
-"""One block-hash seed for every replica of a model.
+"""One secret block-hash seed per launch, shared by every replica of the model.
 
-vLLM V1 seeds its prefix-cache block hashes with ``NONE_HASH``, computed in
-each engine-core process by ``init_none_hash``: from ``PYTHONHASHSEED`` when
-it is set, else from ``os.urandom`` (measured on vLLM 0.27.1 / 0.26.0).
-Without a shared seed, two replicas hash the same prefix differently and no
-cross-replica hit is ever possible.  :func:`ensure_shared_hash_seed` is
-called before an engine is built; vLLM's spawned processes inherit it.
+vLLM V1 seeds its prefix-cache block hashes with ``NONE_HASH``, computed in each
+engine-core process by ``init_none_hash``: from ``PYTHONHASHSEED`` when it is set, else
+from ``os.urandom`` (vLLM 0.26.0 / 0.27.1).  Replicas must agree on it, or no block is
+ever shared; outsiders should not know it (vLLM made it random after CVE-2025-25183: a
+known seed lets anyone compute block hashes offline).
+
+So a launch's block directory draws a secret seed (:func:`new_launch_seed`, from
+``secrets``) when it is created; each replica's engine core fetches it from there before
+vLLM computes ``NONE_HASH`` and seeds ``NONE_HASH`` with it
+(:mod:`~..vllm_side.none_hash`).  The seed is never logged, never put in an environment
+variable and never passed through vLLM's configuration (which vLLM logs); Python's own
+hash randomization stays as the user had it.
+
+A user who sets ``PYTHONHASHSEED`` to a fixed value for the launch keeps it (vLLM derives
+``NONE_HASH`` from it in every replica alike): weaker, since that value is known wherever
+the launch's settings are (:func:`user_seed`).  ``random`` is refused: it defeats sharing.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from typing import MutableMapping, Optional
-
-logger = logging.getLogger(__name__)
+import secrets
+from typing import Mapping, Optional
 
 ENV = "PYTHONHASHSEED"
-#: used when the user did not choose a seed; any fixed value works if all replicas agree
-DEFAULT_SEED = "0"
+#: bytes of entropy of a launch's seed
+SEED_BYTES = 32
 
 
-def ensure_shared_hash_seed(environ: Optional[MutableMapping[str, str]] = None) -> str:
-    """Set ``PYTHONHASHSEED`` to :data:`DEFAULT_SEED` unless a fixed value is set;
-    returns the seed in force.  ``"random"`` is refused: it defeats sharing."""
+def new_launch_seed() -> str:
+    """A fresh secret seed (hex text, as vLLM hashes ``PYTHONHASHSEED``'s text)."""
+    return secrets.token_hex(SEED_BYTES)
+
+
+def user_seed(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The fixed ``PYTHONHASHSEED`` the user set for the launch, or None (Xavier's secret
+    seed then applies).  ``"random"`` is refused: every replica would hash alike only by
+    chance."""
     env = os.environ if environ is None else environ
     value = env.get(ENV)
     if value is None or value == "":
-        env[ENV] = DEFAULT_SEED
-        logger.info("xavier: %s set to %s so that replicas hash blocks alike", ENV, DEFAULT_SEED)
-        return DEFAULT_SEED
+        return None
     if value == "random":
         raise ValueError(f"{ENV}: 'random' gives every replica different block hashes; "
-                         "unset it or use a fixed integer")
+                         "unset it (Xavier then draws a secret seed per launch) or use a "
+                         "fixed integer")
     return value

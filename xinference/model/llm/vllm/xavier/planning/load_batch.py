@@ -8,7 +8,7 @@ thousands of Python tuples).  Each row is one block position of one request:
 column     meaning
 =========  ===============================================================
 group      KV-cache group id (vLLM ``kv_cache_config.kv_cache_groups``)
-key        block key (vLLM block hash folded to int64)
+key        the low 63 bits of the block's name (:func:`~.block_names.block_name`)
 rank       source rank that holds the block
 tier       storage tier on that rank (:class:`Tier`)
 slot       slot index in that rank's tier storage
@@ -210,23 +210,3 @@ def _as_int64(name: str, value: object, ndim: int) -> np.ndarray:
             raise LoadBatchError(f"{name}: value does not fit in int64")
         arr = arr.astype(np.int64)
     return np.array(arr, dtype=np.int64, copy=True)
-
-
-def fold_block_hash(block_hash: object, seed: Optional[int] = None) -> int:
-    """Fold an arbitrary vLLM block hash (bytes, int, tuple) to a non-negative int64 key.
-
-    Equal hashes give equal keys in every process (no Python ``hash()``; it is
-    salted per process).
-    """
-    import hashlib
-
-    if isinstance(block_hash, (bytes, bytearray, memoryview)):
-        data = bytes(block_hash)
-    elif isinstance(block_hash, int):
-        data = block_hash.to_bytes((block_hash.bit_length() + 8) // 8 or 1, "little", signed=True)
-    else:
-        data = repr(block_hash).encode()
-    if seed is not None:
-        data = seed.to_bytes(8, "little", signed=True) + data
-    digest = hashlib.blake2b(data, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF

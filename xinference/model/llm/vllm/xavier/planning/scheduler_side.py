@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .block_directory import QueryResult
+from .block_names import row_key
 from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError, empty_batch
 from .lookups import DirectoryLookups, State
 
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
-#: (group, key, block_id) of a newly computed full block
+#: (group, block name, block_id) of a newly computed full block
 ExportRow = Tuple[int, int, int]
 
 
@@ -69,6 +70,9 @@ class StepStats:
     scheduler_us: int = 0
     #: steps whose loads were not a valid batch (a defect; recomputed)
     rejected_metadata: int = 0
+    #: requests whose loads were dropped (recomputed): a block of theirs and another of
+    #: the step had different names with equal low 63 bits (:mod:`.block_names`)
+    identity_clashes: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -123,6 +127,9 @@ class _Tracked:
     block_ids: List[List[int]] = field(default_factory=list)  # per group
     null: List[List[bool]] = field(default_factory=list)
     sharing: bool = True
+    #: whether it may load (vLLM reads no prefix cache for some requests, e.g. those
+    #: asking for prompt logprobs: they are still exported)
+    loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
 
@@ -141,18 +148,20 @@ class SchedulerSide:
         self._release = release
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
-        self._step_loads: List[Tuple[str, List[BlockLoad], List[Lease]]] = []
+        #: (request, rows, the rows' block names, leases) of the step being built
+        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[Lease]]] = []
         self._stats = StepStats()
 
     # ----------------------------------------------------------------- lookup
     def track(self, request_id: str, keys: Callable[[], Sequence[int]], num_tokens: int,
-              sharing: bool = True, ready: bool = True) -> None:
-        """Start tracking a request (vLLM's ``on_new_request``); when sharing and ready,
-        queue its lookup of every block it could load (from its first block)."""
+              sharing: bool = True, ready: bool = True, loads: bool = True) -> None:
+        """Start tracking a request (vLLM's ``on_new_request``); when sharing, ready and
+        allowed to load, queue its lookup of every block it could load (from its first
+        block)."""
         if request_id in self._tracked:
             return
-        self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing)
-        if sharing and ready:
+        self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing, loads=loads)
+        if sharing and ready and loads:
             last = self._last_block(keys(), num_tokens)
             if last > 0:
                 self.lookups.ask(request_id, 0, keys()[:last])
@@ -166,7 +175,8 @@ class SchedulerSide:
         """External tokens loadable beyond ``num_computed_tokens`` (block aligned), or
         ``None`` while the lookup is out."""
         tracked = self._tracked.get(request_id)
-        if tracked is None or not tracked.sharing or not ready or tracked.loaded:
+        if (tracked is None or not tracked.sharing or not tracked.loads or not ready
+                or tracked.loaded):
             self._drop_hit(request_id)
             self.lookups.drop(request_id)
             return 0
@@ -251,6 +261,7 @@ class SchedulerSide:
             raise ValueError(f"num_external_tokens: {num_external_tokens} is not a block "
                              f"multiple of at most {len(hit.keys)} offered blocks")
         rows: List[BlockLoad] = []
+        names: List[int] = []
         leases: List[Lease] = []
         per_group = len(hit.result.locations) // max(1, len(hit.keys))
         drop: List[int] = []
@@ -265,13 +276,14 @@ class SchedulerSide:
                 leases.append(Lease(int(lease), int(loc.rank)))
                 if pos >= len(block_ids[loc.group]) or null[loc.group][pos]:
                     continue  # null block (e.g. outside a sliding window): nothing to write
-                rows.append(BlockLoad(loc.group, hit.keys[j], loc.rank, loc.tier, loc.slot,
-                                      int(block_ids[loc.group][pos])))
+                rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
+                                      loc.slot, int(block_ids[loc.group][pos])))
+                names.append(hit.keys[j])
         if drop:
             self._release(drop)
         if tracked is not None:
             tracked.loaded = True
-        self._step_loads.append((request_id, rows, leases))
+        self._step_loads.append((request_id, rows, names, leases))
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
         self._stats.requests_with_hits += 1
@@ -326,17 +338,25 @@ class SchedulerSide:
         if not loads:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
-        ids = tuple(rid for rid, _, _ in loads)
-        leases = tuple(lease for _, _, ls in loads for lease in ls)
-        lease_offsets = tuple(int(x) for x in np.cumsum([0] + [len(ls) for _, _, ls in loads]))
+        ids = tuple(rid for rid, _, _, _ in loads)
+        leases = tuple(lease for _, _, _, ls in loads for lease in ls)
+        lease_offsets = tuple(int(x) for x in np.cumsum([0] + [len(ls) for *_, ls in loads]))
+        clashed = _name_clashes(loads)
+        failed = tuple(int(r.dest) for i in clashed for r in loads[i][1])
+        if clashed:
+            stats.identity_clashes += len(clashed)
+            logger.warning("xavier: rank %d: %d requests' loads dropped (recomputed): two "
+                           "block names with equal low 63 bits in one step", self.rank,
+                           len(clashed))
         try:
-            batch = LoadBatch.from_requests((rid, rows) for rid, rows, _ in loads)
-            return StepMeta(batch, leases, lease_offsets, (), stats)
+            batch = LoadBatch.from_requests(
+                (rid, [] if i in clashed else rows) for i, (rid, rows, _, _) in enumerate(loads))
+            return StepMeta(batch, leases, lease_offsets, (), stats, failed)
         except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
             logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
                          "vLLM recomputes them", self.rank, exc)
             stats.rejected_metadata += 1
-            dests = tuple(int(r.dest) for _, rows, _ in loads for r in rows)
+            dests = tuple(int(r.dest) for _, rows, _, _ in loads for r in rows)
             empty = LoadBatch(ids, np.zeros(len(ids) + 1, np.int64),
                               np.zeros((0, len(COLUMNS)), np.int64))
             return StepMeta(empty, leases, lease_offsets, (), stats, dests)
@@ -356,8 +376,28 @@ class SchedulerSide:
     def held_leases(self) -> int:
         """Leases held by answered-but-not-allocated requests (not yet in a step)."""
         return sum(len(h.result.lease_ids) for h in self._hits.values()) + sum(
-            len(ls) for _, _, ls in self._step_loads) + self.lookups.held_leases
+            len(ls) for *_, ls in self._step_loads) + self.lookups.held_leases
 
     @property
     def tracked(self) -> int:
         return len(self._tracked)
+
+
+def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[Lease]]]
+                  ) -> Set[int]:
+    """Indexes of the step's requests with a row whose ``(group, key)`` another row of the
+    step (earlier, or of the same request) reads under a different block name: the load
+    table carries only a name's low 63 bits, so the planner would read one source for
+    both.  The first name seen keeps its loads."""
+    seen: Dict[Tuple[int, int], int] = {}
+    clashed: Set[int] = set()
+    for i, (_, rows, names, _) in enumerate(loads):
+        mine: Dict[Tuple[int, int], int] = {}
+        for row, name in zip(rows, names):
+            gk = (row.group, row.key)
+            if seen.get(gk, name) != name or mine.setdefault(gk, name) != name:
+                clashed.add(i)
+                break
+        else:
+            seen.update(mine)
+    return clashed

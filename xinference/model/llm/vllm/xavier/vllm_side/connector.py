@@ -152,8 +152,14 @@ class XavierConnector(KVConnectorBase_V1):
 
         May: start the request's directory lookup (sent with the others of this moment,
         never waited for here).  Side effects: the directory may grant the lookup leases;
-        they are released if the request goes.  Must not block the scheduler loop."""
+        they are released if the request goes.  Must not block the scheduler loop.  The
+        first request also checks that vLLM seeded its block hashes with the launch's
+        secret seed (:mod:`.none_hash`); if not, sharing is off for the engine."""
         if self.scheduler is None or self.disabled:
+            return
+        problem = self.scheduler.seed_problem()
+        if problem is not None:
+            self._disable(problem)
             return
         self.scheduler.on_new_request(request)
 

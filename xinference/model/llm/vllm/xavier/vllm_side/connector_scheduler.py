@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tupl
 
 from ..planning.block_directory import QueryResult
 from ..planning.counters import elapsed_us
+from ..planning.hash_seed import user_seed
 from ..planning.lease_release import BatchingReleaser, directory_sender
-from ..planning.load_batch import fold_block_hash
+from ..planning.block_names import block_name
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
 from ..planning.scheduler_side import SchedulerSide, StepMeta
+from . import none_hash
 from .actor_bridge import ActorBridge, LazyActor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 #: how often the scheduler half asks whether the worker attached (until it has)
 READY_RECHECK_S = 0.5
 READY_CALL_S = 2.0
+#: longest the engine's start waits for the launch's block-hash seed from the directory
+SEED_CALL_S = 30.0
 
 
 def sharing_allowed(request: Request) -> bool:
@@ -42,6 +46,13 @@ def sharing_allowed(request: Request) -> bool:
     params = getattr(request, "kv_transfer_params", None) or {}
     value = params.get("xavier", True) if isinstance(params, dict) else True
     return value not in (False, "false", "off", 0)
+
+
+def reads_prefix_cache(request: Request) -> bool:
+    """Whether vLLM lets ``request`` start from cached blocks: not when it skips reading
+    the prefix cache (``skip_reading_prefix_cache``, e.g. a request for prompt logprobs,
+    which needs every prompt token computed).  Such a request is never offered a load."""
+    return not bool(getattr(request, "skip_reading_prefix_cache", False))
 
 
 class XavierConnectorScheduler:
@@ -64,6 +75,38 @@ class XavierConnectorScheduler:
         lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
                                   releaser.release_many)
+        #: the launch's seed, until the first request checked that vLLM hashes with it
+        self._unchecked_seed: Optional[str] = None
+        if user_seed() is None:  # else vLLM seeds every replica from the user's value
+            self._unchecked_seed = self._launch_seed()
+            none_hash.seed_next_init(self._unchecked_seed)
+
+    def _launch_seed(self) -> str:
+        """The launch's secret block-hash seed, from the block directory (the engine does
+        not start without it: its blocks would match no other replica's)."""
+        ref = self._directory.get()
+        try:
+            seed = self._bridge.call(lambda: ref.hash_seed(), timeout=SEED_CALL_S)
+        except Exception as exc:
+            raise RuntimeError(
+                f"xavier: rank {self.options.rank}: the launch's block-hash seed could not be "
+                f"fetched from the block directory at {self.options.block_tracker_address} "
+                f"({type(exc).__name__}: {exc})") from None
+        if not isinstance(seed, str) or not seed:
+            raise RuntimeError(f"xavier: rank {self.options.rank}: the block directory gave "
+                               "no block-hash seed")
+        return seed
+
+    def seed_problem(self) -> Optional[str]:
+        """Once, when the first request arrives: why this engine's block hashes cannot
+        match the other replicas' (vLLM did not seed them with the launch's seed), or
+        None."""
+        seed, self._unchecked_seed = self._unchecked_seed, None
+        if seed is None or none_hash.seeded_with(seed):
+            return None
+        return ("vLLM's NONE_HASH is not the launch's block-hash seed (vLLM's engine core "
+                "did not call init_none_hash as expected), so no block would match another "
+                "replica's")
 
     def _send_lookups(self, batch: Sequence[Any]) -> concurrent.futures.Future[List[QueryResult]]:
         ref = self._directory.get()  # unchecked: a ref without a lookup
@@ -102,7 +145,8 @@ class XavierConnectorScheduler:
         """Start ``request``'s lookup (see ``XavierConnector.on_new_request``)."""
         with elapsed_us(self.side.add_time):
             self.side.track(request.request_id, _key_source(request), request.num_tokens,
-                            sharing_allowed(request), self.is_ready())
+                            sharing_allowed(request), self.is_ready(),
+                            reads_prefix_cache(request))
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
@@ -110,7 +154,7 @@ class XavierConnectorScheduler:
         with elapsed_us(self.side.add_time):
             ready = self.is_ready()
             self.side.track(request.request_id, _key_source(request), request.num_tokens,
-                            sharing_allowed(request), ready)
+                            sharing_allowed(request), ready, reads_prefix_cache(request))
             n = self.side.match(request.request_id, request.num_tokens, num_computed_tokens,
                                 ready)
         if n is None:
@@ -146,13 +190,14 @@ class XavierConnectorScheduler:
 
 
 def _key_source(request: Request) -> Any:
-    """Folded directory keys of ``request``'s full blocks, computed incrementally."""
+    """The names of ``request``'s full blocks (:func:`~..planning.block_names.block_name`
+    of vLLM's block hashes), computed incrementally."""
     cache: List[int] = []
 
     def keys() -> List[int]:
         hashes = request.block_hashes
         while len(cache) < len(hashes):
-            cache.append(fold_block_hash(hashes[len(cache)]))
+            cache.append(block_name(hashes[len(cache)]))
         return cache
 
     return keys
