@@ -21,11 +21,13 @@ gets :data:`CHILD_PTH`, a one-line bootstrap that loads this module by its
 absolute path and installs the finder with the fork's location.  Only that file
 in the child venv is written; upstream's files are not.
 
-Two more upstream modules are wrapped when imported: ``xinference.core.supervisor``
-(Xavier's launch options checked before any engine starts) and
-``xinference.core.metrics`` (a :class:`XavierMetricsSink` under the name
-:data:`METRICS_SINK`, so that replicas' counters reach the worker's metrics endpoint
-through upstream's own ``WorkerActor.record_metrics``).
+Three more upstream modules are wrapped when imported: ``xinference.core.supervisor``
+(Xavier's launch options checked before any engine starts), ``xinference.core.metrics``
+(a :class:`XavierMetricsSink` under the name :data:`METRICS_SINK`, so that replicas'
+counters reach the worker's metrics endpoint through upstream's own
+``WorkerActor.record_metrics``) and ``xinference.deploy.cmdline`` (``xinference launch``
+of a Xavier model waits for the whole launch and exits non-zero with the server's message
+when it fails, also after its engines started; upstream's CLI exits 0 then).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ CHILD_PTH = "xinference_xavier_overlay.pth"
 WORKER_MODULE = "xinference.core.worker"
 SUPERVISOR_MODULE = "xinference.core.supervisor"
 METRICS_MODULE = "xinference.core.metrics"
+CMDLINE_MODULE = "xinference.deploy.cmdline"
 #: the name Xavier's transfer actors pass to ``WorkerActor.record_metrics``
 METRICS_SINK = "xavier_counters"
 
@@ -202,6 +205,18 @@ def _patch_supervisor(module: ModuleType) -> bool:
     return True
 
 
+def _launch_message(exc: BaseException) -> str:
+    """A failed launch's message as the CLI shows it: without the client's "Failed to
+    launch model, detail: " and xoscar's ``[address=..., pid=...]`` prefixes."""
+    text = str(exc)
+    for prefix in ("Failed to launch model, detail:",):
+        if text.startswith(prefix):
+            text = text[len(prefix):].strip()
+    while text.startswith("[address="):
+        text = text.split("]", 1)[-1].strip()
+    return f"the Xavier launch failed: {text}"
+
+
 class XavierMetricsSink:
     """Xavier's counters as series of the worker's metrics endpoint.  Upstream's
     ``record_metrics(name, op, kwargs)`` looks ``name`` up in ``xinference.core.metrics``
@@ -246,9 +261,58 @@ def _patch_metrics(module: ModuleType) -> bool:
     return True
 
 
+def _patch_cmdline(module: ModuleType) -> bool:
+    """Wrap the callback of ``xinference launch`` (``model_launch``) so that a launch with
+    ``enable_xavier`` waits for the whole launch on the server: upstream's CLI launches with
+    ``wait_ready=False`` and stops when every replica's engine is loaded, exiting 0 even when
+    Xavier's attach, which comes after, fails and rolls the launch back.  For such a launch
+    the wrapped ``RESTfulClient.launch_model`` is called with ``wait_ready=True`` (no
+    progress bar; a line says so) and a failure exits with status 1 and the server's
+    message (click's ``ClickException``).  Other launches are untouched.  Idempotent;
+    another shape of upstream's CLI is logged and left alone."""
+    command = getattr(module, "model_launch", None)
+    callback = getattr(command, "callback", None)
+    client_cls: Any = getattr(module, "RESTfulClient", None)
+    if not callable(callback) or not callable(getattr(client_cls, "launch_model", None)):
+        logger.warning("xavier overlay: %s.model_launch or RESTfulClient.launch_model not "
+                       "found; a failed Xavier launch may exit 0", CMDLINE_MODULE)
+        return False
+    if getattr(callback, "_xavier_overlay", False):
+        return True
+
+    @functools.wraps(callback)
+    def launch(*args: Any, **kwargs: Any) -> Any:
+        import click
+
+        from xinference.model.llm.vllm.xavier.planning.launch_checks import asks_for_xavier
+
+        upstream = client_cls.launch_model
+
+        def wait_for_xavier(client: Any, *a: Any, **kw: Any) -> Any:
+            if not asks_for_xavier(kw):
+                return upstream(client, *a, **kw)
+            kw["wait_ready"] = True
+            print("Launching with Xavier: waiting until every replica is loaded and attached",
+                  file=sys.stderr)
+            try:
+                return upstream(client, *a, **kw)
+            except RuntimeError as exc:
+                raise click.ClickException(_launch_message(exc)) from None
+
+        client_cls.launch_model = wait_for_xavier
+        try:
+            return callback(*args, **kwargs)
+        finally:
+            client_cls.launch_model = upstream
+
+    launch._xavier_overlay = True  # type: ignore[attr-defined]
+    command.callback = launch  # type: ignore[union-attr]
+    return True
+
+
 #: upstream modules wrapped when imported, and how
 _PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor,
-            METRICS_MODULE: _patch_metrics}
+            METRICS_MODULE: _patch_metrics, CMDLINE_MODULE: _patch_cmdline}
 
 
 class _HookLoader:

@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch
+from xinference.model.llm.vllm.xavier.planning.launch_checks import (
+    asks_for_xavier,
+    normalize_launch,
+)
 from xinference.model.llm.vllm.xavier.planning.options import parse_switch
 
 
@@ -49,11 +52,19 @@ def test_bad_launches_fail_naming_the_option(kwargs, replica, envs, message):
         normalize_launch(dict(kwargs), replica, envs)
 
 
+def test_which_launches_ask_for_xavier():
+    assert asks_for_xavier({"enable-xavier": "true"}) and asks_for_xavier({"enable_xavier": 1})
+    assert not asks_for_xavier({"enable_xavier": "false"}) and not asks_for_xavier({})
+    assert not asks_for_xavier({"enable-xavier": "maybe"})  # refused by the supervisor
+
+
 CHECK = r"""
 import asyncio, sys
 import xinference.core.supervisor as s
 method = s.SupervisorActor.launch_builtin_model
 print("PATCHED", getattr(method, "_xavier_overlay", False))
+import xinference.deploy.cmdline as c
+print("CLI", getattr(c.model_launch.callback, "_xavier_overlay", False))
 if "--call" in sys.argv:
     try:
         asyncio.run(method(object(), None, "m", None, None, None, "vllm", "LLM", replica=2,
@@ -74,9 +85,10 @@ def run_check(*args, overlay="1"):
 
 def test_the_overlay_wraps_the_supervisors_launch_and_checks_first():
     out = run_check("--call")
-    assert "PATCHED True" in out
+    assert "PATCHED True" in out and "CLI True" in out
     assert "ERROR enable_xavier: expected true or false, got 'maybe'" in out
 
 
 def test_without_the_overlay_the_launch_is_upstreams():
-    assert "PATCHED False" in run_check(overlay="0")
+    out = run_check(overlay="0")
+    assert "PATCHED False" in out and "CLI False" in out

@@ -18,171 +18,26 @@ on one GPU; ``0,1``: one each; Xinference gives replica ``i`` the ``i``-th), Tri
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-import xoscar as xo
 
-from .support.pools import free_port, gpus_from_env
-from .support.processes import engine_cores
+from .support.xinference_server import (
+    MODEL,
+    Server,
+    cli_launch,
+    counters,
+    launch_body,
+    log_lines,
+    metrics_endpoint,
+    scrape,
+    wait_for_series,
+    xavier_envs,
+)
 
 pytestmark = pytest.mark.slow
-
-MODEL = "qwen2.5-instruct"
-DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
-#: ``xinference-local`` as a user runs it: the console script beside this interpreter, or
-#: (where packages were unpacked with ``pip --target``, the GPU machine) its entry point
-LOCAL_SCRIPT = os.path.join(os.path.dirname(sys.executable), "xinference-local")
-LOCAL_CMD = ([LOCAL_SCRIPT] if os.path.exists(LOCAL_SCRIPT) else
-             [sys.executable, "-c",
-              "import sys; from xinference.deploy.cmdline import local; sys.exit(local())"])
-
-
-class Server:
-    def __init__(self, home: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1")
-        self.log = open(os.path.join(home, "xinference-local.log"), "w")
-        self.proc = subprocess.Popen(
-            LOCAL_CMD + ["--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.token = ""
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "/status")
-                break
-            except Exception:
-                time.sleep(1)
-        else:
-            raise RuntimeError("xinference-local did not answer /status")
-        self.call("POST", "/v1/admin/setup", {"username": "admin", "password": "xavier-test-pw"})
-        self.token = self.call("POST", "/token",
-                               {"username": "admin", "password": "xavier-test-pw"})["access_token"]
-
-    def call(self, method, path, body=None, timeout=600):
-        req = urllib.request.Request(self.base + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": f"Bearer {self.token}"}
-                                                 if self.token else {})})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read() or b"null")
-
-    def launch(self, body, wait_for_worker_s=120):
-        """POST /v1/models; while the local worker has not joined yet Xinference answers
-        503 ("No available worker found"): try again."""
-        deadline = time.monotonic() + wait_for_worker_s
-        while True:
-            try:
-                return self.call("POST", "/v1/models", body)
-            except urllib.error.HTTPError as exc:
-                if exc.code != 503 or time.monotonic() > deadline:
-                    raise
-                time.sleep(2)
-
-    def engine_cores(self):
-        return engine_cores(self.proc.pid)
-
-    def stop(self) -> None:
-        keep = os.environ.get("XAVIER_TEST_LOG_DIR")  # the GPU script collects the log
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except Exception:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.log.close()
-        if keep:
-            import shutil
-
-            shutil.copy(self.log.name, keep)
-
-
-def launch_body(model_dir, envs):
-    body = {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
-            "model_type": "LLM", "model_format": "pytorch", "model_path": model_dir,
-            "replica": 2, "enable_xavier": True, "enable_virtual_env": False, "envs": envs,
-            "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "max_model_len": 2048,
-            "enforce_eager": True, "block_size": 16, "dtype": "bfloat16", "max_num_seqs": 16}
-    if DEVICE == "cuda":
-        body.update(gpu_idx=[int(g) for g in (gpus_from_env() or ["0", "0"])],
-                    attention_backend="TRITON_ATTN", gpu_memory_utilization=0.25)
-    return body
-
-
-def xavier_envs():
-    """Xavier's options as launch ``envs`` (what a user puts in the web UI or REST body)."""
-    if DEVICE == "cuda":
-        return {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "256MiB"}
-    return {"XAVIER_CPU_BUDGET": "64MiB", "XAVIER_GPU_BUDGET": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-#: ``xinference`` as a user runs it (see LOCAL_CMD)
-CLI_SCRIPT = os.path.join(os.path.dirname(sys.executable), "xinference")
-CLI_CMD = ([CLI_SCRIPT] if os.path.exists(CLI_SCRIPT) else
-           [sys.executable, "-c", "from xinference.deploy.cmdline import cli; cli()"])
-
-
-def cli_launch(server, model_dir, *xavier_args):
-    """``xinference launch`` of the tiny model with two replicas and ``xavier_args``."""
-    args = ["launch", "--endpoint", server.base, "--api-key", server.token,
-            "--model-engine", "vllm", "--model-name", MODEL, "--size-in-billions", "0_5",
-            "--model-format", "pytorch", "--model-path", model_dir, "--replica", "2",
-            "--disable-virtual-env", "--env", "XAVIER_GPU_BUDGET", "0",
-            "--env", "VLLM_CPU_KVCACHE_SPACE", "1", *xavier_args,
-            "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
-            "--max_model_len", "2048", "--enforce_eager", "true", "--block_size", "16",
-            "--dtype", "bfloat16", "--max_num_seqs", "16"]
-    return subprocess.run(CLI_CMD + args, capture_output=True, text=True, timeout=600)
-
-
-def log_lines(home, needle):
-    with open(os.path.join(home, "xinference-local.log")) as f:
-        return [line for line in f if needle in line]
-
-
-def metrics_endpoint(home):
-    """The worker's metrics endpoint, from its start-up line in the log."""
-    (line,) = log_lines(home, "Metrics server is started at:")[-1:]
-    return line.rsplit("started at:", 1)[1].strip().replace("0.0.0.0", "127.0.0.1") + "/metrics"
-
-
-def scrape(endpoint, metric):
-    """``[(labels, value)]`` of ``metric`` in a Prometheus text scrape of ``endpoint``."""
-    with urllib.request.urlopen(endpoint, timeout=30) as r:
-        text = r.read().decode()
-    out = []
-    for line in text.splitlines():
-        if line.startswith(metric + "{"):
-            body, value = line[len(metric) + 1:].rsplit("} ", 1)
-            labels = dict(item.split("=", 1) for item in body.split(","))
-            out.append(({k: v.strip('"') for k, v in labels.items()}, float(value)))
-    return out
-
-
-def wait_for_series(endpoint, metric, count, timeout):
-    """:func:`scrape` until ``count`` series are there (or ``timeout`` passed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = scrape(endpoint, metric)
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(1)
-
-
-async def counters(address, rank):
-    ref = await xo.actor_ref(address, f"vllm-transfer-actor-{rank}")
-    return await ref.counters()
 
 
 def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
@@ -275,11 +130,23 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
         assert server.engine_cores() == []
 
         # the CLI, with the card's spelling: a refused option exits non-zero at once, with
-        # the message (a launch that fails later still exits 0: upstream's CLI, see the
-        # user guide)
+        # the message
         refused = cli_launch(server, tiny_model_dir, "--enable-xavier", "maybe")
         assert refused.returncode != 0
         assert "enable_xavier: expected true or false, got 'maybe'" in refused.stderr
         assert server.call("GET", "/v1/models")["data"] == []
+        # a launch that fails only after its engines started (a CPU tier that holds no
+        # block is found out when the workers attach) exits non-zero too, with the message
+        # (the overlay's wrapper of the CLI waits for the whole launch; upstream's exits 0
+        # as soon as the engines are loaded); nothing stays
+        late = cli_launch(server, tiny_model_dir, "--enable-xavier", "true",
+                          "--env", "XAVIER_CPU_BUDGET", "1KiB")
+        print("late failure:", late.returncode, late.stderr[-600:])
+        assert late.returncode == 1
+        assert "Error: the Xavier launch failed: xavier_cpu_budget" in late.stderr
+        deadline = time.monotonic() + 60
+        while server.engine_cores() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert server.engine_cores() == []
     finally:
         server.stop()

@@ -11,7 +11,7 @@ that starts with the option's name.  Nothing else of the launch is touched.
 
 from __future__ import annotations
 
-from typing import Any, Dict, MutableMapping, Optional
+from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 from .budget import parse_bytes
 from .options import ENV_CPU_BUDGET, ENV_GPU_BUDGET, check_env_names, parse_switch
@@ -50,3 +50,15 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
                          (ENV_CPU_BUDGET, "xavier_cpu_budget")):
         if name in env:
             parse_bytes(option, env[name])
+
+
+def asks_for_xavier(kwargs: Mapping[str, Any]) -> bool:
+    """Whether a launch's extra keyword arguments turn Xavier on (either spelling; a value
+    that is not a switch counts as off here: the supervisor refuses it, naming it)."""
+    for key in ("enable_xavier", "enable-xavier"):
+        if key in kwargs:
+            try:
+                return parse_switch("enable_xavier", kwargs[key])
+            except ValueError:
+                return False
+    return False

@@ -14,10 +14,10 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..planning.block_directory import QueryResult
+from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
 from ..planning.hash_seed import user_seed
 from ..planning.lease_release import BatchingReleaser, directory_sender
-from ..planning.block_names import block_name
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
 from ..planning.scheduler_side import SchedulerSide, StepMeta

@@ -36,7 +36,7 @@ def seed_next_init(seed: str) -> bool:
     """Make vLLM's next ``init_none_hash`` in this process seed ``NONE_HASH`` from
     ``seed``.  Returns False (and changes nothing) when vLLM has no such call to wrap."""
     global _pending
-    core = importlib.import_module(CORE_MODULE)
+    core: Any = importlib.import_module(CORE_MODULE)
     current = getattr(core, "init_none_hash", None)
     if not callable(current):
         logger.warning("xavier: %s has no init_none_hash (vLLM's shape differs): the "
