@@ -33,6 +33,19 @@ python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || t
 log "installing NIXL (nixl 1.5.1 + nixl-cu12 1.5.1, no deps)"
 python -m pip install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
 
+# A real browser for the web UI test (tests/test_web_ui.py): Debian's Chromium, driven by
+# Playwright for Python (a test extra); Playwright's own browser download is not used.
+if ! command -v chromium > /dev/null; then
+  if command -v apt-get > /dev/null && [ "$(id -u)" = 0 ]; then
+    log "installing Debian's chromium (the web UI test's browser)"
+    (apt-get install -y -q chromium > /dev/null 2>&1 ||
+      (apt-get update -q > /dev/null && apt-get install -y -q chromium > /dev/null)) ||
+      log "chromium could not be installed: the web UI test will skip (fail in CI)"
+  else
+    log "no chromium and no apt-get as root: the web UI test will skip (fail in CI)"
+  fi
+fi
+
 log "checking the environment"
 python - <<'PY'
 import importlib.metadata as md

@@ -146,8 +146,10 @@ class XavierEngine(AsyncLLM):
         except Exception as exc:
             raise ValueError(_worker_error(str(exc))) from exc
         attached = all(bool(r) for r in (results or [False]))
-        logger.info("xavier: rank %d init_xavier: workers attached=%s",
-                    self.xavier_options.rank, attached)
+        opts = self.xavier_options
+        logger.info("xavier: rank %d init_xavier: workers attached=%s (GPU tier %d B, CPU tier "
+                    "%d B, transport %s)", opts.rank, attached, opts.gpu_budget_bytes,
+                    opts.cpu_budget_bytes, opts.transport)
         return attached
 
     async def set_batched_loads(self, batched: bool) -> None:
