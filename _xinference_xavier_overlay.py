@@ -38,6 +38,7 @@ import importlib.util
 import inspect
 import logging
 import os
+import re
 import sys
 from types import ModuleType
 from typing import Any, Optional, Sequence
@@ -212,6 +213,7 @@ def _launch_message(exc: BaseException) -> str:
     for prefix in ("Failed to launch model, detail:",):
         if text.startswith(prefix):
             text = text[len(prefix):].strip()
+    text = re.sub(r"^Call to collective_rpc method failed:\s*", "", text)
     while text.startswith("[address="):
         text = text.split("]", 1)[-1].strip()
     return f"the Xavier launch failed: {text}"

@@ -106,9 +106,13 @@ def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[fl
 
 
 def _worker_error(message: str) -> str:
-    """The worker's own message out of vLLM's collective_rpc wrapper text."""
+    """The worker's own message out of vLLM's collective_rpc wrapper text (either of its
+    two forms) and xoscar's ``[address=..., pid=...]`` prefixes, so that it starts with
+    the option's name."""
     m = re.search(r"Worker failed with error '(.*)'", message, re.S)
-    return m.group(1) if m else message
+    text = m.group(1) if m else message
+    text = re.sub(r"^Call to collective_rpc method failed:\s*", "", text.strip())
+    return re.sub(r"^(\[address=[^\]]*\]\s*)+", "", text)
 
 
 class XavierEngine(AsyncLLM):
