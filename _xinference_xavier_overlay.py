@@ -38,7 +38,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import re
 import sys
 from types import ModuleType
 from typing import Any, Optional, Sequence
@@ -206,19 +205,6 @@ def _patch_supervisor(module: ModuleType) -> bool:
     return True
 
 
-def _launch_message(exc: BaseException) -> str:
-    """A failed launch's message as the CLI shows it: without the client's "Failed to
-    launch model, detail: " and xoscar's ``[address=..., pid=...]`` prefixes."""
-    text = str(exc)
-    for prefix in ("Failed to launch model, detail:",):
-        if text.startswith(prefix):
-            text = text[len(prefix):].strip()
-    text = re.sub(r"^Call to collective_rpc method failed:\s*", "", text)
-    while text.startswith("[address="):
-        text = text.split("]", 1)[-1].strip()
-    return f"the Xavier launch failed: {text}"
-
-
 class XavierMetricsSink:
     """Xavier's counters as series of the worker's metrics endpoint.  Upstream's
     ``record_metrics(name, op, kwargs)`` looks ``name`` up in ``xinference.core.metrics``
@@ -286,7 +272,10 @@ def _patch_cmdline(module: ModuleType) -> bool:
     def launch(*args: Any, **kwargs: Any) -> Any:
         import click
 
-        from xinference.model.llm.vllm.xavier.planning.launch_checks import asks_for_xavier
+        from xinference.model.llm.vllm.xavier.planning.launch_checks import (
+            asks_for_xavier,
+            error_text,
+        )
 
         upstream = client_cls.launch_model
 
@@ -299,7 +288,8 @@ def _patch_cmdline(module: ModuleType) -> bool:
             try:
                 return upstream(client, *a, **kw)
             except RuntimeError as exc:
-                raise click.ClickException(_launch_message(exc)) from None
+                raise click.ClickException(
+                    f"the Xavier launch failed: {error_text(str(exc))}") from None
 
         client_cls.launch_model = wait_for_xavier
         try:

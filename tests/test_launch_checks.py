@@ -9,6 +9,7 @@ import pytest
 
 from xinference.model.llm.vllm.xavier.planning.launch_checks import (
     asks_for_xavier,
+    error_text,
     normalize_launch,
 )
 from xinference.model.llm.vllm.xavier.planning.options import parse_switch
@@ -92,3 +93,15 @@ def test_the_overlay_wraps_the_supervisors_launch_and_checks_first():
 def test_without_the_overlay_the_launch_is_upstreams():
     out = run_check(overlay="0")
     assert "PATCHED False" in out and "CLI False" in out
+
+
+def test_error_text_starts_with_the_option_name():
+    """The texts a late launch failure arrived in (vLLM's two collective_rpc wrappers,
+    xoscar's address prefixes, the client's prefix) all give the option's message."""
+    for message in ("Call to collective_rpc method failed: [address=a:1, pid=2] "
+                    "xavier_cpu_budget: x",
+                    "Worker failed with error '[address=a:1, pid=2] xavier_cpu_budget: x', see",
+                    "Failed to launch model, detail: [address=b:1, pid=3] Call to collective_rpc"
+                    " method failed: [address=a:1, pid=2] xavier_cpu_budget: x"):
+        assert error_text(message) == "xavier_cpu_budget: x"
+    assert error_text("plain") == "plain"

@@ -183,9 +183,6 @@ def test_launch_from_the_web_ui_shares_a_prefix_and_shows_errors(browser, tiny_m
         page.screenshot(path=os.path.join(out, "web-ui-running-model.png"))
 
         assert server.call("DELETE", f"/v1/models/{MODEL}") is None
-        deadline = time.monotonic() + 60
-        while server.engine_cores() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert server.engine_cores() == []
+        assert server.engines_gone() == []
     finally:
         server.stop()

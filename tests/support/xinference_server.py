@@ -73,6 +73,14 @@ class Server:
     def engine_cores(self):
         return engine_cores(self.proc.pid)
 
+    def engines_gone(self, timeout: float = 60.0):
+        """vLLM engine cores still running after ``timeout`` s (none, once a model is
+        terminated or a launch rolled back)."""
+        deadline = time.monotonic() + timeout
+        while self.engine_cores() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return self.engine_cores()
+
     def stop(self) -> None:
         keep = os.environ.get("XAVIER_TEST_LOG_DIR")  # the GPU script collects the log
         try:

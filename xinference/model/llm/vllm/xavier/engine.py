@@ -27,13 +27,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from typing import Any, Dict, Optional
 
 from vllm.config import KVTransferConfig
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from .planning.hash_seed import user_seed
+from .planning.launch_checks import error_text
 from .planning.options import XavierOptions
 
 logger = logging.getLogger(__name__)
@@ -105,16 +105,6 @@ def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[fl
             f"vLLM ({free} bytes free, {took}, leaving {max(left, 0)})")
 
 
-def _worker_error(message: str) -> str:
-    """The worker's own message out of vLLM's collective_rpc wrapper text (either of its
-    two forms) and xoscar's ``[address=..., pid=...]`` prefixes, so that it starts with
-    the option's name."""
-    m = re.search(r"Worker failed with error '(.*)'", message, re.S)
-    text = m.group(1) if m else message
-    text = re.sub(r"^Call to collective_rpc method failed:\s*", "", text.strip())
-    return re.sub(r"^(\[address=[^\]]*\]\s*)+", "", text)
-
-
 class XavierEngine(AsyncLLM):
     """vLLM's ``AsyncLLM`` with Xavier's KV connector configured from Xinference's
     ``xavier_config`` (what Xinference 3.5.0 builds for ``enable_xavier``); ``init_xavier``
@@ -148,7 +138,7 @@ class XavierEngine(AsyncLLM):
         try:
             results = await self.collective_rpc("xavier_attach")
         except Exception as exc:
-            raise ValueError(_worker_error(str(exc))) from exc
+            raise ValueError(error_text(str(exc))) from exc
         attached = all(bool(r) for r in (results or [False]))
         opts = self.xavier_options
         logger.info("xavier: rank %d init_xavier: workers attached=%s (GPU tier %d B, CPU tier "

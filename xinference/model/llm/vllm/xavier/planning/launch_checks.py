@@ -11,6 +11,7 @@ that starts with the option's name.  Nothing else of the launch is touched.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 from .budget import parse_bytes
@@ -62,3 +63,15 @@ def asks_for_xavier(kwargs: Mapping[str, Any]) -> bool:
             except ValueError:
                 return False
     return False
+
+
+def error_text(message: str) -> str:
+    """A launch error's own text, starting with the option's name: without the client's
+    ``Failed to launch model, detail:``, vLLM's two ``collective_rpc`` wrapper forms and
+    xoscar's ``[address=..., pid=...]`` prefixes."""
+    m = re.search(r"Worker failed with error '(.*)'", message, re.S)
+    text = m.group(1) if m else message
+    text = re.sub(r"^Failed to launch model, detail:\s*", "", text.strip())
+    text = re.sub(r"^(\[address=[^\]]*\]\s*)+", "", text)
+    text = re.sub(r"^Call to collective_rpc method failed:\s*", "", text)
+    return re.sub(r"^(\[address=[^\]]*\]\s*)+", "", text)
