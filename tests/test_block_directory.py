@@ -185,3 +185,27 @@ def test_a_forged_short_key_collision_is_a_counted_miss():
     assert d.claim(1, 0, 0, [4]) == [4]  # the block goes: nothing is left to mismatch
     assert d.query(0, [forged], exclude_rank=2).num_hits == 0
     assert d.stats.identity_mismatches == 1 and not d._short
+
+
+def test_an_answer_crosses_processes_in_its_compact_form_unchanged():
+    """Answers go from the directory actor to every scheduler: xoscar's serializer (pickle
+    underneath) carries the arrays of ``QueryResult.__reduce__``, and what arrives equals
+    what left: 192-bit names, locations (as :class:`Location`), lease ids; empty too."""
+    import pickle
+
+    import numpy as np
+    from xoscar.serialization import deserialize, serialize
+
+    d = BlockDirectory()
+    names = [(1 << 191) | i for i in range(40)] + [7]  # wide names and a small one
+    d.register(1, [(0, k, GPU if i % 2 else CPU, i, 3 + i) for i, k in enumerate(names)])
+    hit = d.query_prefix([0], names, exclude_rank=2)
+    assert hit.num_hits == len(names)
+    for back in (pickle.loads(pickle.dumps(hit)), deserialize(*serialize([hit]))[0]):
+        assert back == hit
+        assert all(type(loc) is Location for loc in back.locations)
+        assert back.locations[1] == Location(1, GPU, 0, 1, 4)
+    form = hit.__reduce__()[1]
+    assert isinstance(form[1], np.ndarray) and isinstance(form[2], np.ndarray)
+    empty = d.query_prefix([0], [12345], exclude_rank=2)
+    assert pickle.loads(pickle.dumps(empty)) == empty and empty.num_hits == 0

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+import numpy as np
 
 from .block_names import row_key
 from .load_batch import Tier
@@ -46,8 +48,7 @@ class DirectoryError(ValueError):
     """Bad input to the directory; the message names the field."""
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """Where one copy of a block lives: rank, tier, group, slot and the slot's generation
     (a reused slot gets a new one, so a stale location is never read)."""
     rank: int
@@ -68,6 +69,23 @@ class QueryResult:
     @property
     def num_hits(self) -> int:
         return len(self.keys)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Tuple[int, ...], np.ndarray, np.ndarray]]:
+        """A compact wire form (each lookup's answer crosses from the directory to a
+        scheduler): locations and leases as int64 arrays.  Pickled object by object, 512
+        hits took ~2.2 ms (dumps + loads) on the CPU machine, on every hit's path to its
+        first token."""
+        flat = itertools.chain.from_iterable(self.locations)
+        locations = np.fromiter(flat, np.int64, len(self.locations) * len(Location._fields))
+        return _query_result, (self.keys, locations,
+                               np.fromiter(self.lease_ids, np.int64, len(self.lease_ids)))
+
+
+def _query_result(keys: Tuple[int, ...], locations: np.ndarray,
+                  lease_ids: np.ndarray) -> QueryResult:
+    """:class:`QueryResult` from its wire form (:meth:`QueryResult.__reduce__`)."""
+    rows = locations.reshape(-1, len(Location._fields)).tolist()
+    return QueryResult(keys, tuple(map(Location._make, rows)), tuple(lease_ids.tolist()))
 
 
 @dataclass
