@@ -102,6 +102,8 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
         assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
     assert out[0]["cached"] == PREFIX  # B had nothing locally: all of it came from A
     assert c["hit_blocks"] == PREFIX // BLOCK and c["blocks_written"] == PREFIX // BLOCK
+    # B's mapping thread had mapped A while A computed the prefix: the hit paid no mapping
+    assert c.get("peer_map_us", 0) == 0 and c.get("load_launch_cpu_us", 0) > 0
     assert c["batch_calls"] == 1 == c["steps_with_loads"]
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
     # GPU machine: A's GPU tier, read over CUDA IPC; CPU machine: A's shared-memory tier

@@ -28,7 +28,7 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
     tries = []
 
-    def failing_map(rank):
+    def failing_map(rank, remote=True):
         tries.append(rank)
         raise ConnectionRefusedError("peer gone")
 
@@ -46,6 +46,45 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     assert tries == [1, 1, 1]
     assert plane.counters.snapshot()["peer_map_failures"] == 3
     plane.close()
+
+
+def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_loads(
+        monkeypatch):
+    """The mapping thread's pass (:meth:`PeerMaps.premap`): every peer of the world that
+    is not mapped yet, never this rank; a peer of another host is not mapped (its first
+    load does that through the actor) and not asked again until its address changes; a
+    second pass maps nothing; a world update that moves a peer maps it again."""
+    plane = plane_of()
+    cache, _, _ = engine_cache(8)
+    plane.peers.apply_world(["h:0", "h:1", "me", "other-host:3"])
+    calls = []
+
+    def map_peer(rank, remote=True):
+        calls.append((rank, remote))
+        if rank == 3:  # another host: only "not IPC" is learnt
+            return plane.peers._map_peer.__wrapped__(rank, remote)
+        plane.engine.map_storage(rank, Tier.CPU, cache)
+        return True
+
+    def remote_peer(rank, remote=True):
+        assert not remote
+        plane.peers._remote.add(rank)
+        return False
+
+    map_peer.__wrapped__ = remote_peer
+    monkeypatch.setattr(plane.peers, "_map_peer", map_peer)
+    assert plane.peers.premap() == set()
+    assert sorted(calls) == [(0, False), (1, False), (3, False)]
+    assert sorted(plane.engine.mapped()) == [(0, Tier.CPU), (1, Tier.CPU)]
+    assert plane.peers.premap() == set() and len(calls) == 3  # nothing left to map
+    plane.peers.apply_world(["h:0", "h:1b", "me", "other-host:3"])  # rank 1 came back
+    assert plane.engine.mapped() == [(0, Tier.CPU)]
+    plane.peers.premap()
+    assert calls[3:] == [(1, False)]
+    snap = plane.counters.snapshot()
+    assert snap["peer_map_failures"] == 0 and snap["peer_map_us"] > 0
+    plane.close()
+    assert plane.peers.premap() == set()  # closed: maps nothing
 
 
 def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():

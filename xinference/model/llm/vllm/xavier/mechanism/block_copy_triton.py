@@ -10,21 +10,36 @@ Requires block views that are 2-D ``int64`` ``[blocks, row_words]`` with rows
 contiguous (:func:`.block_copy.block_view` of a contiguous block-first
 layer); :func:`supports` says whether a transfer qualifies.  Importing this
 module never fails: without a working Triton, :data:`AVAILABLE` is False.
+
+Triton compiles a kernel for each new specialization of its arguments (integers by
+divisibility, pointers by 16-byte alignment), on first use, inside the step that needs
+it.  The index arrays are slices of one upload at offsets that depend on the step, so
+they are not specialized on alignment; the sizes and strides are fixed per pair of
+layouts, and :func:`warm` compiles every pair of a worker when it attaches.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 from .block_copy import copy_rows_device, indices_on
 
+logger = logging.getLogger(__name__)
+
 try:  # pragma: no cover - exercised on the GPU machine
     import triton
     import triton.language as tl
 
-    @triton.jit
+    def _jit(fn):  # type: ignore[no-untyped-def]
+        try:
+            return triton.jit(fn, do_not_specialize_on_alignment=["src_idx", "dst_idx"])
+        except TypeError:  # a Triton without the option: one variant per alignment
+            return triton.jit(fn)
+
+    @_jit
     def _gather_scatter(src_ptrs, dst_ptrs, src_idx, dst_idx, row_words,
                         src_row_stride, dst_row_stride, BLOCK: tl.constexpr):
         w = tl.program_id(0)
@@ -68,6 +83,43 @@ def pointer_table(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     return host.pin_memory().to(layers[0].device, non_blocking=True)
 
 
+def _launch_shape(row_words: int) -> Tuple[int, int]:
+    """(BLOCK, chunks per row) of one launch."""
+    block = min(1024, triton.next_power_of_2(row_words))
+    return block, triton.cdiv(row_words, block)
+
+
+def warm(view_sets: Sequence[Sequence[torch.Tensor]], num_warps: int = 4) -> int:
+    """Compile the kernel for every ordered pair of ``view_sets`` it supports (a worker's
+    engine layers and each storage tier's), so that no step compiles it; returns the
+    variants compiled.  Peers' storages have the layout of this rank's (the KV schema
+    check), so their loads use these variants too.  A failure is logged: the kernel
+    then compiles on first use, as without this."""
+    seen = set()
+    for src in view_sets:
+        for dst in view_sets:
+            if src is dst or not supports(src, dst):
+                continue
+            row_words = int(dst[0].shape[1])
+            key = (row_words, src[0].stride(0), dst[0].stride(0))
+            if key in seen:
+                continue
+            seen.add(key)
+            dev = dst[0].device
+            table = torch.zeros(len(dst), dtype=torch.int64, device=dev)
+            idx = torch.zeros(1, dtype=torch.int64, device=dev)
+            block, chunks = _launch_shape(row_words)
+            try:
+                _gather_scatter.warmup(table, table, idx, idx, row_words, key[1], key[2],
+                                       BLOCK=block, num_warps=num_warps,
+                                       grid=(1, len(dst), chunks))
+            except Exception as exc:  # pragma: no cover - depends on the Triton version
+                logger.info("xavier: warming the copy kernel failed (it compiles on first "
+                            "use): %r", exc)
+                return 0
+    return len(seen)
+
+
 def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: int,
                    row_words: int, src_row_stride: int, dst_row_stride: int,
                    src_idx: torch.Tensor, dst_idx: torch.Tensor, num_warps: int = 4) -> None:
@@ -75,8 +127,8 @@ def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: i
     n = int(dst_idx.shape[0])
     if n == 0:
         return
-    block = min(1024, triton.next_power_of_2(row_words))
-    grid = (n, n_layers, triton.cdiv(row_words, block))
+    block, chunks = _launch_shape(row_words)
+    grid = (n, n_layers, chunks)
     _gather_scatter[grid](src_table, dst_table, src_idx, dst_idx, row_words,
                           src_row_stride, dst_row_stride, BLOCK=block, num_warps=num_warps)
 

@@ -31,6 +31,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # the worker's loads
     "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
     "loads_in_background", "load_launch_us", "load_background_us",
+    # the launches' CPU time on the step's thread (wall minus this: waiting for the GIL,
+    # a lock or the driver), and the time spent mapping peers
+    "load_launch_cpu_us", "peer_map_us", "copy_warm_us",
     # scheduler side (they travel with the step's metadata to the worker)
     "queries", "queried_blocks", "hit_blocks", "hit_tokens", "requests_with_hits",
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
@@ -52,6 +55,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
 #: counters that are levels, not totals (set, not added)
 GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blocks",
                                 "storage_gpu_free_blocks", "storage_cpu_free_blocks",
+                                # the longest load launch so far (µs)
+                                "load_launch_max_us",
                                 # written by the transfer actor into its worker's file: the
                                 # world changed (the worker re-reads it before its next load)
                                 "world_epoch")

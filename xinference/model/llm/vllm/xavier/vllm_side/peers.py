@@ -1,18 +1,21 @@
 """The peers one worker reads, and how: mapped on this host, through the actor otherwise.
 
 :class:`PeerMaps` keeps the world (every rank's address) as the rank's transfer actor
-last told it, maps a peer the first time a load reads it (CUDA IPC / shared memory on
-this host: :func:`~..planning.routes.peer_route`), and otherwise asks the actor to read
-it (NIXL or sockets) into staging rows this process maps too.  A peer that cannot be
-mapped is not tried again for :data:`PEER_RETRY_S` (its loads fail fast: vLLM
-recomputes); a world update that changes its address ends the wait.
+last told it and maps every peer before a load needs it, on a thread of its own
+(:meth:`PeerMaps.start`; CUDA IPC and shared memory on this host, the peer's CPU tier
+page-locked here too: :func:`~..planning.routes.peer_route`), so that no hit pays for
+it; a load that still finds its peer unmapped maps it itself.  A peer of another host is
+read through the rank's actor (NIXL or sockets) into staging rows this process maps too.
+A peer that cannot be mapped is not tried again for :data:`PEER_RETRY_S` (its loads fail
+fast: vLLM recomputes); a world update that changes its address ends the wait.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Dict, List, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
@@ -31,6 +34,8 @@ CALL_TIMEOUT_S = 30.0
 #: a peer that could not be mapped is not tried again for this long
 PEER_RETRY_S = 5.0
 PEER_MAP_TIMEOUT_S = 10.0
+#: how often the mapping thread looks for a world update or an unmapped peer
+PREMAP_PERIOD_S = 0.5
 _monotonic = time.monotonic  # the peer-retry clock (tests move it)
 
 
@@ -48,6 +53,12 @@ class PeerMaps:
         self._peer_retry_at: Dict[int, float] = {}
         self._staging: Dict[int, List[torch.Tensor]] = {}
         self._host = ""
+        #: held while the world or a mapping changes (the step's thread and the mapper)
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._mapper: Optional[threading.Thread] = None
+        #: peers found to be on another host (not premapped; forgotten when they move)
+        self._remote: Set[int] = set()
 
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
@@ -57,9 +68,51 @@ class PeerMaps:
         self._world = list(desc.get("world") or [])
         self._world_epoch = self._counters.get("world_epoch")
 
+    def start(self) -> None:
+        """Start the mapping thread (once): every :data:`PREMAP_PERIOD_S` it follows the
+        world and maps the peers not mapped yet, off the step's path."""
+        if self._mapper is None and not self._stop.is_set():
+            self._mapper = threading.Thread(target=self._premap_loop, daemon=True,
+                                            name=f"xavier-peer-maps-{self._rank}")
+            self._mapper.start()
+
+    def _premap_loop(self) -> None:
+        while True:
+            try:
+                self.premap()
+            except Exception as exc:  # a load maps what is still missing; try again later
+                logger.warning("xavier: rank %d: mapping peers: %r", self._rank, exc)
+            if self._stop.wait(PREMAP_PERIOD_S):
+                return
+
+    def premap(self) -> Set[int]:
+        """Follow the world and map every peer of THIS host not mapped yet (the mapping
+        thread; tests call it directly); returns the peers that could not be mapped.
+        A peer of another host is left to its first load (a remote route is set up by
+        the rank's actor: nothing to gain here, and a dead host would be retried)."""
+        with self._lock:
+            if self._stop.is_set():
+                return set()
+            self.follow_world()
+            mapped = {r for r, _ in self._engine.mapped()}
+            due = {r for r, a in enumerate(self._world)
+                   if a and r != self._rank and r not in mapped and r not in self._remote
+                   and _monotonic() >= self._peer_retry_at.get(r, 0.0)}
+            return self._ensure_mapped(due, remote=False)
+
+    def stop(self) -> None:
+        """Stop the mapping thread (first thing when the plane closes).  Idempotent."""
+        self._stop.set()
+        mapper, self._mapper = self._mapper, None
+        if mapper is not None and mapper is not threading.current_thread():
+            mapper.join(PEER_MAP_TIMEOUT_S * 2)
+
     def close(self) -> None:
-        """Drop the staging rows (the engine unmaps the peers when it closes)."""
-        self._staging.clear()
+        """Stop the mapping thread, drop the staging rows (the engine unmaps the peers
+        when it closes).  Idempotent."""
+        self.stop()
+        with self._lock:
+            self._staging.clear()
 
     def follow_world(self) -> None:
         """A world update (the actor bumped ``world_epoch``): drop the mappings of every
@@ -67,6 +120,11 @@ class PeerMaps:
         epoch = self._counters.get("world_epoch")
         if epoch == self._world_epoch:
             return
+        with self._lock:
+            if epoch != self._world_epoch:
+                self._follow_world(epoch)
+
+    def _follow_world(self, epoch: int) -> None:
         self._world_epoch = epoch
         self._counters.add("world_updates_seen")
         ref = self._transfer.get(timeout=CALL_TIMEOUT_S)
@@ -81,24 +139,38 @@ class PeerMaps:
     def apply_world(self, world: List[str]) -> None:
         """Take ``world`` as the rank addresses: the mappings of every rank whose address
         changed go (mapped again on next use, without waiting for a retry time)."""
+        with self._lock:
+            self._apply_world(world)
+
+    def _apply_world(self, world: List[str]) -> None:
         old, self._world = self._world, list(world)
         for rank in range(max(len(old), len(world))):
             was = old[rank] if rank < len(old) else ""
             now = world[rank] if rank < len(world) else ""
             if rank != self._rank and was != now:
                 self._peer_retry_at.pop(rank, None)
+                self._remote.discard(rank)
                 self._engine.unmap_storage(rank)
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
-        """Map every rank of ``ranks`` not mapped yet; returns those that cannot be."""
+        """Map every rank of ``ranks`` not mapped yet; returns those that cannot be.  Waits
+        for a mapping the mapping thread is making (it would be made here otherwise)."""
+        if not ranks - {r for r, _ in self._engine.mapped()}:
+            return set()
+        with self._lock:
+            return self._ensure_mapped(ranks)
+
+    def _ensure_mapped(self, ranks: Set[int], remote: bool = True) -> Set[int]:
         mapped = {r for r, _ in self._engine.mapped()}
         failed: Set[int] = set()
         for rank in sorted(ranks - mapped):
             if _monotonic() < self._peer_retry_at.get(rank, 0.0):
                 failed.add(rank)
                 continue
+            t0 = time.perf_counter()
             try:
-                self._map_peer(rank)
+                if self._map_peer(rank, remote):
+                    self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
                 self._peer_retry_at.pop(rank, None)
             except Exception as exc:
                 self._counters.add("peer_map_failures")
@@ -108,7 +180,9 @@ class PeerMaps:
                 failed.add(rank)
         return failed
 
-    def _map_peer(self, rank: int) -> None:
+    def _map_peer(self, rank: int, remote: bool = True) -> bool:
+        """Map ``rank`` (CUDA IPC / shared memory on this host; through the rank's actor
+        otherwise, unless not ``remote``); returns whether it was mapped."""
         if rank >= len(self._world) or not self._world[rank]:
             raise LookupError(f"rank {rank}: no address known (world {self._world})")
         address, uid = self._world[rank], transfer_actor_uid(rank)
@@ -127,7 +201,10 @@ class PeerMaps:
                 caches, release = open_tier(kind, handles, pin=self._pin)
                 self._engine.map_storage(rank, Tier(tier), caches, 0, release)
             self._counters.add("peers_mapped_ipc")
-            return
+            return True
+        if not remote:
+            self._remote.add(rank)
+            return False
         own = self._transfer.get(timeout=CALL_TIMEOUT_S)
         if own is None:
             raise LookupError("the rank's transfer actor is not reachable")
@@ -135,6 +212,7 @@ class PeerMaps:
         for tier in sorted(desc["tiers"]):
             self._engine.map_remote_storage(rank, Tier(tier), desc["layout"],
                                            self._remote_fetch(own, rank, Tier(tier)))
+        return True
 
     def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
         """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives

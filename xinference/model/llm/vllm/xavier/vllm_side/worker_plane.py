@@ -36,12 +36,13 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 import numpy as np
 import torch
 
+from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.kv_schema import KVLayout, layout_of
 from ..mechanism.load_handle import LoadHandle
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
-from ..planning.counters import SharedCounters, elapsed_us
+from ..planning.counters import SharedCounters
 from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
 from ..planning.options import XavierOptions
@@ -176,10 +177,26 @@ class WorkerDataPlane:
                 raise
             return False
         self._attached = True
+        self._warm_copy_kernel()
+        self.peers.start()  # peers of this host mapped before a load needs them
         logger.info("xavier: rank %d attached to its transfer actor (layout %s, tiers %s)",
                     self.rank, self.layout.fingerprint(),
                     ", ".join(t.name for t in self.writer.tiers) if self.writer else "-")
         return True
+
+    def _warm_copy_kernel(self) -> None:
+        """Compile the fused copy for this engine's and its storage's layouts now, not in
+        the first steps that export, demote or load (``copy_warm_us``)."""
+        if self.device.type != "cuda" or self.writer is None:
+            return
+        t0 = time.perf_counter()
+        sets = [views for views in self.engine_views.values()]
+        sets += [self.writer.views(tier, g) for tier in self.writer.tiers
+                 for g in self.engine_views]
+        variants = block_copy_triton.warm(sets)
+        self.counters.add("copy_warm_us", int(1e6 * (time.perf_counter() - t0)))
+        logger.info("xavier: rank %d: copy kernel compiled for %d layout pairs", self.rank,
+                    variants)
 
     def _open_storage(self, desc: Dict[str, Any]) -> None:
         pin = self.device.type == "cuda"
@@ -199,8 +216,16 @@ class WorkerDataPlane:
         (a CPU engine copies right away).  Failures become failed blocks for vLLM."""
         if not step.has_loads:
             return
-        with elapsed_us(lambda us: self.counters.add("load_launch_us", us)):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
             self._pending.append(self._load(step))
+        finally:
+            cpu_us = int(1e6 * (time.thread_time() - cpu))
+            wall_us = int(1e6 * (time.perf_counter() - wall))
+            self.counters.add("load_launch_us", wall_us)
+            self.counters.add("load_launch_cpu_us", cpu_us)
+            if wall_us > self.counters.get("load_launch_max_us"):
+                self.counters.set("load_launch_max_us", wall_us)
 
     def run_detached(self, step: StepMeta) -> Tuple[_StepLoad, Optional[str]]:
         """Launch ``step``'s loads outside vLLM's bookkeeping (never reported through
@@ -323,6 +348,7 @@ class WorkerDataPlane:
         if self._closed:
             return
         self._closed = True
+        self.peers.stop()  # no mapping made while the engine closes
         try:
             self.engine.close(timeout)
         except Exception as exc:
