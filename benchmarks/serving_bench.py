@@ -143,9 +143,16 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     calls = sum(d.get("batch_calls", 0) for d in delta)
     steps = sum(d.get("scheduler_steps", 0) for d in delta)
     worker_us = {k: sum(d.get(k, 0) for d in delta) for k in (
-        "load_launch_us", "export_launch_us", "scheduler_us", "lookup_wait_us")}
+        "load_launch_us", "load_launch_cpu_us", "export_launch_us", "scheduler_us",
+        "lookup_wait_us", "peer_map_us")}
+    lookups = sum(d.get("lookup_calls", 0) for d in delta)
     return {
         "load_launch_us_per_call": worker_us["load_launch_us"] / max(1, calls),
+        # the launch thread's CPU time: wall minus this is waiting (GIL, locks, driver)
+        "load_launch_cpu_us_per_call": worker_us["load_launch_cpu_us"] / max(1, calls),
+        "load_launch_max_us": max((a.get("load_launch_max_us", 0) for a in after), default=0),
+        "peer_map_us": worker_us["peer_map_us"],
+        "lookup_wait_us_per_lookup": worker_us["lookup_wait_us"] / max(1, lookups),
         # the host time a step spends in Xavier, over the run's wall time (both replicas)
         "export_launch_share": worker_us["export_launch_us"] / 1e6 / (2 * wall),
         "load_launch_share": worker_us["load_launch_us"] / 1e6 / (2 * wall),
@@ -181,6 +188,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       per_group: int, max_tokens: int, gpus: Optional[Sequence[str]] = None,
                       steady_state: bool = False, budgets: Optional[Dict[str, str]] = None,
                       eager: bool = False, unique: bool = False,
+                      switch_interval_us: int = 0,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
                       ) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
@@ -240,10 +248,11 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             r = pairs["noop" if mode == "noop-connector" else
                       "plain" if mode in PLAIN_MODES else "xavier"]
             if mode not in PLAIN_MODES:
-                await _set_mode(r, mode)
+                await _set_mode(r, mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
             res = await run_mode(r, prompts, groups if work == "shared" else len(prompts), c,
-                                 max_tokens, xavier=mode != "none", sticky=mode == "local-hit")
+                                 max_tokens, xavier=not mode.startswith("none"),
+                                 sticky=mode == "local-hit")
             res.update(mode=mode, concurrency=c, prefix_tokens=prefix, workload=work)
             rows.append(res)
             print(_row(res), flush=True)
@@ -255,6 +264,21 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                     seed += 1
                     await measure(mode, workload(seed, groups, per_group, prefix, 64, vocab), c,
                                   prefix, "shared")
+                if switch_interval_us and "xavier" in pairs:
+                    # the Xavier rows again with a shorter GIL switch interval in the engine
+                    # processes (their cost: "none"; their gain: "batched")
+                    xs = pairs["xavier"].replicas
+                    old = await asyncio.gather(*(x.hook("set_switch_interval_us",
+                                                        switch_interval_us) for x in xs))
+                    try:
+                        for mode in [m for m in ("none", "batched") if m in modes]:
+                            seed += 1
+                            await measure(f"{mode}-si{switch_interval_us}",
+                                          workload(seed, groups, per_group, prefix, 64, vocab),
+                                          c, prefix, "shared")
+                    finally:
+                        await asyncio.gather(*(x.hook("set_switch_interval_us", o)
+                                               for x, o in zip(xs, old)))
         if unique:
             unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
@@ -326,6 +350,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--gpu-budget", help="GPU tier per replica (default 1GiB on cuda)")
     ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
+    ap.add_argument("--switch-interval-us", type=int, default=0,
+                    help="experiment: after each concurrency's rows, batched again with "
+                    "sys.setswitchinterval at this many µs in the engine processes (a test "
+                    "hook)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -367,14 +395,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    args.per_group, args.max_tokens, gpus, args.steady_state,
                                    {"gpu_budget": args.gpu_budget,
                                     "cpu_budget": args.cpu_budget}, eager=args.eager,
-                                   unique=args.unique, on_row=write))
+                                   unique=args.unique,
+                                   switch_interval_us=args.switch_interval_us, on_row=write))
     write(rows)
     print()
     print(HEADER)
     for r in rows:
         print(_row(r))
     for r in rows:
-        if r["mode"] not in ("none",) + PLAIN_MODES:
+        if not r["mode"].startswith("none") and r["mode"] not in PLAIN_MODES:
             print(f"\ncounters ({r['mode']}, C{r['concurrency']}, prefix {r['prefix_tokens']}):")
             for rank, d in enumerate(r["counters"], start=1):
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",

@@ -12,7 +12,9 @@
 #        copy_kernel_profile and export_bench;
 # bench: serving_bench, Qwen2.5-0.5B shape, 8K prefixes, C1/C8/C32, plain / local-hit /
 #        none / per_request / batched, the unique-prompt rows, tiers full (--steady-state)
-#        with Xavier's default budgets.
+#        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
+#        XAVIER_BENCH_UNIQUE= drops the unique-prompt rows, XAVIER_BENCH_ARGS adds arguments
+#        (e.g. --switch-interval-us 500).
 # Logs and JSON go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
@@ -44,9 +46,10 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
-    --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" --unique --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
+    --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \
+    ${XAVIER_BENCH_UNIQUE---unique} ${XAVIER_BENCH_ARGS:-} --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
-  grep -E "^\[serving|^(plain|local-hit|none|per_request|batched) " "$out/serving_bench.log"
+  grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
 fi
 exit "$rc"

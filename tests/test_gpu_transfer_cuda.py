@@ -324,3 +324,35 @@ def test_unmapping_a_viewed_host_tier_waits_for_the_loads_reading_it():
         eng.close()
     finally:
         unpin_host(pinned)
+
+
+def _variants(kernel) -> int:
+    """Kernels Triton compiled for ``kernel`` so far (its per-device caches)."""
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+def test_warm_compiles_each_layout_pair_once_and_no_step_compiles_again():
+    """``block_copy_triton.warm`` compiles the copy for every pair of a worker's block views
+    (engine layers, storage tiers); a step's launch then compiles nothing, even with its
+    index arrays at an odd offset of their upload (as a step with an odd number of rows
+    gets them), and copies exactly."""
+    from xinference.model.llm.vllm.xavier.mechanism import block_copy_triton as bct
+    from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+
+    engine = [block_view(t, 0) for t in storage(24, 1)]
+    tier = [block_view(t, 0) for t in storage(40, 2)]
+    wider = [torch.zeros(8, engine[0].shape[1] * 2, dtype=torch.int64, device="cuda")
+             for _ in range(LAYERS)]
+    wider = [w[:, :engine[0].shape[1]] for w in wider]  # another row stride: its own variant
+    assert bct.warm([engine, tier, wider]) >= 2
+    compiled = _variants(bct._gather_scatter)
+    assert bct.warm([engine, tier, wider]) >= 2 and _variants(bct._gather_scatter) == compiled
+    upload = torch.tensor([0, 3, 5, 7, 2, 9, 4], dtype=torch.int64, device="cuda")
+    src_idx, dst_idx = upload[1:4], upload[4:7]  # offsets of 8 and 32 bytes
+    src_t, dst_t = bct.pointer_table(tier), bct.pointer_table(engine)
+    bct.gather_scatter(src_t, dst_t, LAYERS, int(engine[0].shape[1]), tier[0].stride(0),
+                       engine[0].stride(0), src_idx, dst_idx)
+    torch.cuda.synchronize()
+    assert _variants(bct._gather_scatter) == compiled  # nothing compiled in the "step"
+    for s, d in zip(tier, engine):
+        assert torch.equal(d[dst_idx], s[src_idx])

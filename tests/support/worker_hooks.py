@@ -48,6 +48,15 @@ class WorkerHooks:
         self.fault_blocks: List[Tuple[int, int]] = []
         self._hold_until = 0.0
 
+    def set_switch_interval_us(self, us: int) -> int:
+        """``sys.setswitchinterval`` of the engine process (the serving benchmark's GIL
+        experiment); returns the previous interval in µs."""
+        import sys
+
+        old = int(round(sys.getswitchinterval() * 1e6))
+        sys.setswitchinterval(int(us) / 1e6)
+        return old
+
     # ----------------------------------------------------------------- faults
     def inject_fault(self, mode: str, count: int = 1) -> None:
         if mode not in FAULTS:
