@@ -17,6 +17,8 @@ from typing import Iterator, List
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_SWITCH_INTERVAL_US
+
 from .support.engines import EngineOptions
 from .support.loop_thread import LoopThread
 from .support.pools import gpus_from_env
@@ -80,6 +82,8 @@ def test_vllm_defaults_are_kept(world):
     lt, r = world
     settings = lt.run(r.replicas[0].engine_settings())
     print(f"\nvLLM settings with Xavier: {settings}")
+    # the one interpreter setting Xavier changes in vLLM's engine process (the GIL)
+    assert lt.run(r.replicas[0].hook("switch_interval_us")) == DEFAULT_SWITCH_INTERVAL_US
     if DEVICE == "cuda":
         assert settings["async_scheduling"] is True
         if os.environ.get("XAVIER_TEST_EAGER") != "1":

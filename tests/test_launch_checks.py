@@ -47,7 +47,9 @@ def test_the_cli_spelling_and_the_strict_switch():
     ({"enable_xavier": "true"}, 2, {"XAVIER_CPU_BUGDET": "1GiB"},
      "^XAVIER_CPU_BUGDET: unknown Xavier setting; did you mean XAVIER_CPU_BUDGET"),
     ({"enable_xavier": "true"}, 2, {"XAVIER_GPU_BUDGET": "lots"},
-     "^xavier_gpu_budget: 'lots' is not a size")])
+     "^xavier_gpu_budget: 'lots' is not a size"),
+    ({"enable_xavier": "true"}, 2, {"XAVIER_SWITCH_INTERVAL_US": "5ms"},
+     "^xavier_switch_interval_us: expected whole microseconds")])
 def test_bad_launches_fail_naming_the_option(kwargs, replica, envs, message):
     with pytest.raises(ValueError, match=message):
         normalize_launch(dict(kwargs), replica, envs)

@@ -31,6 +31,9 @@ def test_defaults_environment_and_config_in_that_order():
     ("rank_address", "", "missing 'rank_address'"),
     ("vllm_transfer_backend_type", "carrier-pigeon", "transfer"),
     ("transfer_block_num", 0, "xavier_transfer_block_num: must be a positive int"),
+    ("xavier_switch_interval_us", "fast", "xavier_switch_interval_us: expected whole"),
+    ("xavier_switch_interval_us", -5, "xavier_switch_interval_us: expected whole"),
+    ("xavier_switch_interval_us", True, "xavier_switch_interval_us: expected whole"),
 ])
 def test_bad_values_name_the_option(key, value, message):
     with pytest.raises(ValueError, match=message):
@@ -50,6 +53,16 @@ def test_round_trip_through_kv_connector_extra_config():
         XavierOptions.from_extra_config({})
     with pytest.raises(ValueError, match="kv_connector_extra_config.xavier"):
         XavierOptions.from_extra_config({"xavier": {"rank": 1}})
+
+
+def test_switch_interval_default_environment_and_config():
+    """Xavier's GIL switch interval for vLLM's engine processes: 500 µs by default, 0 keeps
+    Python's (the connector then leaves it alone)."""
+    assert XavierOptions.from_xavier_config(BASE, {}).switch_interval_us == 500
+    env = {"XAVIER_SWITCH_INTERVAL_US": "0"}
+    assert XavierOptions.from_xavier_config(BASE, env).switch_interval_us == 0
+    o = XavierOptions.from_xavier_config({**BASE, "xavier_switch_interval_us": 250}, env)
+    assert o.switch_interval_us == 250
 
 
 def test_batched_loads_switch():

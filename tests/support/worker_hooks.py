@@ -48,6 +48,12 @@ class WorkerHooks:
         self.fault_blocks: List[Tuple[int, int]] = []
         self._hold_until = 0.0
 
+    def switch_interval_us(self) -> int:
+        """The engine process's GIL switch interval (µs)."""
+        import sys
+
+        return int(round(sys.getswitchinterval() * 1e6))
+
     def set_switch_interval_us(self, us: int) -> int:
         """``sys.setswitchinterval`` of the engine process (the serving benchmark's GIL
         experiment); returns the previous interval in µs."""

@@ -15,7 +15,14 @@ import re
 from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 from .budget import parse_bytes
-from .options import ENV_CPU_BUDGET, ENV_GPU_BUDGET, check_env_names, parse_switch
+from .options import (
+    ENV_CPU_BUDGET,
+    ENV_GPU_BUDGET,
+    ENV_SWITCH_INTERVAL,
+    check_env_names,
+    parse_switch,
+    parse_switch_interval,
+)
 
 #: Xavier's own launch keys: the dashed spelling (the CLI's ``--enable-xavier``) is accepted
 XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_type",
@@ -51,6 +58,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
                          (ENV_CPU_BUDGET, "xavier_cpu_budget")):
         if name in env:
             parse_bytes(option, env[name])
+    if ENV_SWITCH_INTERVAL in env:
+        parse_switch_interval(env[ENV_SWITCH_INTERVAL])
 
 
 def asks_for_xavier(kwargs: Mapping[str, Any]) -> bool:

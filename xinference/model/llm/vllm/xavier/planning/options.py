@@ -24,8 +24,11 @@ DEFAULT_CPU_BUDGET = "1GiB"
 ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
 ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
+ENV_SWITCH_INTERVAL = "XAVIER_SWITCH_INTERVAL_US"
+#: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
+DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
-KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, "XAVIER_LOG_LEVEL",
+KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
@@ -59,6 +62,10 @@ class XavierOptions:
     batched_loads: bool = True
     #: blocks per full slab (Xinference's ``xavier_transfer_block_num``, default 512)
     slab_blocks: int = 512
+    #: ``sys.setswitchinterval`` of vLLM's engine processes, µs (``xavier_switch_interval_us``
+    #: / ``XAVIER_SWITCH_INTERVAL_US``; 0 keeps Python's): Xavier's threads (demotions,
+    #: publications, lookups) there must not hold the engine loop for Python's 5 ms
+    switch_interval_us: int = DEFAULT_SWITCH_INTERVAL_US
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -91,6 +98,8 @@ class XavierOptions:
         transport = normalize_transport(cfg.get("vllm_transfer_backend_type"))
         batched = parse_switch("xavier_batched_loads",
                               cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
+        switch_us = parse_switch_interval(cfg.get(
+            "xavier_switch_interval_us", env.get(ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_US)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -98,6 +107,7 @@ class XavierOptions:
                    block_tracker_address=str(cfg["block_tracker_address"]),
                    block_tracker_uid=str(uid), gpu_budget_bytes=gpu_bytes,
                    cpu_budget_bytes=cpu_bytes, transport=transport,
+                   switch_interval_us=switch_us,
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
                    slab_blocks=slab)
 
@@ -114,6 +124,19 @@ class XavierOptions:
             return cls(**dict(data))
         except TypeError as exc:
             raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None
+
+
+def parse_switch_interval(value: Any) -> int:
+    """``xavier_switch_interval_us`` as an int from 0 (keep Python's) to 1000000 µs; anything
+    else raises ``ValueError`` naming the option."""
+    try:
+        us = -1 if isinstance(value, bool) else int(str(value).strip())
+    except ValueError:
+        us = -1
+    if not 0 <= us <= 1_000_000:
+        raise ValueError("xavier_switch_interval_us: expected whole microseconds from 0 "
+                         f"(Python's default) to 1000000, got {value!r}")
+    return us
 
 
 def parse_switch(option: str, value: Any) -> bool:

@@ -85,6 +85,28 @@ def _configure_logging() -> None:
 
 
 _configure_logging()
+_switch_interval_set = False
+
+
+def apply_switch_interval(us: int) -> None:
+    """Once per vLLM process: Python's GIL switch interval to ``us`` µs (0 keeps Python's).
+
+    Xavier's threads in the engine processes (demotions, publications, lookups, lease
+    releases) run Python; at Python's 5 ms a step waiting for the GIL behind one of them
+    can wait that long.  Measured on the H200 (doc/benchmarks.md, "The GIL"): follow-up
+    TTFT with a hit 49 -> 39 ms at C1, sharing off unchanged within noise."""
+    global _switch_interval_set
+    if _switch_interval_set or us <= 0:
+        return
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(us / 1e6)
+    _switch_interval_set = True
+    logger.info("xavier: GIL switch interval %d us in this vLLM process (was %.0f us; "
+                "xavier_switch_interval_us=0 keeps Python's)", us, before * 1e6)
+
+
 if not vllm.__version__.startswith(SUPPORTED_VLLM):  # pragma: no cover - version guard
     logger.warning("xavier: vLLM %s is not a tested version (%s); the connector API may differ",
                    vllm.__version__, ", ".join(v + "x" for v in SUPPORTED_VLLM))
@@ -111,6 +133,7 @@ class XavierConnector(KVConnectorBase_V1):
         self.options = XavierOptions.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = int(vllm_config.cache_config.block_size)
+        apply_switch_interval(self.options.switch_interval_us)
         bridge = ActorBridge.shared()
         watch_parent()  # engine core and worker: never outlive a killed replica process
         groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
