@@ -144,8 +144,9 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     steps = sum(d.get("scheduler_steps", 0) for d in delta)
     worker_us = {k: sum(d.get(k, 0) for d in delta) for k in (
         "load_launch_us", "load_launch_cpu_us", "export_launch_us", "scheduler_us",
-        "lookup_wait_us", "peer_map_us")}
+        "lookup_wait_us", "peer_map_us", "hit_lookup_us", "hit_load_wait_us")}
     lookups = sum(d.get("lookup_calls", 0) for d in delta)
+    started = sum(d.get("hits_started", 0) for d in delta)
     return {
         "load_launch_us_per_call": worker_us["load_launch_us"] / max(1, calls),
         # the launch thread's CPU time: wall minus this is waiting (GIL, locks, driver)
@@ -153,6 +154,9 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
         "load_launch_max_us": max((a.get("load_launch_max_us", 0) for a in after), default=0),
         "peer_map_us": worker_us["peer_map_us"],
         "lookup_wait_us_per_lookup": worker_us["lookup_wait_us"] / max(1, lookups),
+        # a hit's time before its first forward: arrival -> answer, allocation -> forward
+        "hit_lookup_us_per_hit": worker_us["hit_lookup_us"] / max(1, started),
+        "hit_load_wait_us_per_hit": worker_us["hit_load_wait_us"] / max(1, started),
         # the host time a step spends in Xavier, over the run's wall time (both replicas)
         "export_launch_share": worker_us["export_launch_us"] / 1e6 / (2 * wall),
         "load_launch_share": worker_us["load_launch_us"] / 1e6 / (2 * wall),

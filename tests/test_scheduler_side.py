@@ -298,3 +298,25 @@ def test_a_request_that_reads_no_prefix_cache_is_never_offered_a_load_but_export
     assert w.side.match("control", 4 * BS + 1, 0) == 4 * BS
     w.side.finished("control")
     assert w.leases == 0
+
+
+def test_a_hits_time_to_its_first_forward_is_split_into_lookup_and_load_wait():
+    """A hit's time before its first forward, on the side's clock: arrival to the answer
+    (``hit_lookup_us``), allocation to the step that first computes it
+    (``hit_load_wait_us``: vLLM's asynchronous load path); counted once per hit, in the
+    step that starts it; a miss counts nothing."""
+    w = World(held_keys=keys_of(8))
+    now = [10.0]
+    w.side._clock = lambda: now[0]
+    w.side.track("r", lambda: keys_of(8), 8 * BS)
+    w.side.track("m", lambda: keys_of(8, base=5000), 8 * BS)  # a miss
+    now[0] += 0.003
+    assert w.side.match("r", 8 * BS, 0) == 7 * BS
+    assert w.side.match("m", 8 * BS, 0) == 0
+    now[0] += 0.001
+    assert w.side.allocated("r", [list(range(10, 18))], [[False] * 8], 7 * BS) == 7
+    assert w.side.build_step([], {}).stats.hits_started == 0  # the load's step: not started
+    now[0] += 0.005
+    stats = w.side.build_step([("r", 7 * BS, BS), ("m", 0, 8 * BS)], {}).stats
+    assert (stats.hits_started, stats.hit_lookup_us, stats.hit_load_wait_us) == (1, 3000, 5000)
+    assert w.side.build_step([("r", 8 * BS, 1)], {}).stats.hits_started == 0  # once

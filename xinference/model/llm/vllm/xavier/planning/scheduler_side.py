@@ -25,6 +25,11 @@ role), which translates vLLM's objects into plain values.  Contract:
   blocks to export after the forward, and the step's figures.
 * :meth:`SchedulerSide.finished` drops a request and releases any lease it still holds.
 
+Where a hit's time goes before its first forward, in the step figures: ``hit_lookup_us``
+(arrival to the directory's answer being taken), ``hit_load_wait_us`` (blocks allocated
+and load sent, to the request's first forward: vLLM's asynchronous load path), summed
+over ``hits_started``.
+
 Leases put into a :class:`StepMeta` are owned by the worker from then on (its load
 engine releases them after the copies, on every path).
 """
@@ -32,6 +37,7 @@ engine releases them after the copies, on every path).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -73,6 +79,10 @@ class StepStats:
     #: requests whose loads were dropped (recomputed): a block of theirs and another of
     #: the step had different names with equal low 63 bits (:mod:`.block_names`)
     identity_clashes: int = 0
+    #: hits that reached their first forward, and where their time went (µs, summed)
+    hits_started: int = 0
+    hit_lookup_us: int = 0
+    hit_load_wait_us: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -132,13 +142,18 @@ class _Tracked:
     loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
+    #: clock readings: tracked, its hit answered, its load allocated (None: not yet)
+    arrived_at: float = 0.0
+    answered_at: Optional[float] = None
+    allocated_at: Optional[float] = None
 
 
 class SchedulerSide:
     """See the module docstring."""
 
     def __init__(self, rank: int, block_size: int, num_groups: int,
-                 lookups: DirectoryLookups, release: ReleaseFn) -> None:
+                 lookups: DirectoryLookups, release: ReleaseFn,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
@@ -146,6 +161,7 @@ class SchedulerSide:
         self.num_groups = num_groups
         self.lookups = lookups
         self._release = release
+        self._clock = clock
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
         #: (request, rows, the rows' block names, leases) of the step being built
@@ -160,7 +176,8 @@ class SchedulerSide:
         block)."""
         if request_id in self._tracked:
             return
-        self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing, loads=loads)
+        self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing, loads=loads,
+                                             arrived_at=self._clock())
         if sharing and ready and loads:
             last = self._last_block(keys(), num_tokens)
             if last > 0:
@@ -239,6 +256,9 @@ class SchedulerSide:
         kept = tuple(int(k) for k in keys[first:end])
         self._hits[request_id] = _Hit(first, kept,
                                       QueryResult(kept, tuple(keep_locs), tuple(keep_ids)))
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.answered_at is None:
+            tracked.answered_at = self._clock()
         return (end - first) * self.block_size
 
     # ------------------------------------------------------------ allocation
@@ -283,6 +303,7 @@ class SchedulerSide:
             self._release(drop)
         if tracked is not None:
             tracked.loaded = True
+            tracked.allocated_at = self._clock()
         self._step_loads.append((request_id, rows, names, leases))
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
@@ -308,8 +329,15 @@ class SchedulerSide:
                     tracked.block_ids[g].extend(b)
                     tracked.null[g].extend([False] * len(b))
         exports: List[ExportRow] = []
+        now = self._clock()
         for rid, computed, num_new in scheduled:
             tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.allocated_at is not None and num_new > 0:
+                self._stats.hits_started += 1
+                self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
+                                                          - tracked.arrived_at))
+                self._stats.hit_load_wait_us += round(1e6 * (now - tracked.allocated_at))
+                tracked.allocated_at = None
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
             keys = tracked.keys()
