@@ -46,6 +46,12 @@ def test_tiers_hold_whole_blocks_of_every_group_under_the_budget():
         st.gather_rows(Tier.GPU, 0, [0])
     with pytest.raises(RuntimeError, match="shm_handles: .* closed"):
         st.shm_handles(Tier.CPU)  # a closed storage hands out nothing to map
+    for what, call in (("caches", lambda: st.caches(Tier.GPU)),
+                       ("views", lambda: st.views(Tier.CPU, 0)),
+                       ("handles", st.handles)):
+        with pytest.raises(RuntimeError, match=f"^{what}: the snapshot storage of rank 1 is "
+                                               "closed"):
+            call()  # not an empty mapping that fails later as a schema mismatch
 
 
 def test_shared_memory_tier_maps_elsewhere_and_files_go_on_close():

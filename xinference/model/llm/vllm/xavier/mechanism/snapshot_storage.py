@@ -123,10 +123,12 @@ class SnapshotStorage:
 
     def caches(self, tier: Tier) -> Dict[int, List[torch.Tensor]]:
         """Per-group layer tensors of ``tier`` (block dim 0), for ``map_storage``."""
+        self._check_open("caches")
         return self._tiers[Tier(tier)].layers
 
     def views(self, tier: Tier, group: int) -> List[torch.Tensor]:
         """Block views of ``tier``'s layers of ``group`` (tests read slots through them)."""
+        self._check_open("views")
         return self._tiers[Tier(tier)].views[group]
 
     def shm_handles(self, tier: Tier = Tier.CPU) -> ShmHandles:
@@ -153,6 +155,7 @@ class SnapshotStorage:
 
     def handles(self) -> TierHandles:
         """How another process of this host maps every tier (:func:`open_tier`)."""
+        self._check_open("handles")
         out: TierHandles = {}
         for tier in self.tiers:
             if self._tiers[tier].config.shared_memory:
