@@ -3,6 +3,10 @@ peers (retries after a failed mapping, world updates) through :class:`PeerMaps`.
 
 import numpy as np
 
+from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+    SnapshotStorage,
+    TierConfig,
+)
 from xinference.model.llm.vllm.xavier.planning.load_batch import COLUMNS, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
@@ -28,7 +32,7 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
     tries = []
 
-    def failing_map(rank, remote=True):
+    def failing_map(rank, remote=True, desc=None):
         tries.append(rank)
         raise ConnectionRefusedError("peer gone")
 
@@ -51,40 +55,40 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
 def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_loads(
         monkeypatch):
     """The mapping thread's pass (:meth:`PeerMaps.premap`): every peer of the world that
-    is not mapped yet, never this rank; a peer of another host is not mapped (its first
-    load does that through the actor) and not asked again until its address changes; a
+    is not mapped yet, never this rank, from its real shared-memory storage; a peer of
+    another host is not mapped (its first load does that through the actor) and not asked
+    again until its address changes; a peer that cannot be described is retried later; a
     second pass maps nothing; a world update that moves a peer maps it again."""
     plane = plane_of()
-    cache, _, _ = engine_cache(8)
-    plane.peers.apply_world(["h:0", "h:1", "me", "other-host:3"])
-    calls = []
+    lay = plane.layout
+    per_block = lay.groups[0].block_bytes
+    storage = SnapshotStorage(1, lay, [TierConfig(Tier.CPU, 4 * per_block,
+                                                  shared_memory=True)])
+    plane.peers.apply_world(["h:0", "h:1", "me", "other-host:3", "h:4"])
+    asked = []
 
-    def map_peer(rank, remote=True):
-        calls.append((rank, remote))
-        if rank == 3:  # another host: only "not IPC" is learnt
-            return plane.peers._map_peer.__wrapped__(rank, remote)
-        plane.engine.map_storage(rank, Tier.CPU, cache)
-        return True
+    def describe(rank, address):
+        asked.append(rank)
+        if rank == 4:
+            raise ConnectionRefusedError("rank 4 is not answering")
+        host = "another host" if rank == 3 else plane.peers._host
+        return {"host": host, "tiers": storage.handles(), "layout": lay}
 
-    def remote_peer(rank, remote=True):
-        assert not remote
-        plane.peers._remote.add(rank)
-        return False
-
-    map_peer.__wrapped__ = remote_peer
-    monkeypatch.setattr(plane.peers, "_map_peer", map_peer)
-    assert plane.peers.premap() == set()
-    assert sorted(calls) == [(0, False), (1, False), (3, False)]
+    monkeypatch.setattr(plane.peers, "_describe", describe)
+    assert plane.peers.premap() == {4}
+    assert sorted(asked) == [0, 1, 3, 4]
     assert sorted(plane.engine.mapped()) == [(0, Tier.CPU), (1, Tier.CPU)]
-    assert plane.peers.premap() == set() and len(calls) == 3  # nothing left to map
-    plane.peers.apply_world(["h:0", "h:1b", "me", "other-host:3"])  # rank 1 came back
+    assert plane.peers.premap() == set() and len(asked) == 4  # 3 is remote, 4 waits
+    plane.peers.apply_world(["h:0", "h:1b", "me", "other-host:3", "h:4"])  # rank 1 moved
     assert plane.engine.mapped() == [(0, Tier.CPU)]
     plane.peers.premap()
-    assert calls[3:] == [(1, False)]
+    assert asked[4:] == [1] and sorted(plane.engine.mapped()) == [(0, Tier.CPU), (1, Tier.CPU)]
     snap = plane.counters.snapshot()
-    assert snap["peer_map_failures"] == 0 and snap["peer_map_us"] > 0
+    assert snap["peer_map_failures"] == 1 and snap["peers_mapped_ipc"] == 3
+    assert snap["peer_map_us"] > 0
     plane.close()
     assert plane.peers.premap() == set()  # closed: maps nothing
+    storage.close()
 
 
 def test_a_world_update_drops_the_mappings_of_ranks_whose_address_changed():

@@ -89,16 +89,38 @@ class PeerMaps:
         """Follow the world and map every peer of THIS host not mapped yet (the mapping
         thread; tests call it directly); returns the peers that could not be mapped.
         A peer of another host is left to its first load (a remote route is set up by
-        the rank's actor: nothing to gain here, and a dead host would be retried)."""
+        the rank's actor: nothing to gain here, and a dead host would be retried).  A
+        peer's descriptor is asked for without holding the lock that loads take, so a
+        slow or dead peer never holds a step up."""
         with self._lock:
             if self._stop.is_set():
                 return set()
             self.follow_world()
             mapped = {r for r, _ in self._engine.mapped()}
-            due = {r for r, a in enumerate(self._world)
+            due = {r: a for r, a in enumerate(self._world)
                    if a and r != self._rank and r not in mapped and r not in self._remote
                    and _monotonic() >= self._peer_retry_at.get(r, 0.0)}
-            return self._ensure_mapped(due, remote=False)
+        failed: Set[int] = set()
+        for rank, address in sorted(due.items()):
+            t0 = time.perf_counter()
+            try:
+                desc: Optional[Dict[str, Any]] = self._describe(rank, address)
+            except Exception as exc:
+                desc = None
+                with self._lock:
+                    self._failed_to_map(rank, exc)
+                failed.add(rank)
+            if desc is None:
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    break
+                current = self._world[rank] if rank < len(self._world) else ""
+                if current != address or rank in {r for r, _ in self._engine.mapped()}:
+                    continue  # the world moved or a load mapped it meanwhile
+                if not self._try_map(rank, False, desc, t0):
+                    failed.add(rank)
+        return failed
 
     def stop(self) -> None:
         """Stop the mapping thread (first thing when the plane closes).  Idempotent."""
@@ -160,37 +182,55 @@ class PeerMaps:
         with self._lock:
             return self._ensure_mapped(ranks)
 
-    def _ensure_mapped(self, ranks: Set[int], remote: bool = True) -> Set[int]:
+    def _ensure_mapped(self, ranks: Set[int]) -> Set[int]:
         mapped = {r for r, _ in self._engine.mapped()}
         failed: Set[int] = set()
         for rank in sorted(ranks - mapped):
             if _monotonic() < self._peer_retry_at.get(rank, 0.0):
                 failed.add(rank)
-                continue
-            t0 = time.perf_counter()
-            try:
-                if self._map_peer(rank, remote):
-                    self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
-                self._peer_retry_at.pop(rank, None)
-            except Exception as exc:
-                self._counters.add("peer_map_failures")
-                logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
-                               self._rank, rank, PEER_RETRY_S, exc)
-                self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
+            elif not self._try_map(rank, True, None, time.perf_counter()):
                 failed.add(rank)
         return failed
 
-    def _map_peer(self, rank: int, remote: bool = True) -> bool:
-        """Map ``rank`` (CUDA IPC / shared memory on this host; through the rank's actor
-        otherwise, unless not ``remote``); returns whether it was mapped."""
-        if rank >= len(self._world) or not self._world[rank]:
-            raise LookupError(f"rank {rank}: no address known (world {self._world})")
-        address, uid = self._world[rank], transfer_actor_uid(rank)
-        peer = LazyActor(self._bridge, address, uid)
+    def _try_map(self, rank: int, remote: bool, desc: Optional[Dict[str, Any]],
+                 t0: float) -> bool:
+        """Map ``rank`` (lock held), counting the time or the failure; False if it failed
+        (not tried again for :data:`PEER_RETRY_S`)."""
+        try:
+            if self._map_peer(rank, remote, desc):
+                self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
+            self._peer_retry_at.pop(rank, None)
+            return True
+        except Exception as exc:
+            self._failed_to_map(rank, exc)
+            return False
+
+    def _failed_to_map(self, rank: int, exc: BaseException) -> None:
+        self._counters.add("peer_map_failures")
+        logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
+                       self._rank, rank, PEER_RETRY_S, exc)
+        self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
+
+    def _describe(self, rank: int, address: str) -> Dict[str, Any]:
+        """``rank``'s storage descriptor, from its transfer actor at ``address`` (a call to
+        another process; no lock needed)."""
+        peer = LazyActor(self._bridge, address, transfer_actor_uid(rank))
         ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
         if ref is None:
             raise LookupError(f"rank {rank}: no transfer actor at {address}")
-        desc = self._bridge.call(lambda: ref.storage_descriptor(), PEER_MAP_TIMEOUT_S)
+        desc: Dict[str, Any] = self._bridge.call(lambda: ref.storage_descriptor(),
+                                                 PEER_MAP_TIMEOUT_S)
+        return desc
+
+    def _map_peer(self, rank: int, remote: bool = True,
+                  desc: Optional[Dict[str, Any]] = None) -> bool:
+        """Map ``rank`` from its descriptor ``desc`` (asked for when None): CUDA IPC /
+        shared memory on this host, through the rank's actor otherwise unless not
+        ``remote``; returns whether it was mapped."""
+        if rank >= len(self._world) or not self._world[rank]:
+            raise LookupError(f"rank {rank}: no address known (world {self._world})")
+        if desc is None:
+            desc = self._describe(rank, self._world[rank])
         try:
             # NIXL vs sockets is the actor's choice (map_remote): only "ipc or not" here
             route = peer_route(self._options.transport, desc["host"] == self._host, True)
