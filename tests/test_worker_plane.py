@@ -58,33 +58,39 @@ def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_l
     is not mapped yet, never this rank, from its real shared-memory storage; a peer of
     another host is not mapped (its first load does that through the actor) and not asked
     again until its address changes; a peer that cannot be described is retried later; a
-    second pass maps nothing; a world update that moves a peer maps it again."""
+    peer whose second tier cannot be opened is not left half mapped; a second pass maps
+    nothing; a world update that moves a peer maps it again."""
     plane = plane_of()
     lay = plane.layout
     per_block = lay.groups[0].block_bytes
-    storage = SnapshotStorage(1, lay, [TierConfig(Tier.CPU, 4 * per_block,
-                                                  shared_memory=True)])
-    plane.peers.apply_world(["h:0", "h:1", "me", "other-host:3", "h:4"])
+    storage = SnapshotStorage(1, lay, [
+        TierConfig(Tier.GPU, 4 * per_block, shared_memory=True),
+        TierConfig(Tier.CPU, 4 * per_block, shared_memory=True)])
+    plane.peers.apply_world(["h:0", "h:1", "me", "other-host:3", "h:4", "h:5"])
     asked = []
 
     def describe(rank, address):
         asked.append(rank)
         if rank == 4:
             raise ConnectionRefusedError("rank 4 is not answering")
+        tiers = storage.handles()
+        if rank == 5:  # its CPU tier cannot be opened here (a kind this build lacks)
+            tiers[int(Tier.CPU)] = ("rdma-window", tiers[int(Tier.CPU)][1])
         host = "another host" if rank == 3 else plane.peers._host
-        return {"host": host, "tiers": storage.handles(), "layout": lay}
+        return {"host": host, "tiers": tiers, "layout": lay}
 
     monkeypatch.setattr(plane.peers, "_describe", describe)
-    assert plane.peers.premap() == {4}
-    assert sorted(asked) == [0, 1, 3, 4]
-    assert sorted(plane.engine.mapped()) == [(0, Tier.CPU), (1, Tier.CPU)]
-    assert plane.peers.premap() == set() and len(asked) == 4  # 3 is remote, 4 waits
-    plane.peers.apply_world(["h:0", "h:1b", "me", "other-host:3", "h:4"])  # rank 1 moved
-    assert plane.engine.mapped() == [(0, Tier.CPU)]
+    assert plane.peers.premap() == {4, 5}
+    assert sorted(asked) == [0, 1, 3, 4, 5]
+    both = [(r, t) for r in (0, 1) for t in (Tier.GPU, Tier.CPU)]
+    assert sorted(plane.engine.mapped()) == both  # rank 5: whole or not at all
+    assert plane.peers.premap() == set() and len(asked) == 5  # 3 remote; 4, 5 wait
+    plane.peers.apply_world(["h:0", "h:1b", "me", "other-host:3", "h:4", "h:5"])  # 1 moved
+    assert sorted(plane.engine.mapped()) == both[:2]
     plane.peers.premap()
-    assert asked[4:] == [1] and sorted(plane.engine.mapped()) == [(0, Tier.CPU), (1, Tier.CPU)]
+    assert asked[5:] == [1] and sorted(plane.engine.mapped()) == both
     snap = plane.counters.snapshot()
-    assert snap["peer_map_failures"] == 1 and snap["peers_mapped_ipc"] == 3
+    assert snap["peer_map_failures"] == 2 and snap["peers_mapped_ipc"] == 3
     assert snap["peer_map_us"] > 0
     plane.close()
     assert plane.peers.premap() == set()  # closed: maps nothing

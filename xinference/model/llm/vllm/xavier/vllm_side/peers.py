@@ -59,6 +59,8 @@ class PeerMaps:
         self._mapper: Optional[threading.Thread] = None
         #: peers found to be on another host (not premapped; forgotten when they move)
         self._remote: Set[int] = set()
+        #: peers whose tiers are being mapped (a load waits for all of them)
+        self._in_progress: Set[int] = set()
 
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
@@ -177,7 +179,7 @@ class PeerMaps:
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
         """Map every rank of ``ranks`` not mapped yet; returns those that cannot be.  Waits
         for a mapping the mapping thread is making (it would be made here otherwise)."""
-        if not ranks - {r for r, _ in self._engine.mapped()}:
+        if not ranks - {r for r, _ in self._engine.mapped()} and not ranks & self._in_progress:
             return set()
         with self._lock:
             return self._ensure_mapped(ranks)
@@ -237,9 +239,16 @@ class PeerMaps:
         except LookupError as exc:
             raise LookupError(f"rank {rank}: {exc}") from None
         if route == ROUTE_IPC:
-            for tier, (kind, handles) in sorted(desc["tiers"].items()):
-                caches, release = open_tier(kind, handles, pin=self._pin)
-                self._engine.map_storage(rank, Tier(tier), caches, 0, release)
+            self._in_progress.add(rank)  # one tier mapped is not the peer mapped
+            try:
+                for tier, (kind, handles) in sorted(desc["tiers"].items()):
+                    caches, release = open_tier(kind, handles, pin=self._pin)
+                    self._engine.map_storage(rank, Tier(tier), caches, 0, release)
+            except BaseException:
+                self._engine.unmap_storage(rank)  # whole or not at all
+                raise
+            finally:
+                self._in_progress.discard(rank)
             self._counters.add("peers_mapped_ipc")
             return True
         if not remote:
