@@ -217,6 +217,10 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     else:
         kw = dict(cpu_budget="512MiB")
     kw.update({k: v for k, v in (budgets or {}).items() if v})
+    # the data plane's test hooks record every loaded and exported block (per-row Python on
+    # each step): production has none, so neither do the measured replicas unless an
+    # experiment needs them (--switch-interval-us)
+    kw["extra_env"] = {} if switch_interval_us else {"XAVIER_TEST_HOOKS": ""}
     where = f"GPUs {','.join(gpus)}" if gpus else device
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
@@ -355,9 +359,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
     ap.add_argument("--switch-interval-us", type=int, default=0,
-                    help="experiment: after each concurrency's rows, batched again with "
-                    "sys.setswitchinterval at this many µs in the engine processes (a test "
-                    "hook)")
+                    help="experiment: after each concurrency's rows, none and batched again "
+                    "with sys.setswitchinterval at this many µs in the engine processes "
+                    "(through the test hooks, which are otherwise off in the benchmark)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
