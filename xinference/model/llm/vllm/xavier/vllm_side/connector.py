@@ -93,8 +93,9 @@ def apply_switch_interval(us: int) -> None:
 
     Xavier's threads in the engine processes (demotions, publications, lookups, lease
     releases) run Python; at Python's 5 ms a step waiting for the GIL behind one of them
-    can wait that long.  Measured on the H200 (doc/benchmarks.md, "The GIL"): follow-up
-    TTFT with a hit 49 -> 39 ms at C1, sharing off unchanged within noise."""
+    can wait that long.  Measured on the H200 both ways in two runs (doc/benchmarks.md,
+    "The GIL"): sharing rows +0.3 to +9 % tokens/s and +6 to +8 points of hits at C8;
+    sharing-off rows within the machine's noise."""
     global _switch_interval_set
     if _switch_interval_set or us <= 0:
         return
