@@ -153,6 +153,9 @@ def test_make_room_demotes_ahead_so_the_next_export_only_copies():
         assert_block_equal(block_of(w.b_cache, 0, 20 + i), block_of(w.a_cache, 0, 1 + i))
     snap = w.counters.snapshot()
     assert snap["room_demoted"] == 6 and snap["room_evicted"] == 6
+    # where the rounds' time went: copies and directory calls, both part of room_us
+    assert 0 < snap["room_copy_us"] and 0 < snap["room_directory_us"]
+    assert snap["room_copy_us"] + snap["room_directory_us"] <= snap["room_us"]
     assert w.d.outstanding_leases == 0
     w.close()
 

@@ -319,7 +319,8 @@ class StorageWriter:
         lower = [t for t in self._order if t > tier]
         entries = self._demote(tier, lower[0], group, victims) if lower else []
         # one directory call: the lower copies are registered, then the victims claimed
-        granted = self._directory.move(self.rank, entries, int(tier), group, victims)
+        with elapsed_us(lambda us: self.sink.add("room_directory_us", us)):
+            granted = self._directory.move(self.rank, entries, int(tier), group, victims)
         refused = set(victims) - set(granted)
         with self._lock:
             alloc = self._alloc[tier][group]
@@ -347,7 +348,9 @@ class StorageWriter:
                 lower_victims = dst_alloc.victims(len(todo) - len(slots),
                                                   exclude=self._pending_keys(group))
             if lower_victims:
-                granted = self._directory.claim(self.rank, int(dst_tier), group, lower_victims)
+                with elapsed_us(lambda us: self.sink.add("room_directory_us", us)):
+                    granted = self._directory.claim(self.rank, int(dst_tier), group,
+                                                    lower_victims)
                 with self._lock:
                     for slot in granted:
                         dst_alloc.release(slot)
@@ -358,7 +361,8 @@ class StorageWriter:
             todo = todo[:len(slots)]
         if not todo:
             return []
-        self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
+        with elapsed_us(lambda us: self.sink.add("room_copy_us", us)):
+            self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
         with self._lock:
             gens = [dst_alloc.assign(k, slot) for (k, _), slot in zip(todo, slots)]
         self.sink.add("room_demoted", len(todo))

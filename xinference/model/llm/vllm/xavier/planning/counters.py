@@ -45,6 +45,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # background room in the top tier
     "room_rounds", "room_demoted", "room_evicted", "room_claims_refused",
     "room_skipped_no_lower_slot", "room_us",
+    # of room_us: copies between tiers (complete on return), directory calls (claim, move)
+    "room_copy_us", "room_directory_us",
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
     "world_updates_seen",
