@@ -193,7 +193,12 @@ class WorkerDataPlane:
         sets = [views for views in self.engine_views.values()]
         sets += [self.writer.views(tier, g) for tier in self.writer.tiers
                  for g in self.engine_views]
-        variants = block_copy_triton.warm(sets)
+        try:
+            variants = block_copy_triton.warm(sets)
+        except Exception as exc:  # never a reason not to share: it compiles on first use
+            logger.warning("xavier: rank %d: compiling the copy kernel ahead failed: %r",
+                           self.rank, exc)
+            return
         self.counters.add("copy_warm_us", int(1e6 * (time.perf_counter() - t0)))
         logger.info("xavier: rank %d: copy kernel compiled for %d layout pairs", self.rank,
                     variants)
