@@ -32,7 +32,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
     "loads_in_background", "load_launch_us", "load_background_us",
     # the launches' CPU time on the step's thread (wall minus this: waiting for the GIL,
-    # a lock or the driver), and the time spent mapping peers
+    # a lock or the driver), the time spent mapping peers and compiling the copy kernel
     "load_launch_cpu_us", "peer_map_us", "copy_warm_us",
     # scheduler side (they travel with the step's metadata to the worker)
     "queries", "queried_blocks", "hit_blocks", "hit_tokens", "requests_with_hits",
