@@ -1,10 +1,15 @@
-"""A tiny Qwen2-shaped model with random bf16 weights and an offline tokenizer.
+"""Tiny models with random bf16 weights and an offline tokenizer.
+
+:func:`build_tiny_qwen2`: Qwen2-shaped (one full-attention KV-cache group).
+:func:`build_tiny_gemma3`: Gemma-3-shaped text model whose layers alternate sliding-window
+and full attention: with vLLM's hybrid KV-cache manager, two KV-cache groups, and null
+blocks in the sliding-window group for blocks outside the window.
 
 Deterministic: same files for the same arguments (seeded weights, a BPE
 tokenizer trained on the interpreter's own standard library sources).  No
 download, no torch needed to build it.
 
-    python -m tests.support.tiny_model OUT_DIR [--layers N] [--hidden H]
+    python -m tests.support.tiny_model OUT_DIR [--layers N] [--hidden H] [--gemma3]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import struct
 import sysconfig
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,6 +137,77 @@ def _build_config(out: str, cfg: TinyQwen2, vocab: int) -> None:
 
 def build_tiny_qwen2(out: str, cfg: TinyQwen2 = TinyQwen2()) -> str:
     """Write the model into ``out`` (created) unless it is already complete there."""
+    return _build(out, cfg, _build_config, _build_weights)
+
+
+@dataclass(frozen=True)
+class TinyGemma3(TinyQwen2):
+    """Layers alternate sliding-window (``window`` tokens) and full attention."""
+
+    window: int = 48
+
+
+def _gemma3_layer_types(cfg: TinyGemma3) -> list:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg.layers)]
+
+
+def _build_gemma3_config(out: str, cfg: TinyGemma3, vocab: int) -> None:
+    conf = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_positions, "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 100000.0}},
+        "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": cfg.head_dim,
+        "sliding_window": cfg.window, "layer_types": _gemma3_layer_types(cfg),
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(conf, f, indent=2, sort_keys=True)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, f)
+
+
+def _build_gemma3_weights(out: str, cfg: TinyGemma3, vocab: int) -> None:
+    rng = np.random.default_rng(cfg.seed)
+
+    def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+
+    # Gemma's RMSNorm multiplies by (1 + weight): zeros are the identity; the embedding is
+    # scaled by sqrt(hidden) in the model, so it is drawn small here
+    zeros = np.zeros(cfg.hidden, np.float32)
+    t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32)
+         / np.sqrt(cfg.hidden), "model.norm.weight": zeros}
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            t[p + f"{norm}.weight"] = zeros
+        t[p + "self_attn.q_norm.weight"] = np.zeros(cfg.head_dim, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.zeros(cfg.head_dim, np.float32)
+        for n, rows in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):
+            t[p + f"self_attn.{n}_proj.weight"] = lin(rows * cfg.head_dim, cfg.hidden)
+        t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.head_dim)
+        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+    _save_safetensors(os.path.join(out, "model.safetensors"), t)
+
+
+def build_tiny_gemma3(out: str, cfg: TinyGemma3 = TinyGemma3()) -> str:
+    """Write the hybrid (sliding-window + full attention) model into ``out`` unless it is
+    already complete there."""
+    return _build(out, cfg, _build_gemma3_config, _build_gemma3_weights)
+
+
+def _build(out: str, cfg: TinyQwen2, config: Any, weights: Any) -> str:
     stamp = os.path.join(out, ".complete")
     if os.path.exists(stamp):
         with open(stamp) as f:
@@ -138,8 +215,8 @@ def build_tiny_qwen2(out: str, cfg: TinyQwen2 = TinyQwen2()) -> str:
                 return out
     os.makedirs(out, exist_ok=True)
     vocab = _build_tokenizer(out, cfg)
-    _build_config(out, cfg, vocab)
-    _build_weights(out, cfg, vocab)
+    config(out, cfg, vocab)
+    weights(out, cfg, vocab)
     with open(stamp, "w") as f:
         f.write(repr(cfg))
     return out
@@ -153,10 +230,15 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=512)
+    ap.add_argument("--gemma3", action="store_true",
+                    help="the hybrid sliding-window + full attention model")
     a = ap.parse_args()
-    cfg = TinyQwen2(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
-                    intermediate=a.intermediate)
-    print(build_tiny_qwen2(a.out, cfg))
+    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
+                 intermediate=a.intermediate)
+    if a.gemma3:
+        print(build_tiny_gemma3(a.out, TinyGemma3(**shape)))
+    else:
+        print(build_tiny_qwen2(a.out, TinyQwen2(**shape)))
 
 
 if __name__ == "__main__":

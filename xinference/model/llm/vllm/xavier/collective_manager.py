@@ -53,6 +53,10 @@ class Rank0TransferActor(xo.StatelessActor):
     def is_ready(self) -> bool:
         return False
 
+    def storage_descriptor(self) -> None:
+        """Rank 0 holds no storage: peers have nothing to map here."""
+        return None
+
     def counters(self) -> Dict[str, int]:
         return {}
 

@@ -6,8 +6,12 @@ last told it and maps every peer before a load needs it, on a thread of its own
 page-locked here too: :func:`~..planning.routes.peer_route`), so that no hit pays for
 it; a load that still finds its peer unmapped maps it itself.  A peer of another host is
 read through the rank's actor (NIXL or sockets) into staging rows this process maps too.
-A peer that cannot be mapped is not tried again for :data:`PEER_RETRY_S` (its loads fail
-fast: vLLM recomputes); a world update that changes its address ends the wait.
+A peer that a LOAD could not map is not tried again by loads for :data:`PEER_RETRY_S`
+(they fail fast: vLLM recomputes); a world update that changes its address ends the wait.
+The mapping thread's own failures (a peer still starting, a dead one) only delay its
+next try (:data:`PREMAP_RETRY_S`): they never keep a load from mapping the peer itself.
+A peer without storage (the launch's rank-0 coordinator) is not asked again until the
+world changes.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ PEER_RETRY_S = 5.0
 PEER_MAP_TIMEOUT_S = 10.0
 #: how often the mapping thread looks for a world update or an unmapped peer
 PREMAP_PERIOD_S = 0.5
+#: a peer the mapping thread could not map is tried again by it after this long
+PREMAP_RETRY_S = 2.0
 _monotonic = time.monotonic  # the peer-retry clock (tests move it)
 
 
@@ -50,7 +56,12 @@ class PeerMaps:
         self._pin = pin
         self._world: List[str] = []
         self._world_epoch = 0
+        #: loads do not try these peers again before these times (a load failed to map)
         self._peer_retry_at: Dict[int, float] = {}
+        #: the mapping thread does not try these peers again before these times
+        self._premap_retry_at: Dict[int, float] = {}
+        #: peers that hold no storage (nothing to map) until the world changes
+        self._storageless: Set[int] = set()
         self._staging: Dict[int, List[torch.Tensor]] = {}
         self._host = ""
         #: held while the world or a mapping changes (the step's thread and the mapper)
@@ -99,20 +110,20 @@ class PeerMaps:
                 return set()
             self.follow_world()
             mapped = {r for r, _ in self._engine.mapped()}
+            now = _monotonic()
             due = {r: a for r, a in enumerate(self._world)
                    if a and r != self._rank and r not in mapped and r not in self._remote
-                   and _monotonic() >= self._peer_retry_at.get(r, 0.0)}
+                   and r not in self._storageless
+                   and now >= max(self._peer_retry_at.get(r, 0.0),
+                                  self._premap_retry_at.get(r, 0.0))}
         failed: Set[int] = set()
         for rank, address in sorted(due.items()):
             t0 = time.perf_counter()
             try:
-                desc: Optional[Dict[str, Any]] = self._describe(rank, address)
-            except Exception as exc:
-                desc = None
-                with self._lock:
-                    self._failed_to_map(rank, exc)
+                desc = self._describe(rank, address)
+            except Exception as exc:  # e.g. a peer still starting: loads may still try it
+                self._premap_failed(rank, exc)
                 failed.add(rank)
-            if desc is None:
                 continue
             with self._lock:
                 if self._stop.is_set():
@@ -120,9 +131,25 @@ class PeerMaps:
                 current = self._world[rank] if rank < len(self._world) else ""
                 if current != address or rank in {r for r, _ in self._engine.mapped()}:
                     continue  # the world moved or a load mapped it meanwhile
-                if not self._try_map(rank, False, desc, t0):
+                if desc is None:
+                    self._storageless.add(rank)
+                    continue
+                try:
+                    if self._map_peer(rank, False, desc):
+                        self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
+                    self._premap_retry_at.pop(rank, None)
+                except Exception as exc:
+                    self._premap_failed(rank, exc)
                     failed.add(rank)
         return failed
+
+    def _premap_failed(self, rank: int, exc: BaseException) -> None:
+        """The mapping thread could not map ``rank``: it tries again after
+        :data:`PREMAP_RETRY_S`; loads are not held back (they try the peer themselves)."""
+        self._counters.add("peer_premap_failures")
+        logger.info("xavier: rank %d: rank %d not mapped ahead (next try in %.0f s): %r",
+                    self._rank, rank, PREMAP_RETRY_S, exc)
+        self._premap_retry_at[rank] = _monotonic() + PREMAP_RETRY_S
 
     def stop(self) -> None:
         """Stop the mapping thread (first thing when the plane closes).  Idempotent."""
@@ -173,6 +200,8 @@ class PeerMaps:
             now = world[rank] if rank < len(world) else ""
             if rank != self._rank and was != now:
                 self._peer_retry_at.pop(rank, None)
+                self._premap_retry_at.pop(rank, None)
+                self._storageless.discard(rank)
                 self._remote.discard(rank)
                 self._engine.unmap_storage(rank)
 
@@ -190,16 +219,15 @@ class PeerMaps:
         for rank in sorted(ranks - mapped):
             if _monotonic() < self._peer_retry_at.get(rank, 0.0):
                 failed.add(rank)
-            elif not self._try_map(rank, True, None, time.perf_counter()):
+            elif not self._try_map(rank, time.perf_counter()):
                 failed.add(rank)
         return failed
 
-    def _try_map(self, rank: int, remote: bool, desc: Optional[Dict[str, Any]],
-                 t0: float) -> bool:
-        """Map ``rank`` (lock held), counting the time or the failure; False if it failed
-        (not tried again for :data:`PEER_RETRY_S`)."""
+    def _try_map(self, rank: int, t0: float) -> bool:
+        """Map ``rank`` for a load (lock held), counting the time or the failure; False if
+        it failed (loads do not try it again for :data:`PEER_RETRY_S`)."""
         try:
-            if self._map_peer(rank, remote, desc):
+            if self._map_peer(rank):
                 self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
             self._peer_retry_at.pop(rank, None)
             return True
@@ -213,15 +241,15 @@ class PeerMaps:
                        self._rank, rank, PEER_RETRY_S, exc)
         self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
 
-    def _describe(self, rank: int, address: str) -> Dict[str, Any]:
+    def _describe(self, rank: int, address: str) -> Optional[Dict[str, Any]]:
         """``rank``'s storage descriptor, from its transfer actor at ``address`` (a call to
-        another process; no lock needed)."""
+        another process; no lock needed); None for a rank that holds no storage."""
         peer = LazyActor(self._bridge, address, transfer_actor_uid(rank))
         ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
         if ref is None:
             raise LookupError(f"rank {rank}: no transfer actor at {address}")
-        desc: Dict[str, Any] = self._bridge.call(lambda: ref.storage_descriptor(),
-                                                 PEER_MAP_TIMEOUT_S)
+        desc: Optional[Dict[str, Any]] = self._bridge.call(lambda: ref.storage_descriptor(),
+                                                           PEER_MAP_TIMEOUT_S)
         return desc
 
     def _map_peer(self, rank: int, remote: bool = True,
@@ -233,6 +261,8 @@ class PeerMaps:
             raise LookupError(f"rank {rank}: no address known (world {self._world})")
         if desc is None:
             desc = self._describe(rank, self._world[rank])
+            if desc is None:
+                raise LookupError(f"rank {rank}: holds no storage")
         try:
             # NIXL vs sockets is the actor's choice (map_remote): only "ipc or not" here
             route = peer_route(self._options.transport, desc["host"] == self._host, True)
