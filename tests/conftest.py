@@ -8,7 +8,7 @@ from typing import Iterator
 import pytest
 
 from .support.engines import EngineOptions, EngineProcess
-from .support.tiny_model import TinyQwen2, build_tiny_qwen2
+from .support.tiny_model import TinyGemma3, TinyQwen2, build_tiny_gemma3, build_tiny_qwen2
 
 
 @pytest.fixture(scope="session")
@@ -18,6 +18,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     keep = os.environ.get("XAVIER_TINY_MODEL_DIR")
     out = keep or str(tmp_path_factory.mktemp("tiny-qwen2"))
     return build_tiny_qwen2(out, TinyQwen2())
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Gemma-3-shaped model (sliding-window and full-attention layers alternate),
+    built once per test run (or kept in XAVIER_TINY_HYBRID_MODEL_DIR)."""
+    keep = os.environ.get("XAVIER_TINY_HYBRID_MODEL_DIR")
+    out = keep or str(tmp_path_factory.mktemp("tiny-gemma3"))
+    return build_tiny_gemma3(out, TinyGemma3())
 
 
 @pytest.fixture

@@ -91,6 +91,7 @@ def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_s
     assert meta.loads.table[:, SLOT].tolist() == [102, 103, 104, 105]
     assert len(meta.leases) == 6  # the null positions' leases travel too: released after the load
     assert meta.stats.requests_with_hits == 1 and meta.stats.steps_with_loads == 1
+    assert meta.stats.null_blocks_skipped == 2
     assert w.leases == 6  # held until the worker's load releases them
 
 

@@ -1,8 +1,8 @@
 """Child process of :class:`tests.support.engines.EngineProcess`.
 
 argv[1]: JSON of ``vllm.LLM`` keyword arguments.  Protocol: one JSON object
-per line on stdin (``{"op": "generate", "prompts": [...], "max_tokens": n}``
-or ``{"op": "exit"}``), one JSON reply per line on stdout.  vLLM's own output
+per line on stdin (``{"op": "generate", "prompts": [...], "max_tokens": n}``,
+``{"op": "settings"}`` or ``{"op": "exit"}``), one JSON reply per line on stdout.  vLLM's own output
 goes to stderr.
 """
 
@@ -29,6 +29,14 @@ def main() -> None:
         msg = json.loads(line)
         if msg.get("op") == "exit":
             break
+        if msg.get("op") == "settings":  # the KV cache as vLLM sized it
+            cfg = llm.llm_engine.vllm_config
+            out.write(json.dumps({
+                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0),
+                "hybrid_kv_cache_manager":
+                    not cfg.scheduler_config.disable_hybrid_kv_cache_manager}) + "\n")
+            out.flush()
+            continue
         try:
             params = SamplingParams(temperature=0.0, max_tokens=int(msg["max_tokens"]),
                                     ignore_eos=True)

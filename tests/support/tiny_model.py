@@ -145,6 +145,8 @@ class TinyGemma3(TinyQwen2):
     """Layers alternate sliding-window (``window`` tokens) and full attention."""
 
     window: int = 48
+    #: bumped when the weights' recipe changes (a kept model directory is then rebuilt)
+    recipe: int = 2
 
 
 def _gemma3_layer_types(cfg: TinyGemma3) -> list:
@@ -158,7 +160,7 @@ def _build_gemma3_config(out: str, cfg: TinyGemma3, vocab: int) -> None:
         "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
         "max_position_embeddings": cfg.max_positions, "rms_norm_eps": 1e-6,
-        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+        "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 100000.0}},
         "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": cfg.head_dim,
@@ -182,14 +184,17 @@ def _build_gemma3_weights(out: str, cfg: TinyGemma3, vocab: int) -> None:
 
     # Gemma's RMSNorm multiplies by (1 + weight): zeros are the identity; the embedding is
     # scaled by sqrt(hidden) in the model, so it is drawn small here
+    # (a separate LM head, and attention outputs weighted 3x the embedding in the residual:
+    # the tokens then depend on the KV cache, so that a load that did not happen is seen)
     zeros = np.zeros(cfg.hidden, np.float32)
     t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32)
-         / np.sqrt(cfg.hidden), "model.norm.weight": zeros}
+         / np.sqrt(cfg.hidden), "model.norm.weight": zeros,
+         "lm_head.weight": lin(vocab, cfg.hidden, 4.0)}
     for i in range(cfg.layers):
         p = f"model.layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for norm in ("input_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             t[p + f"{norm}.weight"] = zeros
+        t[p + "post_attention_layernorm.weight"] = np.full(cfg.hidden, 2.0, np.float32)
         t[p + "self_attn.q_norm.weight"] = np.zeros(cfg.head_dim, np.float32)
         t[p + "self_attn.k_norm.weight"] = np.zeros(cfg.head_dim, np.float32)
         for n, rows in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):

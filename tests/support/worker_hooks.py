@@ -164,6 +164,10 @@ class WorkerHooks:
         views = self._plane.engine_views.get(int(group), [])
         return all(not bool(v[int(block_id)].any()) for v in views)
 
+    def engine_groups(self) -> List[int]:
+        """The KV-cache groups the data plane holds views of."""
+        return sorted(int(g) for g in self._plane.engine_views)
+
     def engine_num_blocks(self, group: int = 0) -> int:
         views = self._plane.engine_views.get(int(group), [])
         return int(views[0].shape[0]) if views else 0

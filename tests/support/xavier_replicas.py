@@ -135,7 +135,10 @@ class ReplicaActor(xo.StatelessActor):
         return {"async_scheduling": bool(cfg.scheduler_config.async_scheduling),
                 "model_runner_v2": bool(getattr(cfg, "use_v2_model_runner", False)),
                 "cudagraph_mode": str(cfg.compilation_config.cudagraph_mode),
-                "enforce_eager": bool(cfg.model_config.enforce_eager)}
+                "enforce_eager": bool(cfg.model_config.enforce_eager),
+                "hybrid_kv_cache_manager":
+                    not cfg.scheduler_config.disable_hybrid_kv_cache_manager,
+                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0)}
 
     async def set_batched_loads(self, batched: bool) -> None:
         if not self._xavier_config.get("plain"):

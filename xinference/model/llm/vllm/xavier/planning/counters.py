@@ -38,7 +38,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "queries", "queried_blocks", "hit_blocks", "hit_tokens", "requests_with_hits",
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
     "lookup_wait_us", "scheduler_steps", "scheduler_us", "identity_clashes",
-    "hits_started", "hit_lookup_us", "hit_load_wait_us",
+    "hits_started", "hit_lookup_us", "hit_load_wait_us", "null_blocks_skipped",
     # exports
     "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
     "export_launch_us", "export_published", "export_publish_failures",

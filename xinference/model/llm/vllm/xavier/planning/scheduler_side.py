@@ -83,6 +83,9 @@ class StepStats:
     hits_started: int = 0
     hit_lookup_us: int = 0
     hit_load_wait_us: int = 0
+    #: hit blocks whose destination was vLLM's null block (a sliding-window block outside
+    #: the window): nothing loaded there
+    null_blocks_skipped: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -295,7 +298,8 @@ class SchedulerSide:
                 pos = hit.first_block + j
                 leases.append(Lease(int(lease), int(loc.rank)))
                 if pos >= len(block_ids[loc.group]) or null[loc.group][pos]:
-                    continue  # null block (e.g. outside a sliding window): nothing to write
+                    self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
+                    continue
                 rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
                                       loc.slot, int(block_ids[loc.group][pos])))
                 names.append(hit.keys[j])

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from ..planning.options import XavierOptions
@@ -53,6 +54,7 @@ from .actor_bridge import ActorBridge
 from .connector_scheduler import XavierConnectorScheduler
 from .connector_stats import XavierKVConnectorStats
 from .connector_worker import XavierConnectorWorker
+from .hybrid_failures import install as install_hybrid_recompute
 from .parent_watch import watch_parent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -121,12 +123,46 @@ class XavierConnectorMetadata(KVConnectorMetadata):
         self.step = step
 
 
-class XavierConnector(KVConnectorBase_V1):
+def sharing_problem(groups: List[Any], block_size: int) -> Optional[str]:
+    """Why the engine's KV-cache groups cannot be shared, or None.  Shared: attention
+    caches (full, sliding-window, chunked-local; several groups with vLLM's hybrid
+    KV-cache manager) of one block size.  Not shared: state caches (Mamba-style SSM
+    layers: a request's state is not a sequence of per-token blocks), encoder and
+    cross-attention caches."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        CrossAttentionSpec,
+        EncoderOnlyAttentionSpec,
+    )
+
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if sizes and sizes != {block_size}:
+        return (f"KV-cache groups with block sizes {sorted(sizes)} (scheduler block size "
+                f"{block_size}) are not supported")
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        specs = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+        for one in specs:
+            if (not isinstance(one, AttentionSpec)
+                    or isinstance(one, (CrossAttentionSpec, EncoderOnlyAttentionSpec))):
+                return (f"KV-cache group {g} holds {type(one).__name__} layers: only "
+                        "attention KV caches (full, sliding-window, chunked-local) are "
+                        "shared")
+    return None
+
+
+class XavierConnector(KVConnectorBase_V1, SupportsHMA):
     """Cross-replica prefix KV sharing for Xinference (see the module docstring).
 
     vLLM builds one per role: the scheduler's holds a :class:`XavierConnectorScheduler`,
     each worker's a :class:`XavierConnectorWorker`.  ``disabled`` (a reason) turns the
-    connector into a no-op for the engine's life: it serves as without Xavier."""
+    connector into a no-op for the engine's life: it serves as without Xavier.
+
+    Supports vLLM's hybrid KV-cache manager (``SupportsHMA``): with Xavier on, a model
+    mixing sliding-window and full attention keeps vLLM's per-group KV memory; loads and
+    exports are per group and never touch a null block (a sliding-window block outside
+    the window).  On such an engine vLLM's recompute of a failed load is made to read
+    every group (:mod:`.hybrid_failures`); where that cannot be done, sharing is off."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Optional[KVCacheConfig] = None) -> None:
@@ -139,10 +175,14 @@ class XavierConnector(KVConnectorBase_V1):
         watch_parent()  # engine core and worker: never outlive a killed replica process
         groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
         self.disabled: Optional[str] = None
-        sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-        if sizes and sizes != {self.block_size}:
-            self._disable(f"KV-cache groups with block sizes {sorted(sizes)} (scheduler "
-                          f"block size {self.block_size}) are not supported")
+        problem = sharing_problem(groups, self.block_size)
+        if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
+            why = install_hybrid_recompute()
+            if why is not None:
+                problem = (f"{len(groups)} KV-cache groups, and a failed load could not be "
+                           f"recomputed by vLLM: {why}")
+        if problem is not None:
+            self._disable(problem)
         self.scheduler: Optional[XavierConnectorScheduler] = None
         self.worker: Optional[XavierConnectorWorker] = None
         if role == KVConnectorRole.SCHEDULER:
@@ -239,6 +279,12 @@ class XavierConnector(KVConnectorBase_V1):
         if self.scheduler is not None:
             self.scheduler.request_finished(request)
         return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV-cache manager's :meth:`request_finished` (``block_ids`` per
+        KV-cache group): the same contract, ``(False, None)``."""
+        return self.request_finished(request, [])
 
     # =================================================================== worker
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:

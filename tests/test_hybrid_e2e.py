@@ -1,0 +1,110 @@
+"""A hybrid model end to end: vLLM's hybrid KV-cache manager stays on with Xavier.
+
+Two real vLLM engines with Xavier serve a tiny Gemma-3-shaped model whose layers alternate
+sliding-window (48 tokens) and full attention: two KV-cache groups, and in the
+sliding-window group vLLM's null block for every block outside the window.  Checked as a
+user would: vLLM keeps its hybrid manager (no "Turning off hybrid kv cache manager"), the
+KV cache holds as many blocks as plain vLLM's for this model, a cross-replica hit gives the
+tokens of the run without sharing, every loaded block holds the source's bytes, the null
+blocks of the loads were skipped (counted), and a failed load is recomputed without taking
+the engine down (vLLM's own recompute raises on two groups: ``test_hybrid_failures.py``).
+The baselines are made as in ``test_connector_e2e.py``.
+"""
+
+from typing import Iterator
+
+import pytest
+
+from .support.engines import EngineOptions, EngineProcess
+from .support.processes import tokens
+from .support.xavier_replicas import replicas_in_loop_thread
+from .test_connector_e2e import assert_loaded_bytes_exact, baseline_then_prime, delta
+
+pytestmark = pytest.mark.slow
+
+PREFIX = 512  # tokens: 32 blocks of 16; the window is 3 blocks
+BLOCK = 16
+GROUPS = 2
+
+
+@pytest.fixture(scope="module")
+def world(tiny_hybrid_model_dir: str) -> Iterator[tuple]:
+    yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2)
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_model_dir):
+    """The KV cache is sized as plain vLLM sizes it for this model (one engine without a
+    KV connector, the same KV space): with the hybrid manager turned off, the
+    sliding-window layers would take a full-attention share each and fewer blocks fit."""
+    lt, r = world
+    settings = lt.run(r.replicas[0].engine_settings())
+    plain = EngineProcess(EngineOptions(model=tiny_hybrid_model_dir),
+                          env={"XAVIER_TEST_HOOKS": ""})
+    try:
+        plain_settings = plain.request({"op": "settings"})
+    finally:
+        plain.close()
+    print(f"\nXavier: {settings}\nplain vLLM: {plain_settings}")
+    assert settings["hybrid_kv_cache_manager"] is True
+    assert plain_settings["hybrid_kv_cache_manager"] is True
+    assert settings["num_gpu_blocks"] == plain_settings["num_gpu_blocks"] > 0
+    assert lt.run(r.replicas[0].hook("engine_groups")) == list(range(GROUPS))
+
+
+def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
+    lt, r = world
+    a, b = r.replicas
+    shared = tokens(31, PREFIX)
+    asked = shared + tokens(33, 40)
+    base = baseline_then_prime(lt, r, [asked], [shared + tokens(32, 40)], local_hit=PREFIX)
+    before = lt.run(b.counters())
+    out = lt.run(b.generate([asked]))
+    c = delta(before, lt.run(b.counters()))
+    print("\nhybrid hit:", {k: c[k] for k in ("hit_blocks", "blocks_written",
+                                              "null_blocks_skipped")})
+    assert out[0]["ids"] == base[0]
+    lt.run(a.reset_prefix_cache())  # CPU kernels: also equal to computing the whole prompt
+    assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
+    assert out[0]["cached"] == PREFIX  # B had nothing locally: all of it came from A
+    assert c["hit_blocks"] == PREFIX // BLOCK and c["batch_calls"] == 1
+    # every position of every group was either loaded or vLLM's null block (skipped): the
+    # sliding-window group keeps only the blocks of the window, so most of its were null
+    assert c["blocks_written"] + c["null_blocks_skipped"] == GROUPS * PREFIX // BLOCK
+    assert PREFIX // BLOCK - 4 <= c["null_blocks_skipped"] < PREFIX // BLOCK
+    assert c["load_failures"] == 0 and c["rejected_batches"] == 0
+    assert_loaded_bytes_exact(lt, r, c["blocks_written"])
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+
+
+def test_negative_control_copy_skipped_changes_hybrid_tokens(world):
+    lt, r = world
+    a, b = r.replicas
+    shared = tokens(41, PREFIX)
+    asked = shared + tokens(43, 40)
+    base = baseline_then_prime(lt, r, [asked], [shared + tokens(42, 40)], local_hit=PREFIX)
+    lt.run(b.inject_fault("skip_copy"))
+    out = lt.run(b.generate([asked]))
+    assert out[0]["cached"] == PREFIX and out[0]["ids"] != base[0]
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+
+
+def test_a_failed_load_on_a_hybrid_model_is_recomputed_and_the_engine_serves_on(world):
+    """vLLM's own recompute of a failed load raises on two KV-cache groups (the engine core
+    would die); with Xavier the request recomputes in full: the baseline's tokens, and the
+    engine serves the next request."""
+    lt, r = world
+    a, b = r.replicas
+    shared = tokens(51, PREFIX)
+    asked = shared + tokens(53, 40)
+    base = baseline_then_prime(lt, r, [asked], [shared + tokens(52, 40)], local_hit=PREFIX)
+    before = lt.run(b.counters())
+    lt.run(b.inject_fault("fail_one_block"))
+    out = lt.run(b.generate([asked]))
+    c = delta(before, lt.run(b.counters()))
+    assert c["faults_fail_one_block"] == 1 and c["hit_blocks"] == PREFIX // BLOCK
+    assert out[0]["ids"] == base[0]
+    assert out[0]["cached"] < PREFIX  # recomputed, not served from the failed load
+    assert lt.run(b.stored_vs_engine_mismatches()) == []
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    nxt = tokens(54, 100)
+    assert lt.run(b.generate([nxt]))[0]["ids"] == lt.run(a.generate([nxt], xavier=False))[0]["ids"]
