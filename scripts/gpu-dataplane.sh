@@ -3,13 +3,15 @@
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
 #   carry: .vbundle .whl
-#   command: bash scripts/gpu-dataplane.sh [tests|bench|steady|all]
+#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|bench|all]
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
 #        CUDA-only tests included), then the connector end to end with vLLM's defaults (CUDA
 #        graphs, async scheduling, the model runner vLLM picks), then transfer_bench,
 #        copy_kernel_profile and export_bench;
+# hybrid: the tiny Gemma-3-shaped (sliding-window + full attention) model end to end with
+#        vLLM's hybrid KV-cache manager (issue #18; not run on the H200 yet);
 # bench: serving_bench, Qwen2.5-0.5B shape, 8K prefixes, C1/C8/C32, plain / local-hit /
 #        none / per_request / batched, the unique-prompt rows, tiers full (--steady-state)
 #        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
@@ -42,6 +44,13 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --out "$out/transfer_bench-cuda.json" 2>&1 | tee "$out/transfer_bench-cuda.log"
   timeout 90 python3 benchmarks/export_bench.py --device cuda --gpu-gib 1 --cpu-gib 1 \
     --steps 24 --out "$out/export_bench-cuda.json" 2>&1 | tee "$out/export_bench-cuda.log"
+fi
+if [ "$what" = hybrid ] || [ "$what" = all ]; then
+  # issue #18: the hybrid (sliding-window + full attention) model with vLLM's hybrid manager
+  XAVIER_TINY_HYBRID_MODEL_DIR=/tmp/tiny-gemma3 XAVIER_TEST_DEVICE=cuda timeout 330 \
+    python3 -m pytest -v -s -p no:cacheprovider tests/test_hybrid_e2e.py 2>&1 \
+    | tee "$out/e2e-hybrid-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \

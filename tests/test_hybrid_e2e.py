@@ -11,6 +11,7 @@ the engine down (vLLM's own recompute raises on two groups: ``test_hybrid_failur
 The baselines are made as in ``test_connector_e2e.py``.
 """
 
+import os
 from typing import Iterator
 
 import pytest
@@ -22,6 +23,8 @@ from .test_connector_e2e import assert_loaded_bytes_exact, baseline_then_prime, 
 
 pytestmark = pytest.mark.slow
 
+#: "cuda" on the GPU machine (scripts/gpu-dataplane.sh hybrid): both replicas on one GPU
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 PREFIX = 512  # tokens: 32 blocks of 16; the window is 3 blocks
 BLOCK = 16
 GROUPS = 2
@@ -29,7 +32,13 @@ GROUPS = 2
 
 @pytest.fixture(scope="module")
 def world(tiny_hybrid_model_dir: str) -> Iterator[tuple]:
-    yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2)
+    if DEVICE == "cuda":  # vLLM's defaults (CUDA graphs, async scheduling), as in the e2e
+        opts = EngineOptions(model=tiny_hybrid_model_dir, extra={
+            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
+        yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2, gpu_budget="256MiB",
+                                           cpu_budget="64MiB", engine=opts, sequential=True)
+    else:
+        yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2)
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_model_dir):
@@ -38,6 +47,10 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_m
     sliding-window layers would take a full-attention share each and fewer blocks fit."""
     lt, r = world
     settings = lt.run(r.replicas[0].engine_settings())
+    assert settings["hybrid_kv_cache_manager"] is True
+    assert lt.run(r.replicas[0].hook("engine_groups")) == list(range(GROUPS))
+    if DEVICE == "cuda":  # the GPU's KV cache is sized from free memory: no fixed comparison
+        return
     plain = EngineProcess(EngineOptions(model=tiny_hybrid_model_dir),
                           env={"XAVIER_TEST_HOOKS": ""})
     try:
@@ -45,10 +58,8 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_m
     finally:
         plain.close()
     print(f"\nXavier: {settings}\nplain vLLM: {plain_settings}")
-    assert settings["hybrid_kv_cache_manager"] is True
     assert plain_settings["hybrid_kv_cache_manager"] is True
     assert settings["num_gpu_blocks"] == plain_settings["num_gpu_blocks"] > 0
-    assert lt.run(r.replicas[0].hook("engine_groups")) == list(range(GROUPS))
 
 
 def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
@@ -63,8 +74,9 @@ def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
     print("\nhybrid hit:", {k: c[k] for k in ("hit_blocks", "blocks_written",
                                               "null_blocks_skipped")})
     assert out[0]["ids"] == base[0]
-    lt.run(a.reset_prefix_cache())  # CPU kernels: also equal to computing the whole prompt
-    assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
+    if DEVICE == "cpu":  # CPU kernels: also equal to computing the whole prompt
+        lt.run(a.reset_prefix_cache())
+        assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
     assert out[0]["cached"] == PREFIX  # B had nothing locally: all of it came from A
     assert c["hit_blocks"] == PREFIX // BLOCK and c["batch_calls"] == 1
     # every position of every group was either loaded or vLLM's null block (skipped): the
@@ -102,9 +114,13 @@ def test_a_failed_load_on_a_hybrid_model_is_recomputed_and_the_engine_serves_on(
     out = lt.run(b.generate([asked]))
     c = delta(before, lt.run(b.counters()))
     assert c["faults_fail_one_block"] == 1 and c["hit_blocks"] == PREFIX // BLOCK
-    assert out[0]["ids"] == base[0]
+    if DEVICE == "cpu":  # on the GPU a recompute in another shape may change low bits
+        assert out[0]["ids"] == base[0]
     assert out[0]["cached"] < PREFIX  # recomputed, not served from the failed load
     assert lt.run(b.stored_vs_engine_mismatches()) == []
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
     nxt = tokens(54, 100)
-    assert lt.run(b.generate([nxt]))[0]["ids"] == lt.run(a.generate([nxt], xavier=False))[0]["ids"]
+    served = lt.run(b.generate([nxt]))[0]["ids"]
+    assert len(served) == 16
+    if DEVICE == "cpu":
+        assert served == lt.run(a.generate([nxt], xavier=False))[0]["ids"]
