@@ -123,17 +123,25 @@ class XavierConnectorMetadata(KVConnectorMetadata):
         self.step = step
 
 
-def sharing_problem(groups: List[Any], block_size: int) -> Optional[str]:
-    """Why the engine's KV-cache groups cannot be shared, or None.  Shared: attention
-    caches (full, sliding-window, chunked-local; several groups with vLLM's hybrid
-    KV-cache manager) of one block size.  Not shared: state caches (Mamba-style SSM
-    layers: a request's state is not a sequence of per-token blocks), encoder and
-    cross-attention caches."""
+def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1,
+                    pipeline_parallel: int = 1) -> Optional[str]:
+    """Why the engine's KV caches cannot be shared, or None.  Shared: attention caches
+    (full, sliding-window, chunked-local; several groups with vLLM's hybrid KV-cache
+    manager) of one block size, held by ONE worker.  Not shared: state caches
+    (Mamba-style SSM layers: a request's state is not a sequence of per-token blocks),
+    encoder and cross-attention caches, and replicas of several workers (each worker of a
+    tensor- or pipeline-parallel replica holds a shard: until shards are stored and
+    loaded apart, issue #22, one rank's storage would mix them)."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         CrossAttentionSpec,
         EncoderOnlyAttentionSpec,
     )
+
+    if tensor_parallel > 1 or pipeline_parallel > 1:
+        return (f"tensor_parallel_size={tensor_parallel}, pipeline_parallel_size="
+                f"{pipeline_parallel}: Xavier shares the KV of replicas of one worker only "
+                "(tensor-parallel replicas: not yet supported)")
 
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if sizes and sizes != {block_size}:
@@ -175,7 +183,10 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         watch_parent()  # engine core and worker: never outlive a killed replica process
         groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
         self.disabled: Optional[str] = None
-        problem = sharing_problem(groups, self.block_size)
+        parallel = vllm_config.parallel_config
+        problem = sharing_problem(groups, self.block_size,
+                                  int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+                                  int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
         if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
             why = install_hybrid_recompute()
             if why is not None:
