@@ -122,7 +122,8 @@ class PeerMaps:
             try:
                 desc = self._describe(rank, address)
             except Exception as exc:  # e.g. a peer still starting: loads may still try it
-                self._premap_failed(rank, exc)
+                with self._lock:
+                    self._premap_failed(rank, exc)
                 failed.add(rank)
                 continue
             with self._lock:
@@ -144,7 +145,7 @@ class PeerMaps:
         return failed
 
     def _premap_failed(self, rank: int, exc: BaseException) -> None:
-        """The mapping thread could not map ``rank``: it tries again after
+        """The mapping thread could not map ``rank`` (lock held): it tries again after
         :data:`PREMAP_RETRY_S`; loads are not held back (they try the peer themselves)."""
         self._counters.add("peer_premap_failures")
         logger.info("xavier: rank %d: rank %d not mapped ahead (next try in %.0f s): %r",
