@@ -134,13 +134,7 @@ class PeerMaps:
                     continue  # the world moved or a load mapped it meanwhile
                 if desc is None:
                     self._storageless.add(rank)
-                    continue
-                try:
-                    if self._map_peer(rank, False, desc):
-                        self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
-                    self._premap_retry_at.pop(rank, None)
-                except Exception as exc:
-                    self._premap_failed(rank, exc)
+                elif not self._try_map(rank, t0, desc, ahead=True):
                     failed.add(rank)
         return failed
 
@@ -224,16 +218,19 @@ class PeerMaps:
                 failed.add(rank)
         return failed
 
-    def _try_map(self, rank: int, t0: float) -> bool:
-        """Map ``rank`` for a load (lock held), counting the time or the failure; False if
-        it failed (loads do not try it again for :data:`PEER_RETRY_S`)."""
+    def _try_map(self, rank: int, t0: float, desc: Optional[Dict[str, Any]] = None,
+                 ahead: bool = False) -> bool:
+        """Map ``rank`` (lock held) from ``desc`` (asked for when None), counting the time
+        or the failure; False if it failed.  For a load: a failure keeps loads off the
+        peer for :data:`PEER_RETRY_S`.  ``ahead`` (the mapping thread): a peer of another
+        host is left to its first load, and a failure only delays the thread's next try."""
         try:
-            if self._map_peer(rank):
+            if self._map_peer(rank, not ahead, desc):
                 self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
-            self._peer_retry_at.pop(rank, None)
+            (self._premap_retry_at if ahead else self._peer_retry_at).pop(rank, None)
             return True
         except Exception as exc:
-            self._failed_to_map(rank, exc)
+            (self._premap_failed if ahead else self._failed_to_map)(rank, exc)
             return False
 
     def _failed_to_map(self, rank: int, exc: BaseException) -> None:
