@@ -129,6 +129,11 @@ def _build_config(out: str, cfg: TinyQwen2, vocab: int) -> None:
         "torch_dtype": "bfloat16", "dtype": "bfloat16", "attention_dropout": 0.0,
         "initializer_range": 0.02, "use_cache": True,
     }
+    _write_config(out, conf)
+
+
+def _write_config(out: str, conf: dict) -> None:
+    """``config.json`` and a greedy ``generation_config.json`` (token 0 ends a text)."""
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(conf, f, indent=2, sort_keys=True)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
@@ -170,10 +175,7 @@ def _build_gemma3_config(out: str, cfg: TinyGemma3, vocab: int) -> None:
         "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
         "use_cache": True,
     }
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(conf, f, indent=2, sort_keys=True)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, f)
+    _write_config(out, conf)
 
 
 def _build_gemma3_weights(out: str, cfg: TinyGemma3, vocab: int) -> None:
