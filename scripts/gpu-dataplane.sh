@@ -2,8 +2,8 @@
 # Issues #16/#17 on the GPU machine (nvidia-h200), one device call: the worker-side data plane
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
-#   carry: .vbundle .whl
-#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|bench|all]
+#   carry: .vbundle .whl            (or .vbmla .whl for `mla`: see below)
+#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|fp8|mla|models|bench|all]...
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
@@ -11,7 +11,15 @@
 #        graphs, async scheduling, the model runner vLLM picks), then transfer_bench,
 #        copy_kernel_profile and export_bench;
 # hybrid: the tiny Gemma-3-shaped (sliding-window + full attention) model end to end with
-#        vLLM's hybrid KV-cache manager (issue #18; not run on the H200 yet);
+#        vLLM's hybrid KV-cache manager (issue #18);
+# fp8:   the connector end to end (the tests that a KV dtype can change) on an fp8 KV cache
+#        (kv_cache_dtype="fp8", issue #18);
+# mla:   the tiny DeepSeek-V2-shaped (MLA) model end to end (issue #18).  vLLM's only MLA
+#        prefill on Hopper is FlashAttention-3, which the bundle leaves out: the bundle
+#        folder (XAVIER_BUNDLE, default .vbundle) must also hold _vllm_fa3_C.abi3.so.xz
+#        (10.9 MB; made by `bash scripts/make-mla-bundle.sh`, which also drops the bundle's
+#        tiny model so that everything fits one call's 64 MiB);
+# models: hybrid, fp8 and mla;
 # bench: serving_bench, Qwen2.5-0.5B shape, 8K prefixes, C1/C8/C32, plain / local-hit /
 #        none / per_request / batched, the unique-prompt rows, tiers full (--steady-state)
 #        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
@@ -21,21 +29,27 @@
 set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
 mkdir -p "$out"
-what=${1:-tests}
-source .vbundle/use-vllm-bundle.sh .vbundle || exit 1
+what=" ${*:-tests} "
+bundle=${XAVIER_BUNDLE:-.vbundle}
+source "$bundle/use-vllm-bundle.sh" "$bundle" || exit 1
+fa3=/tmp/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so
+if [ -f "$bundle/_vllm_fa3_C.abi3.so.xz" ] && [ ! -f "$fa3" ]; then
+  xz -dc "$bundle/_vllm_fa3_C.abi3.so.xz" > "$fa3.part" && mv "$fa3.part" "$fa3" || exit 1
+fi
+has() { case "$what" in *" $1 "*|*" all "*) return 0 ;; esac; return 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 rc=0
-if [ "$what" = tests ] || [ "$what" = units ] || [ "$what" = all ]; then
+if has tests || has units; then
   XAVIER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_transfer.py tests/test_gpu_transfer_cuda.py tests/test_storage_writer.py \
     tests/test_snapshot_storage.py tests/test_plan.py tests/test_load_batch.py \
     tests/test_lookups.py tests/test_block_directory.py 2>&1 | tee "$out/pytest-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if has tests; then
   XAVIER_TEST_DEVICE=cuda timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_connector_e2e.py 2>&1 | tee "$out/e2e-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
@@ -45,14 +59,29 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 90 python3 benchmarks/export_bench.py --device cuda --gpu-gib 1 --cpu-gib 1 \
     --steps 24 --out "$out/export_bench-cuda.json" 2>&1 | tee "$out/export_bench-cuda.log"
 fi
-if [ "$what" = hybrid ] || [ "$what" = all ]; then
+if has hybrid || has models; then
   # issue #18: the hybrid (sliding-window + full attention) model with vLLM's hybrid manager
-  XAVIER_TINY_HYBRID_MODEL_DIR=/tmp/tiny-gemma3 XAVIER_TEST_DEVICE=cuda timeout 330 \
-    python3 -m pytest -v -s -p no:cacheprovider tests/test_hybrid_e2e.py 2>&1 \
-    | tee "$out/e2e-hybrid-cuda.log"
+  XAVIER_TINY_HYBRID_MODEL_DIR=/tmp/tiny-gemma3 XAVIER_TEST_DEVICE=cuda \
+    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    tests/test_hybrid_e2e.py 2>&1 | tee "$out/e2e-hybrid-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if has mla || has models; then
+  # issue #18: multi-head latent attention (one latent cache per layer)
+  XAVIER_TINY_MLA_MODEL_DIR=/tmp/tiny-deepseek-v2 XAVIER_TEST_DEVICE=cuda \
+    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    tests/test_mla_e2e.py 2>&1 | tee "$out/e2e-mla-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if has fp8 || has models; then
+  # issue #18: an fp8 KV cache; the tests whose outcome the KV dtype can change
+  XAVIER_TEST_KV_CACHE_DTYPE=fp8 XAVIER_TEST_DEVICE=cuda \
+    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    tests/test_connector_e2e.py -k "dtype or cross_replica_hit or negative_control or \
+    failed_block or concurrent" 2>&1 | tee "$out/e2e-fp8-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if has bench; then
   timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \

@@ -8,7 +8,14 @@ from typing import Iterator
 import pytest
 
 from .support.engines import EngineOptions, EngineProcess
-from .support.tiny_model import TinyGemma3, TinyQwen2, build_tiny_gemma3, build_tiny_qwen2
+from .support.tiny_model import (
+    TinyDeepseekV2,
+    TinyGemma3,
+    TinyQwen2,
+    build_tiny_deepseek_v2,
+    build_tiny_gemma3,
+    build_tiny_qwen2,
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,6 +34,15 @@ def tiny_hybrid_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     keep = os.environ.get("XAVIER_TINY_HYBRID_MODEL_DIR")
     out = keep or str(tmp_path_factory.mktemp("tiny-gemma3"))
     return build_tiny_gemma3(out, TinyGemma3())
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny DeepSeek-V2-shaped model (multi-head latent attention), built once per test
+    run (or kept in XAVIER_TINY_MLA_MODEL_DIR)."""
+    keep = os.environ.get("XAVIER_TINY_MLA_MODEL_DIR")
+    out = keep or str(tmp_path_factory.mktemp("tiny-deepseek-v2"))
+    return build_tiny_deepseek_v2(out, TinyDeepseekV2())
 
 
 @pytest.fixture

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.slow
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 #: with DEVICE "cuda": e.g. "0,1" puts each replica on its own GPU (CUDA IPC across GPUs)
 GPUS = gpus_from_env()
+#: vLLM's ``kv_cache_dtype`` for both replicas, e.g. "fp8" on the H200 (issue #18); vLLM's
+#: own default ("auto": the model's dtype) when unset
+KV_CACHE_DTYPE = os.environ.get("XAVIER_TEST_KV_CACHE_DTYPE", "")
 PREFIX = 512  # tokens: 32 blocks of 16
 BLOCK = 16
 
@@ -40,7 +43,8 @@ def world(tiny_model_dir: str) -> Iterator[tuple]:
     if DEVICE == "cuda":  # vLLM's defaults: CUDA graphs, async scheduling, its model runner
         opts = EngineOptions(model=tiny_model_dir, extra={
             "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
-            "enforce_eager": os.environ.get("XAVIER_TEST_EAGER") == "1"})
+            "enforce_eager": os.environ.get("XAVIER_TEST_EAGER") == "1",
+            **({"kv_cache_dtype": KV_CACHE_DTYPE} if KV_CACHE_DTYPE else {})})
         yield from replicas_in_loop_thread(tiny_model_dir, n=2, gpu_budget="256MiB",
                                            cpu_budget="64MiB", engine=opts,
                                            sequential=GPUS is None, gpus=GPUS)
@@ -88,6 +92,21 @@ def test_vllm_defaults_are_kept(world):
         assert settings["async_scheduling"] is True
         if os.environ.get("XAVIER_TEST_EAGER") != "1":
             assert settings["enforce_eager"] is False and "NONE" not in settings["cudagraph_mode"]
+
+
+def test_the_kv_cache_dtype_asked_for_is_the_one_shared(world):
+    """With ``XAVIER_TEST_KV_CACHE_DTYPE=fp8`` every test of this module runs on an fp8 KV
+    cache: vLLM runs it (its settings) and the data plane copies 1-byte caches (vLLM types
+    them ``uint8`` or ``float8_e4m3fn``), not the model's bf16."""
+    lt, r = world
+    settings = lt.run(r.replicas[0].engine_settings())
+    dtypes = lt.run(r.replicas[0].hook("engine_cache_dtypes"))
+    print(f"\nkv_cache_dtype {settings['kv_cache_dtype']}, cache tensors {dtypes}")
+    assert settings["kv_cache_dtype"] == (KV_CACHE_DTYPE or "auto")
+    if KV_CACHE_DTYPE.startswith("fp8"):
+        assert set(dtypes) <= {"torch.uint8", "torch.float8_e4m3fn", "torch.float8_e5m2"}
+    else:
+        assert dtypes == ["torch.bfloat16"]
 
 
 def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):

@@ -6,6 +6,7 @@ bit-exact."""
 import os
 import threading
 import time
+from typing import Callable, Dict, List
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirect
 from xinference.model.llm.vllm.xavier.planning.load_batch import Lease, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 
-from .kvfixtures import BLOCK_DIM, bits, loads, make_caches
+from .kvfixtures import BLOCK_DIM, bits, loads, make_caches, random_bits
 
 N_BLOCKS = 32
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
@@ -32,12 +33,16 @@ class World:
     """Replica A's engine cache and storage (rank 1) with its writer; replica B's cache."""
 
     def __init__(self, seed: int, gpu_blocks: int, cpu_blocks: int = 0,
-                 directory: object = None, room: int = 0) -> None:
+                 directory: object = None, room: int = 0,
+                 make: Callable[..., Dict[int, List[torch.Tensor]]] = make_caches,
+                 block_dim: Dict[int, int] = BLOCK_DIM,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.a_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
-        self.b_cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
-        self.layout = layout_of(self.a_cache, BLOCK_DIM)
-        self.views = {g: [block_view(t, BLOCK_DIM[g]) for t in ts]
+        self.block_dim = block_dim
+        self.a_cache = make(N_BLOCKS, dtype, gen, DEVICE)
+        self.b_cache = make(N_BLOCKS, dtype, gen, DEVICE)
+        self.layout = layout_of(self.a_cache, block_dim)
+        self.views = {g: [block_view(t, block_dim[g]) for t in ts]
                       for g, ts in self.a_cache.items()}
         per_block = max(g.block_bytes for g in self.layout.groups) * len(self.layout.groups)
         cuda = DEVICE == "cuda"
@@ -65,7 +70,7 @@ class World:
         res = self.d.query(group, keys, exclude_rank=2)
         eng = GPUTransfer(2, SlabConfig(8, 2, 2),
                           release_lease=lambda lease: self.d.release([lease.lease_id]))
-        eng.set_local_caches(self.b_cache, BLOCK_DIM)
+        eng.set_local_caches(self.b_cache, self.block_dim)
         for tier in self.storage.tiers:
             eng.map_storage(1, tier, self.storage.caches(tier))
         rows = [(group, k, loc.rank, loc.tier, loc.slot, dest)
@@ -79,8 +84,8 @@ class World:
         self.storage.close()
 
 
-def block_of(cache, g, i):
-    return [t.select(BLOCK_DIM[g], i) for t in cache[g]]
+def block_of(cache, g, i, block_dim=BLOCK_DIM):
+    return [t.select(block_dim[g], i) for t in cache[g]]
 
 
 def assert_block_equal(got, want):
@@ -156,6 +161,37 @@ def test_make_room_demotes_ahead_so_the_next_export_only_copies():
     # where the rounds' time went: copies and directory calls, both part of room_us
     assert 0 < snap["room_copy_us"] and 0 < snap["room_directory_us"]
     assert snap["room_copy_us"] + snap["room_directory_us"] <= snap["room_us"]
+    assert w.d.outstanding_leases == 0
+    w.close()
+
+
+def mla_caches(n_blocks: int, dtype: torch.dtype, gen: torch.Generator,
+               device: str = "cpu") -> Dict[int, List[torch.Tensor]]:
+    """vLLM's MLA cache (DeepSeek-V2/V3): per layer one latent cache ``[blocks, tokens,
+    kv_lora_rank + qk_rope_head_dim]`` (512 + 64), no K/V split; three layers, one group."""
+    return {0: [random_bits((n_blocks, 16, 512 + 64), dtype, gen, device) for _ in range(3)]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.uint8], ids=str)
+def test_mla_latent_caches_export_demote_and_load_bit_exact(dtype):
+    """An MLA model's caches through the whole path: exported into the GPU tier, half of
+    them demoted to the CPU tier, loaded into another replica from both tiers, every byte
+    equal.  fp8 KV: vLLM types the cache ``uint8`` or ``float8_e4m3fn`` by backend."""
+    w = World(5, gpu_blocks=4, cpu_blocks=8, make=mla_caches, block_dim={0: 0}, dtype=dtype)
+    assert w.layout.groups[0].layers[0].block_shape == (16, 576)
+    w.export([(0, 1 + i, 2 + i) for i in range(4)])
+    assert w.writer.make_room(2) == 2
+    w.export([(0, 5, 9), (0, 6, 11)])
+    assert w.writer.used(Tier.GPU) == 4 and w.writer.used(Tier.CPU) == 2
+    before = [bits(t.cpu()).clone() for t in w.b_cache[0]]
+    res = w.load_on_b([1, 2, 3, 4, 5, 6], list(range(20, 26)))
+    assert res.num_hits == 6
+    for i, src in enumerate((2, 3, 4, 5, 9, 11)):
+        assert_block_equal(block_of(w.b_cache, 0, 20 + i, w.block_dim),
+                           block_of(w.a_cache, 0, src, w.block_dim))
+    untouched = list(range(0, 20)) + list(range(26, N_BLOCKS))
+    for t, b in zip(w.b_cache[0], before):  # nothing else of B's cache was written
+        assert torch.equal(bits(t.cpu())[untouched], b[untouched])
     assert w.d.outstanding_leases == 0
     w.close()
 

@@ -4,12 +4,14 @@
 :func:`build_tiny_gemma3`: Gemma-3-shaped text model whose layers alternate sliding-window
 and full attention: with vLLM's hybrid KV-cache manager, two KV-cache groups, and null
 blocks in the sliding-window group for blocks outside the window.
+:func:`build_tiny_deepseek_v2`: DeepSeek-V2-Lite-shaped attention (MLA: one latent cache
+per layer, kv_lora_rank 512 + rope 64), dense MLPs only.
 
 Deterministic: same files for the same arguments (seeded weights, a BPE
 tokenizer trained on the interpreter's own standard library sources).  No
 download, no torch needed to build it.
 
-    python -m tests.support.tiny_model OUT_DIR [--layers N] [--hidden H] [--gemma3]
+    python -m tests.support.tiny_model OUT_DIR [--layers N] [--hidden H] [--gemma3 | --mla]
 """
 
 from __future__ import annotations
@@ -214,6 +216,72 @@ def build_tiny_gemma3(out: str, cfg: TinyGemma3 = TinyGemma3()) -> str:
     return _build(out, cfg, _build_gemma3_config, _build_gemma3_weights)
 
 
+@dataclass(frozen=True)
+class TinyDeepseekV2(TinyQwen2):
+    """Multi-head latent attention with DeepSeek-V2-Lite's dimensions (no query LoRA), so
+    that vLLM's MLA kernels take it; every layer's MLP dense (``first_k_dense_replace``)."""
+
+    kv_heads: int = 4  # MLA: one latent per token, heads only in the projections
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 128
+    v_head_dim: int = 128
+
+
+def _build_deepseek_v2_config(out: str, cfg: TinyDeepseekV2, vocab: int) -> None:
+    conf = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": vocab, "hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate,
+        "moe_intermediate_size": cfg.intermediate // 4, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+        "n_shared_experts": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "first_k_dense_replace": cfg.layers, "moe_layer_freq": 1, "routed_scaling_factor": 1.0,
+        "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+        "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": None,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_positions, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    _write_config(out, conf)
+
+
+def _build_deepseek_v2_weights(out: str, cfg: TinyDeepseekV2, vocab: int) -> None:
+    rng = np.random.default_rng(cfg.seed)
+
+    def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
+        return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+
+    ones = np.ones(cfg.hidden, np.float32)
+    t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32),
+         "model.norm.weight": ones, "lm_head.weight": lin(vocab, cfg.hidden, 4.0)}
+    qk_head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = ones
+        t[p + "post_attention_layernorm.weight"] = ones
+        t[p + "self_attn.q_proj.weight"] = lin(cfg.heads * qk_head, cfg.hidden)
+        t[p + "self_attn.kv_a_proj_with_mqa.weight"] = lin(
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden)
+        t[p + "self_attn.kv_a_layernorm.weight"] = np.ones(cfg.kv_lora_rank, np.float32)
+        t[p + "self_attn.kv_b_proj.weight"] = lin(
+            cfg.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.v_head_dim, 3.0)
+        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
+        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+    _save_safetensors(os.path.join(out, "model.safetensors"), t)
+
+
+def build_tiny_deepseek_v2(out: str, cfg: TinyDeepseekV2 = TinyDeepseekV2()) -> str:
+    """Write the MLA model into ``out`` unless it is already complete there."""
+    return _build(out, cfg, _build_deepseek_v2_config, _build_deepseek_v2_weights)
+
+
 def _build(out: str, cfg: TinyQwen2, config: Any, weights: Any) -> str:
     stamp = os.path.join(out, ".complete")
     if os.path.exists(stamp):
@@ -237,12 +305,18 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--intermediate", type=int, default=512)
-    ap.add_argument("--gemma3", action="store_true",
-                    help="the hybrid sliding-window + full attention model")
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--gemma3", action="store_true",
+                      help="the hybrid sliding-window + full attention model")
+    kind.add_argument("--mla", action="store_true",
+                      help="the DeepSeek-V2-shaped model (multi-head latent attention)")
     a = ap.parse_args()
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, kv_heads=a.kv_heads,
                  intermediate=a.intermediate)
-    if a.gemma3:
+    if a.mla:
+        shape["kv_heads"] = shape["heads"]
+        print(build_tiny_deepseek_v2(a.out, TinyDeepseekV2(**shape)))
+    elif a.gemma3:
         print(build_tiny_gemma3(a.out, TinyGemma3(**shape)))
     else:
         print(build_tiny_qwen2(a.out, TinyQwen2(**shape)))

@@ -168,6 +168,11 @@ class WorkerHooks:
         """The KV-cache groups the data plane holds views of."""
         return sorted(int(g) for g in self._plane.engine_views)
 
+    def engine_cache_dtypes(self) -> List[str]:
+        """The dtypes of vLLM's KV-cache tensors, as the data plane's layout records them
+        (all groups; the copies themselves go through integer views of the same bytes)."""
+        return sorted({layer.dtype for g in self._plane.layout.groups for layer in g.layers})
+
     def engine_num_blocks(self, group: int = 0) -> int:
         views = self._plane.engine_views.get(int(group), [])
         return int(views[0].shape[0]) if views else 0

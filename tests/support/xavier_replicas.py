@@ -138,7 +138,10 @@ class ReplicaActor(xo.StatelessActor):
                 "enforce_eager": bool(cfg.model_config.enforce_eager),
                 "hybrid_kv_cache_manager":
                     not cfg.scheduler_config.disable_hybrid_kv_cache_manager,
-                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0)}
+                "num_gpu_blocks": int(cfg.cache_config.num_gpu_blocks or 0),
+                "kv_cache_dtype": str(cfg.cache_config.cache_dtype),
+                "block_size": int(cfg.cache_config.block_size),
+                "use_mla": bool(cfg.model_config.use_mla)}
 
     async def set_batched_loads(self, batched: bool) -> None:
         if not self._xavier_config.get("plain"):
