@@ -16,7 +16,7 @@
 #        (kv_cache_dtype="fp8", issue #18);
 # mla:   the tiny DeepSeek-V2-shaped (MLA) model end to end (issue #18).  vLLM's only MLA
 #        prefill on Hopper is FlashAttention-3, which the bundle leaves out: the bundle
-#        folder (XAVIER_BUNDLE, default .vbundle) must also hold _vllm_fa3_C.abi3.so.xz
+#        folder (VB_DIR, default .vbundle) must also hold _vllm_fa3_C.abi3.so.xz
 #        (10.9 MB; made by `bash scripts/make-mla-bundle.sh`, which also drops the bundle's
 #        tiny model so that everything fits one call's 64 MiB);
 # models: hybrid, fp8 and mla;
@@ -30,7 +30,7 @@ set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
 mkdir -p "$out"
 what=" ${*:-tests} "
-bundle=${XAVIER_BUNDLE:-.vbundle}
+bundle=${VB_DIR:-.vbundle}
 source "$bundle/use-vllm-bundle.sh" "$bundle" || exit 1
 fa3=/tmp/site/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so
 if [ -f "$bundle/_vllm_fa3_C.abi3.so.xz" ] && [ ! -f "$fa3" ]; then

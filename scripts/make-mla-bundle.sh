@@ -10,7 +10,7 @@
 # 2 cores, kept between runs) and writes OUT_DIR with the bundle's site archive and loader
 # (hard links) and that file, without the bundle's tiny model, so that OUT_DIR, .whl and
 # the working tree fit one device call's 64 MiB.  scripts/gpu-dataplane.sh unpacks the
-# file into vLLM's vllm_flash_attn package when XAVIER_BUNDLE points at OUT_DIR.
+# file into vLLM's vllm_flash_attn package when VB_DIR points at OUT_DIR.
 set -euo pipefail
 bundle=${1:-.vbundle}
 out=${2:-.vbmla}
