@@ -62,21 +62,21 @@ fi
 if has hybrid || has models; then
   # issue #18: the hybrid (sliding-window + full attention) model with vLLM's hybrid manager
   XAVIER_TINY_HYBRID_MODEL_DIR=/tmp/tiny-gemma3 XAVIER_TEST_DEVICE=cuda \
-    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    timeout "${XAVIER_TEST_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_hybrid_e2e.py 2>&1 | tee "$out/e2e-hybrid-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has mla || has models; then
   # issue #18: multi-head latent attention (one latent cache per layer)
   XAVIER_TINY_MLA_MODEL_DIR=/tmp/tiny-deepseek-v2 XAVIER_TEST_DEVICE=cuda \
-    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    timeout "${XAVIER_TEST_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_mla_e2e.py 2>&1 | tee "$out/e2e-mla-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has fp8 || has models; then
   # issue #18: an fp8 KV cache; the tests whose outcome the KV dtype can change
   XAVIER_TEST_KV_CACHE_DTYPE=fp8 XAVIER_TEST_DEVICE=cuda \
-    timeout "${XAVIER_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
+    timeout "${XAVIER_TEST_PART_TIMEOUT:-330}" python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_connector_e2e.py -k "dtype or cross_replica_hit or negative_control or \
     failed_block or concurrent" 2>&1 | tee "$out/e2e-fp8-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
