@@ -23,7 +23,7 @@ import os
 import struct
 import sysconfig
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -95,11 +95,26 @@ def _save_safetensors(path: str, tensors: dict) -> None:
             f.write(b)
 
 
-def _build_weights(out: str, cfg: TinyQwen2, vocab: int) -> None:
-    rng = np.random.default_rng(cfg.seed)
+Linear = Callable[..., np.ndarray]
 
+
+def _linear_init(rng: np.random.Generator) -> Linear:
+    """``lin(out, in, scale=1.0)``: a weight of unit-variance outputs times ``scale``."""
     def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
         return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+    return lin
+
+
+def _gated_mlp(prefix: str, cfg: TinyQwen2, lin: Linear) -> dict:
+    """One layer's gate/up/down projections (drawn in this order)."""
+    return {prefix + "mlp.gate_proj.weight": lin(cfg.intermediate, cfg.hidden),
+            prefix + "mlp.up_proj.weight": lin(cfg.intermediate, cfg.hidden),
+            prefix + "mlp.down_proj.weight": lin(cfg.hidden, cfg.intermediate)}
+
+
+def _build_weights(out: str, cfg: TinyQwen2, vocab: int) -> None:
+    rng = np.random.default_rng(cfg.seed)
+    lin = _linear_init(rng)
 
     t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32),
          "model.norm.weight": np.ones(cfg.hidden, np.float32),
@@ -113,9 +128,7 @@ def _build_weights(out: str, cfg: TinyQwen2, vocab: int) -> None:
             t[p + f"self_attn.{n}_proj.bias"] = 0.1 * rng.standard_normal(
                 rows * cfg.head_dim, dtype=np.float32)
         t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.head_dim)
-        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+        t.update(_gated_mlp(p, cfg, lin))
     _save_safetensors(os.path.join(out, "model.safetensors"), t)
 
 
@@ -182,9 +195,7 @@ def _build_gemma3_config(out: str, cfg: TinyGemma3, vocab: int) -> None:
 
 def _build_gemma3_weights(out: str, cfg: TinyGemma3, vocab: int) -> None:
     rng = np.random.default_rng(cfg.seed)
-
-    def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
-        return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+    lin = _linear_init(rng)
 
     # Gemma's RMSNorm multiplies by (1 + weight): zeros are the identity; the embedding is
     # scaled by sqrt(hidden) in the model, so it is drawn small here
@@ -204,9 +215,7 @@ def _build_gemma3_weights(out: str, cfg: TinyGemma3, vocab: int) -> None:
         for n, rows in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):
             t[p + f"self_attn.{n}_proj.weight"] = lin(rows * cfg.head_dim, cfg.hidden)
         t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.head_dim)
-        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+        t.update(_gated_mlp(p, cfg, lin))
     _save_safetensors(os.path.join(out, "model.safetensors"), t)
 
 
@@ -252,9 +261,7 @@ def _build_deepseek_v2_config(out: str, cfg: TinyDeepseekV2, vocab: int) -> None
 
 def _build_deepseek_v2_weights(out: str, cfg: TinyDeepseekV2, vocab: int) -> None:
     rng = np.random.default_rng(cfg.seed)
-
-    def lin(o: int, i: int, scale: float = 1.0) -> np.ndarray:
-        return rng.standard_normal((o, i), dtype=np.float32) * (scale / np.sqrt(i))
+    lin = _linear_init(rng)
 
     ones = np.ones(cfg.hidden, np.float32)
     t = {"model.embed_tokens.weight": rng.standard_normal((vocab, cfg.hidden), dtype=np.float32),
@@ -271,9 +278,7 @@ def _build_deepseek_v2_weights(out: str, cfg: TinyDeepseekV2, vocab: int) -> Non
         t[p + "self_attn.kv_b_proj.weight"] = lin(
             cfg.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         t[p + "self_attn.o_proj.weight"] = lin(cfg.hidden, cfg.heads * cfg.v_head_dim, 3.0)
-        t[p + "mlp.gate_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.up_proj.weight"] = lin(cfg.intermediate, cfg.hidden)
-        t[p + "mlp.down_proj.weight"] = lin(cfg.hidden, cfg.intermediate)
+        t.update(_gated_mlp(p, cfg, lin))
     _save_safetensors(os.path.join(out, "model.safetensors"), t)
 
 
