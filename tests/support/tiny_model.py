@@ -140,17 +140,23 @@ def _build_config(out: str, cfg: TinyQwen2, vocab: int) -> None:
         "num_key_value_heads": cfg.kv_heads, "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
         "sliding_window": None, "max_window_layers": cfg.layers, "hidden_act": "silu",
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "rope_theta": 10000.0,
-        "torch_dtype": "bfloat16", "dtype": "bfloat16", "attention_dropout": 0.0,
-        "initializer_range": 0.02, "use_cache": True,
+        "rope_theta": 10000.0,
+        "attention_dropout": 0.0,
     }
     _write_config(out, conf)
 
 
+#: in every tiny model's config: bf16 weights, token 0 begins, ends and pads a text
+COMMON_CONFIG = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
+                 "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
+                 "use_cache": True}
+
+
 def _write_config(out: str, conf: dict) -> None:
-    """``config.json`` and a greedy ``generation_config.json`` (token 0 ends a text)."""
+    """``config.json`` (``conf`` and :data:`COMMON_CONFIG`) and a greedy
+    ``generation_config.json`` (token 0 ends a text)."""
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(conf, f, indent=2, sort_keys=True)
+        json.dump({**COMMON_CONFIG, **conf}, f, indent=2, sort_keys=True)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 0, "do_sample": False}, f)
 
@@ -186,9 +192,6 @@ def _build_gemma3_config(out: str, cfg: TinyGemma3, vocab: int) -> None:
         "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": cfg.head_dim,
         "sliding_window": cfg.window, "layer_types": _gemma3_layer_types(cfg),
         "final_logit_softcapping": None, "attn_logit_softcapping": None,
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
-        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
-        "use_cache": True,
     }
     _write_config(out, conf)
 
@@ -252,9 +255,6 @@ def _build_deepseek_v2_config(out: str, cfg: TinyDeepseekV2, vocab: int) -> None
         "max_position_embeddings": cfg.max_positions, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
         "attention_dropout": 0.0, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0,
-        "torch_dtype": "bfloat16", "dtype": "bfloat16", "initializer_range": 0.02,
-        "use_cache": True,
     }
     _write_config(out, conf)
 
