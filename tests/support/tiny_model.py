@@ -140,8 +140,7 @@ def _build_config(out: str, cfg: TinyQwen2, vocab: int) -> None:
         "num_key_value_heads": cfg.kv_heads, "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
         "sliding_window": None, "max_window_layers": cfg.layers, "hidden_act": "silu",
-        "rope_theta": 10000.0,
-        "attention_dropout": 0.0,
+        "rope_theta": 10000.0, "attention_dropout": 0.0,
     }
     _write_config(out, conf)
 
