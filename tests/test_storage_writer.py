@@ -176,7 +176,8 @@ def mla_caches(n_blocks: int, dtype: torch.dtype, gen: torch.Generator,
 def test_mla_latent_caches_export_demote_and_load_bit_exact(dtype):
     """An MLA model's caches through the whole path: six blocks exported into the GPU tier,
     two of them demoted to the CPU tier, all six loaded into another replica from both
-    tiers, every byte equal.  fp8 KV: vLLM types the cache ``uint8`` or ``float8_e4m3fn`` by backend."""
+    tiers, every byte equal.  fp8 KV: vLLM types the cache ``uint8`` or ``float8_e4m3fn``
+    by backend."""
     w = World(5, gpu_blocks=4, cpu_blocks=8, make=mla_caches, block_dim={0: 0}, dtype=dtype)
     assert w.layout.groups[0].layers[0].block_shape == (16, 576)
     w.export([(0, 1 + i, 2 + i) for i in range(4)])
