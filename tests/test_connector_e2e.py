@@ -167,31 +167,39 @@ def test_negative_control_copy_skipped_changes_tokens(world):
     assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
 
 
-def test_failed_block_is_recomputed_by_vllm(world):
-    lt, r = world
+def serve_with_one_failed_block(lt: LoopThread, r: Replicas, asked: List[int],
+                                blocks: int) -> List[int]:
+    """B serves ``asked`` (a ``blocks``-block hit) with one loaded block zeroed and reported
+    failed: vLLM recomputes it and nothing computed against it is published.  B's tokens."""
     a, b = r.replicas
-    shared = tokens(21, PREFIX)
-    asked = shared + tokens(23, 40)
-    prime = shared + tokens(22, 40)
-    base = baseline_then_prime(lt, r, [asked], [prime], local_hit=PREFIX)
     before = lt.run(b.counters())
-    lt.run(b.inject_fault("fail_one_block"))  # block 16 of 32 is zeroed and reported failed
+    lt.run(b.inject_fault("fail_one_block"))  # the middle block is zeroed and reported failed
     out = lt.run(b.generate([asked]))
     c = delta(before, lt.run(b.counters()))
     assert c["faults_fail_one_block"] == 1
-    assert c["blocks_written"] == PREFIX // BLOCK - 1
+    assert c["blocks_written"] == blocks - 1
     [(group, block)] = lt.run(b.recorded_faults())
     # vLLM recomputed from the failed block: it no longer holds the zeros the fault left
     assert not lt.run(b.engine_block_is_zero(group, block))
     # what the failed step computed against the zeroed block was never published: every
     # block B stored equals the (recomputed) engine block it came from
     assert lt.run(b.stored_vs_engine_mismatches()) == []
+    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    return out[0]["ids"]
+
+
+def test_failed_block_is_recomputed_by_vllm(world):
+    lt, r = world
+    shared = tokens(21, PREFIX)
+    asked = shared + tokens(23, 40)
+    prime = shared + tokens(22, 40)
+    base = baseline_then_prime(lt, r, [asked], [prime], local_hit=PREFIX)
+    ids = serve_with_one_failed_block(lt, r, asked, PREFIX // BLOCK)
     if DEVICE == "cpu":
         # CPU kernels give the same bytes whatever the shape: tokens equal the baseline.  On
         # the GPU, blocks 16-31 are recomputed in another shape than A computed them, which
         # may change low bits (then tokens too): that is vLLM's recompute, not a load.
-        assert out[0]["ids"] == base[0]
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+        assert ids == base[0]
 
 
 def test_concurrent_requests_share_one_load_call_per_step(world):
