@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import List, Optional, Protocol, Sequence, Tuple
 
 from .block_directory import BlockDirectory
+from .shards import Shards
 
 #: (group, key, tier, slot, generation), as the block directory records it
 Entry = Tuple[int, int, int, int, int]
@@ -44,3 +45,28 @@ class LocalDirectory:
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
              slots: Sequence[int]) -> List[int]:
         return self.directory.move(rank, list(entries), tier, group, list(slots))
+
+
+class ShardLink:
+    """The link of TP worker ``tp_rank``: its writer names KV-cache groups, the directory
+    holds directory groups (:mod:`.shards`); every call is passed on translated."""
+
+    def __init__(self, link: DirectoryLink, shards: Shards, tp_rank: int) -> None:
+        shards.directory_group(0, tp_rank)  # checks tp_rank
+        self._link, self._shards, self._tp_rank = link, shards, tp_rank
+
+    def _group(self, group: int) -> int:
+        return self._shards.directory_group(int(group), self._tp_rank)
+
+    def _entries(self, entries: Sequence[Entry]) -> List[Entry]:
+        return [(self._group(g), key, tier, slot, gen) for g, key, tier, slot, gen in entries]
+
+    def register(self, rank: int, entries: Sequence[Entry]) -> int:
+        return self._link.register(rank, self._entries(entries))
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return self._link.claim(rank, tier, self._group(group), slots)
+
+    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
+             slots: Sequence[int]) -> List[int]:
+        return self._link.move(rank, self._entries(entries), tier, self._group(group), slots)

@@ -49,6 +49,8 @@ class Lease:
     lease_id: int
     #: the rank whose slot is held
     rank: int
+    #: the TP worker whose storage holds the slot (its load releases the lease)
+    shard: int = 0
 
 
 class LoadBatchError(ValueError):
@@ -177,6 +179,19 @@ class LoadBatch:
         counts = np.bincount(self.row_request_index()[keep], minlength=self.num_requests)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         return LoadBatch(self.request_ids, offsets, self.table[keep].copy())
+
+    def for_shard(self, tp_rank: int, tp_size: int) -> LoadBatch:
+        """The rows TP worker ``tp_rank`` loads (``group`` is a directory group, see
+        :mod:`.shards`), with ``group`` turned into the KV-cache group; every request stays
+        (its rows may be none).  ``tp_size == 1``: this batch."""
+        if tp_size == 1:
+            return self
+        keep = self.table[:, GROUP] % tp_size == tp_rank
+        counts = np.bincount(self.row_request_index()[keep], minlength=self.num_requests)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        table = self.table[keep].copy()
+        table[:, GROUP] //= tp_size
+        return LoadBatch(self.request_ids, offsets, table)
 
     def split(self) -> List[LoadBatch]:
         """One single-request batch per request (the per-request baseline)."""

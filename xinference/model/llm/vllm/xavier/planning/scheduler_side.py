@@ -47,6 +47,7 @@ from .block_directory import QueryResult
 from .block_names import row_key
 from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError, empty_batch
 from .lookups import DirectoryLookups, State
+from .shards import Shards
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,21 @@ class StepMeta:
     def has_loads(self) -> bool:
         return self.loads.num_requests > 0
 
+    def for_shard(self, tp_rank: int, tp_size: int) -> StepMeta:
+        """What TP worker ``tp_rank`` does of this step: the rows of its shard
+        (:meth:`~.load_batch.LoadBatch.for_shard`) and their leases; every request, the
+        exports and ``failed_dests`` stay (each worker exports its shard of every block and
+        reports the failed blocks; vLLM recomputes a block any worker failed on all of
+        them).  ``tp_size == 1``: this step."""
+        if tp_size == 1:
+            return self
+        keep = [lease.shard == tp_rank for lease in self.leases]
+        counts = [sum(keep[a:b]) for a, b in zip(self.lease_offsets, self.lease_offsets[1:])]
+        return StepMeta(self.loads.for_shard(tp_rank, tp_size),
+                        tuple(lease for lease, k in zip(self.leases, keep) if k),
+                        tuple(int(x) for x in np.cumsum([0] + counts)), self.exports,
+                        self.stats, self.failed_dests)
+
     def per_request(self, loads: Optional[LoadBatch] = None
                     ) -> List[Tuple[LoadBatch, Tuple[Lease, ...]]]:
         """The step's loads as one batch per request with its own leases (the per-request
@@ -156,12 +172,14 @@ class SchedulerSide:
 
     def __init__(self, rank: int, block_size: int, num_groups: int,
                  lookups: DirectoryLookups, release: ReleaseFn,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tp_size: int = 1) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
         self.block_size = block_size
         self.num_groups = num_groups
+        #: the directory groups of this replica's shards (a lookup asks for all of them)
+        self.shards = Shards(num_groups, tp_size)
         self.lookups = lookups
         self._release = release
         self._clock = clock
@@ -296,12 +314,15 @@ class SchedulerSide:
                     drop.append(lease)
                     continue
                 pos = hit.first_block + j
-                leases.append(Lease(int(lease), int(loc.rank)))
-                if pos >= len(block_ids[loc.group]) or null[loc.group][pos]:
-                    self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
+                shard = self.shards.tp_rank(loc.group)
+                leases.append(Lease(int(lease), int(loc.rank), shard))
+                group = self.shards.kv_group(loc.group)
+                if pos >= len(block_ids[group]) or null[group][pos]:
+                    if shard == 0:  # counted once per block position
+                        self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
                     continue
                 rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
-                                      loc.slot, int(block_ids[loc.group][pos])))
+                                      loc.slot, int(block_ids[group][pos])))
                 names.append(hit.keys[j])
         if drop:
             self._release(drop)
