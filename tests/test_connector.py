@@ -51,11 +51,10 @@ def test_other_caches_turn_sharing_off_with_a_message_naming_the_group():
     assert why is not None and "block sizes [16, 64]" in why
 
 
-def test_replicas_of_several_workers_serve_without_sharing():
-    """Each worker of a tensor-parallel replica holds a shard of the KV heads; until shards
-    are stored apart (issue #22) sharing is off, never a storage that mixes them."""
-    why = sharing_problem([full()], BS, tensor_parallel=2)
-    assert why is not None and why.startswith("tensor_parallel_size=2")
-    why = sharing_problem([full()], BS, pipeline_parallel=2)
-    assert why is not None and "pipeline_parallel_size=2" in why
+def test_tensor_parallel_replicas_share_pipeline_parallel_ones_do_not():
+    """Each worker of a tensor-parallel replica stores and loads its own shard of the KV
+    heads (issue #22); a pipeline stage holds only some layers: not shared."""
+    assert sharing_problem([full()], BS, tensor_parallel=2) is None
+    why = sharing_problem([full()], BS, tensor_parallel=2, pipeline_parallel=2)
+    assert why is not None and why.startswith("pipeline_parallel_size=2")
     assert sharing_problem([full()], BS, 1, 1) is None

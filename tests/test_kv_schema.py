@@ -41,3 +41,18 @@ def test_one_dtype_table_resolves_every_kv_dtype():
         assert str(dtype) == name and torch.empty(0, dtype=dtype).element_size() == size
     with pytest.raises(SchemaMismatchError, match="^dtype: unsupported KV dtype torch.complex64"):
         torch_dtype("torch.complex64")
+
+
+def test_layouts_of_another_tensor_parallel_degree_are_refused_naming_it():
+    """A TP=2 worker's shard may have the very shape of a TP=1 replica's cache (a model
+    with more KV heads): only the degree tells them apart."""
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import KVLayout
+
+    base = layout_of({0: [torch.zeros(4, 2, 16, 8)]})
+    two = KVLayout(base.groups, tp_size=2)
+    assert two.fingerprint() != base.fingerprint()
+    two.check_compatible(KVLayout(base.groups, tp_size=2))
+    with pytest.raises(SchemaMismatchError,
+                       match="tensor_parallel_size 1 does not match local 2"):
+        two.check_compatible(base)
+    assert layout_of({0: [torch.zeros(4, 2, 16, 8)]}, tp_size=2) == two

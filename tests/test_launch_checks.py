@@ -39,9 +39,11 @@ def test_the_cli_spelling_and_the_strict_switch():
     untouched = {"foo": "bar"}
     normalize_launch(untouched, 1, None)
     assert untouched == {"foo": "bar"}
-    # one worker per replica, or parallel sizes without Xavier: vLLM's business
+    # tensor parallelism is shared shard by shard; parallel sizes without Xavier: vLLM's
     normalize_launch({"enable_xavier": True, "tensor_parallel_size": 1}, 2, None)
-    normalize_launch({"tensor_parallel_size": 4}, 2, None)
+    normalize_launch({"enable_xavier": True, "tensor_parallel_size": 2}, 2, None)
+    normalize_launch({"enable_xavier": True, "tensor-parallel-size": "4"}, 2, None)
+    normalize_launch({"pipeline_parallel_size": 4}, 2, None)
 
 
 @pytest.mark.parametrize("kwargs, replica, envs, message", [
@@ -53,9 +55,9 @@ def test_the_cli_spelling_and_the_strict_switch():
      "^xavier_gpu_budget: 'lots' is not a size"),
     ({"enable_xavier": "true"}, 2, {"XAVIER_SWITCH_INTERVAL_US": "5ms"},
      "^xavier_switch_interval_us: expected whole microseconds"),
-    ({"enable_xavier": True, "tensor_parallel_size": 2}, 2, None,
-     "^tensor_parallel_size: Xavier shares the KV of replicas of one worker each .* got "
-     "tensor_parallel_size=2"),
+    ({"enable_xavier": True, "pipeline_parallel_size": 2}, 2, None,
+     "^pipeline_parallel_size: Xavier does not share the KV of pipeline-parallel replicas "
+     ".* got pipeline_parallel_size=2"),
     ({"enable_xavier": True, "pipeline-parallel-size": "2"}, 2, None,
      "^pipeline_parallel_size: .* got pipeline_parallel_size='2'")])
 def test_bad_launches_fail_naming_the_option(kwargs, replica, envs, message):

@@ -13,7 +13,7 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     tier_configs,
 )
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
-from xinference.model.llm.vllm.xavier.transfer import TransferActor
+from xinference.model.llm.vllm.xavier.transfer import TransferActor, TransferClosedError, _Shard
 
 from .kvfixtures import engine_cache, opts
 
@@ -46,9 +46,8 @@ def test_release_engine_names_its_owner_and_keeps_the_storage():
 
     async def run():
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
-        actor._storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb,
-                                                                shared_memory=True)])
-        actor._engine_owner = 7
+        storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb, shared_memory=True)])
+        actor._shards = {0: _Shard(storage, None, 7, None)}
         assert not await actor.release_engine(8)  # another worker's late shutdown
         assert actor.is_ready()
         assert await actor.release_engine(7)
@@ -59,6 +58,34 @@ def test_release_engine_names_its_owner_and_keeps_the_storage():
 
     kept = asyncio.run(run())
     assert list(kept) == [int(Tier.CPU)] and kept[int(Tier.CPU)][0] == "shm"
+
+
+def test_a_tensor_parallel_engine_is_ready_with_every_shard_and_each_is_described_apart():
+    """A TP=2 engine registers one storage per worker: the rank offers hits only once both
+    are there; peers are told each worker's shard apart; one worker's release leaves the
+    other registered, and the storages serve peers after both went."""
+    _, layout, bb = engine_cache(8)
+
+    async def run():
+        actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
+        tiers = [TierConfig(Tier.CPU, 8 * bb, shared_memory=True)]
+        actor._tp_size = 2
+        actor._shards = {0: _Shard(SnapshotStorage(1, layout, tiers), None, 7, None)}
+        assert not actor.is_ready()  # worker 1 not registered yet
+        with pytest.raises(TransferClosedError, match="no storage of TP worker 1"):
+            actor.storage_descriptor(1)
+        actor._shards[1] = _Shard(SnapshotStorage(1, layout, tiers), None, 9, None)
+        assert actor.is_ready()
+        names = {k: actor.storage_descriptor(k)["tiers"][int(Tier.CPU)][1] for k in (0, 1)}
+        assert names[0] != names[1]  # two storages, one per shard
+        assert await actor.release_engine(9) and not actor.is_ready()
+        assert actor._shards[0].owner == 7  # worker 0 still registered
+        assert await actor.release_engine(7)
+        assert actor.storage_descriptor(1)["tiers"]  # still serving peers
+        await actor._close_runtime()
+        assert actor._shards == {}
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize("transport", ["xavier", "nixl", "sockets"])

@@ -25,6 +25,7 @@ import urllib.request
 import pytest
 
 from .support.xinference_server import (
+    DEVICE,
     MODEL,
     Server,
     cli_launch,
@@ -142,5 +143,61 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
         assert late.returncode == 1
         assert "Error: the Xavier launch failed: xavier_cpu_budget" in late.stderr
         assert server.engines_gone() == []
+    finally:
+        server.stop()
+
+
+def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_dir, tmp_path):
+    """``"tensor_parallel_size": 2`` beside ``"enable_xavier": true``: each replica is one
+    vLLM engine of two workers (each holds one of the tiny model's two KV heads), every
+    worker attaches with its own shard, and a prefix one replica computed is loaded by the
+    other on both shards.  On this 2-core machine vLLM's CPU build runs TP=2 with one OpenMP
+    thread per worker, bound through the launch's ``envs`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    import asyncio
+
+    home = str(tmp_path)
+    server = Server(home)
+    try:
+        envs = xavier_envs()
+        if DEVICE == "cpu":
+            envs["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+        body = launch_body(tiny_model_dir, envs)
+        body["tensor_parallel_size"] = 2
+        if DEVICE == "cuda":  # each replica on both GPUs
+            body["gpu_idx"] = [0, 1]
+        assert server.launch(body) == {"model_uid": MODEL}
+        # each replica's transfer actor took one storage per worker (shard)
+        workers = log_lines(home, "registered (cpu" if DEVICE == "cpu" else "registered (cuda")
+        for rank in (1, 2):
+            for k in (0, 1):
+                assert sum(f"rank {rank}: engine worker {k}/2" in line
+                           for line in workers) == 1, (rank, k, workers)
+        assert len(log_lines(home, "init_xavier: workers attached=True")) == 2
+        addresses = {}
+        for line in log_lines(home, "registered at"):
+            rank = int(line.split("rank ")[1].split()[0])
+            addresses[rank] = line.strip().rsplit(" ", 1)[1]
+
+        text = open(os.__file__).read()
+        prefix = text[:2500]
+        usages = [server.call("POST", "/v1/completions", {
+            "model": MODEL, "prompt": prefix + f"\n# tp request {i}\n" + text[9000 + 100 * i:
+                                                                             9100 + 100 * i],
+            "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
+        assert all(u["completion_tokens"] > 0 for u in usages)
+        c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
+        total = {k: sum(c[r].get(k, 0) for r in (1, 2)) for k in (
+            "requests_with_hits", "hit_blocks", "batch_calls", "blocks_written",
+            "load_failures")}
+        print("xavier counters, both replicas:", total, "usages:", usages)
+        assert total["requests_with_hits"] == 1
+        assert total["hit_blocks"] >= 2500 // 4 // 16
+        assert total["blocks_written"] == 2 * total["hit_blocks"]  # both shards of each
+        assert total["batch_calls"] == 2  # one load call per worker
+        assert total["load_failures"] == 0
+
+        assert server.call("DELETE", f"/v1/models/{MODEL}") is None
+        assert server.engines_gone() == []
+        assert server.call("GET", "/v1/models")["data"] == []
     finally:
         server.stop()

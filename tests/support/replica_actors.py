@@ -145,7 +145,8 @@ class StorageRankActor(_RankActor):
     def storage_layouts(self) -> Dict[int, Any]:
         return {int(t): layout_of(self.storage.caches(t)) for t in self.storage.tiers}
 
-    async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any]) -> int:
+    async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any],
+                           tp_rank: int = 0) -> int:
         return await serve_blocks(self.storage, tier, group, slots, refs)
 
     async def close(self) -> None:

@@ -64,10 +64,16 @@ class WorkerHooks:
         return old
 
     # ----------------------------------------------------------------- faults
-    def inject_fault(self, mode: str, count: int = 1) -> None:
+    def inject_fault(self, mode: str, count: int = 1, tp_rank: int = -1) -> None:
+        """Arm ``mode`` for the next ``count`` loads (``tp_rank``: only in that worker of a
+        tensor-parallel replica; -1: every worker)."""
         if mode not in FAULTS:
             raise ValueError(f"mode: expected one of {FAULTS}, got {mode!r}")
-        self._faults[mode] = int(count)
+        if tp_rank in (-1, self._plane.tp_rank):
+            self._faults[mode] = int(count)
+
+    def tp_rank(self) -> int:
+        return self._plane.tp_rank
 
     def _take(self, mode: str) -> bool:
         if self._faults.get(mode, 0) <= 0:

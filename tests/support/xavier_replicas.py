@@ -166,6 +166,11 @@ class ReplicaActor(xo.StatelessActor):
         results = await self.engine.collective_rpc("xavier_hook", args=(name, *args))
         return results[0]
 
+    async def hook_all(self, name: str, *args: Any) -> List[Any]:
+        """:meth:`hook` on every worker of the replica (a tensor-parallel one has several),
+        their answers in TP rank order."""
+        return list(await self.engine.collective_rpc("xavier_hook", args=(name, *args)))
+
     async def flush(self) -> None:
         """Every launched load, export publication and lease release of the worker done."""
         await self.hook("flush")

@@ -53,7 +53,7 @@ class Rank0TransferActor(xo.StatelessActor):
     def is_ready(self) -> bool:
         return False
 
-    def storage_descriptor(self) -> None:
+    def storage_descriptor(self, tp_rank: int = 0) -> None:
         """Rank 0 holds no storage: peers have nothing to map here."""
         return None
 

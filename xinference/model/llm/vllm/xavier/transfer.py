@@ -8,7 +8,9 @@ is up.  The engine's vLLM worker moves the bytes of its own loads and exports
 * the rank's :class:`~.snapshot_storage.SnapshotStorage`, allocated when the worker
   registers (:meth:`TransferActor.register_engine`, sized for the engine's KV layout:
   GPU tier on the engine's device, CPU tier in shared memory) and kept for the life of
-  the replica; the worker and same-host peers map it;
+  the replica; the worker and same-host peers map it.  A tensor-parallel replica has one
+  per TP worker (a *shard*: that worker's KV heads), each registered, mapped and read
+  apart: worker ``k`` of a peer maps and reads shard ``k`` (:mod:`.planning.shards`);
 * reads for peers on other hosts (:meth:`serve_blocks`, xoscar ``copy_to``) and, for its
   own worker, reads from peers on other hosts (:meth:`map_remote`, :meth:`fetch_blocks`:
   received through NIXL at a ``nixl://`` address of its own where NIXL is installed, else
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -65,6 +68,25 @@ class TransferClosedError(RuntimeError):
     """No engine registered (or it was released): nothing to serve."""
 
 
+@dataclass
+class _Shard:
+    """What one worker of the engine registered (TP worker ``tp_rank``): its storage, its
+    staging rows for reads from other hosts, its pid (``None`` once released) and the
+    counters file it shares with this actor."""
+
+    storage: SnapshotStorage
+    staging: Optional[StagingRows]
+    owner: Optional[int]
+    counters: Optional[SharedCounters]
+
+    def close(self) -> None:
+        self.storage.close()
+        if self.staging is not None:
+            self.staging.close()
+        if self.counters is not None:
+            self.counters.close()
+
+
 class TransferActor(xo.StatelessActor):
     """A replica's transfer runtime (see the module docstring)."""
 
@@ -79,12 +101,12 @@ class TransferActor(xo.StatelessActor):
         self.world_size = world_size
         self.rank_address = rank_address
         self.world_addresses = list(world_addresses or [])
-        self._storage: Optional[SnapshotStorage] = None
-        self._staging: Optional[StagingRows] = None
+        #: TP rank -> what that worker registered (one entry without tensor parallelism)
+        self._shards: Dict[int, _Shard] = {}
+        #: the engine's tensor-parallel degree (from its workers' layouts)
+        self._tp_size = 1
         self._tracker: Any = None
         self._options: Optional[XavierOptions] = None
-        self._engine_owner: Optional[int] = None
-        self._worker_counters: Optional[SharedCounters] = None
         self._world_epoch = 0
         #: the NIXL address peers' copy_to writes into (opened on first need)
         self._endpoint: Optional[NixlEndpoint] = None
@@ -104,20 +126,28 @@ class TransferActor(xo.StatelessActor):
     # --------------------------------------------------------------- lifecycle
     async def register_engine(self, layout: KVLayout, options: XavierOptions,
                               owner: Optional[int] = None, device: str = "cpu",
-                              counters_path: Optional[str] = None) -> Dict[str, Any]:
-        """The worker of this rank's engine registers (``owner``: its pid, which
-        :meth:`release_engine` must name): allocate the storage for ``layout`` on
-        ``device`` (the engine's) and join the block directory.  Returns how the worker
-        maps it (tiers, staging rows), this host's id and the world.  A second call
-        (engine restarted) replaces everything of the previous engine.  A budget that
-        holds no block fails, naming the option."""
+                              counters_path: Optional[str] = None,
+                              tp_rank: int = 0) -> Dict[str, Any]:
+        """A worker of this rank's engine registers (``owner``: its pid, which
+        :meth:`release_engine` must name; ``tp_rank``: which TP worker it is, of
+        ``layout.tp_size``): allocate its storage for ``layout`` on ``device`` (the
+        worker's) and, for the engine's first worker, join the block directory.  Returns how
+        the worker maps it (tiers, staging rows), this host's id and the world.  A worker
+        registering again (its engine restarted) replaces everything of the previous
+        engine, every shard.  A budget that holds no block fails, naming the option."""
         opts = options
         if not isinstance(opts, XavierOptions):
             raise TypeError(f"options: expected XavierOptions, got {type(opts).__name__}")
         if opts.rank != self.rank:
             raise ValueError(f"rank: engine of rank {opts.rank} registered with the transfer "
                              f"actor of rank {self.rank}")
-        await self._close_runtime()
+        if not 0 <= tp_rank < layout.tp_size:
+            raise ValueError(f"tp_rank: {tp_rank} outside tensor_parallel_size "
+                             f"{layout.tp_size}")
+        new_engine = (not self._shards or tp_rank in self._shards
+                      or layout.tp_size != self._tp_size)
+        if new_engine:
+            await self._close_runtime()
         dev = torch.device(device)
         tiers = tier_configs(opts, layout, dev)
         tracker = await xo.actor_ref(opts.block_tracker_address, opts.block_tracker_uid)
@@ -131,36 +161,42 @@ class TransferActor(xo.StatelessActor):
                 except Exception as exc:
                     raise ValueError(f"{XAVIER_TRANSPORT_BACKEND_KEY}: nixl: cannot receive "
                                      f"through NIXL here: {exc}") from exc
-            await tracker.unregister_rank(self.rank)  # blocks of a previous engine are gone
-            await tracker.register_rank(self.rank)
+            if new_engine:
+                await tracker.unregister_rank(self.rank)  # blocks of a previous engine go
+                await tracker.register_rank(self.rank)
         except BaseException:
             storage.close()
             if staging is not None:
                 staging.close()
             raise
-        self._tracker, self._storage, self._staging = tracker, storage, staging
-        self._options, self._engine_owner = opts, owner
-        if counters_path:
-            self._worker_counters = SharedCounters.open(counters_path)
-            self._worker_counters.set("world_epoch", self._world_epoch)
+        counters = SharedCounters.open(counters_path) if counters_path else None
+        if counters is not None:
+            counters.set("world_epoch", self._world_epoch)
+        self._shards[tp_rank] = _Shard(storage, staging, owner, counters)
+        self._tracker, self._options, self._tp_size = tracker, opts, layout.tp_size
         if self._activity is None:
             self._activity = asyncio.create_task(self._activity_loop())
-        logger.info("transfer actor rank %d: engine registered (%s, %s), storage %s", self.rank,
-                    dev, layout.fingerprint(),
+        logger.info("transfer actor rank %d: engine worker %d/%d registered (%s, %s), "
+                    "storage %s", self.rank, tp_rank, layout.tp_size, dev,
+                    layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
         return {"host": host_id(), "tiers": storage.handles(), "staging": staging.handles,
                 "world": list(self.world_addresses), "layout": layout}
 
     async def release_engine(self, owner: Optional[int] = None) -> bool:
-        """The engine is shutting down (its worker calls this from vLLM's connector
-        shutdown, after it let go of every mapping): it is no longer registered.  The
-        storage stays and keeps serving peers until the actor is destroyed.  ``owner``:
-        the pid given to :meth:`register_engine`; a release from any other worker (an
-        engine that was replaced since) changes nothing.  Returns whether an engine was
+        """A worker of the engine is shutting down (it calls this from vLLM's connector
+        shutdown, after it let go of every mapping): its shard is no longer registered.
+        The storage stays and keeps serving peers until the actor is destroyed.  ``owner``:
+        the pid given to :meth:`register_engine`; a release from any other process (an
+        engine that was replaced since) changes nothing.  Returns whether a worker was
         released."""
-        if self._engine_owner is None or owner != self._engine_owner:
+        shard = next((sh for sh in self._shards.values()
+                      if owner is not None and sh.owner == owner), None)
+        if shard is None:
             return False
-        self._engine_owner = None
+        shard.owner = None
+        if any(sh.owner is not None for sh in self._shards.values()):
+            return True
         self._remote.clear()
         await self._close_endpoint()
         logger.info("transfer actor rank %d: engine released; storage serves peers until "
@@ -168,8 +204,9 @@ class TransferActor(xo.StatelessActor):
         return True
 
     def is_ready(self) -> bool:
-        """An engine is registered (its worker attached): sharing can start."""
-        return self._engine_owner is not None and self._storage is not None
+        """Every worker of the engine registered (attached): sharing can start."""
+        return (len(self._shards) == self._tp_size
+                and all(sh.owner is not None for sh in self._shards.values()))
 
     async def update_world(self, world_addresses: List[str]) -> None:
         """New rank addresses (a rank recovered or died): the worker drops the mappings of
@@ -183,8 +220,9 @@ class TransferActor(xo.StatelessActor):
             if was != now:
                 self._remote.pop(rank, None)
         self._world_epoch += 1
-        if self._worker_counters is not None:
-            self._worker_counters.set("world_epoch", self._world_epoch)
+        for shard in self._shards.values():
+            if shard.counters is not None:
+                shard.counters.set("world_epoch", self._world_epoch)
         logger.info("transfer actor rank %d: world %s", self.rank, world_addresses)
 
     def world(self) -> List[str]:
@@ -260,18 +298,11 @@ class TransferActor(xo.StatelessActor):
     async def _close_runtime(self) -> None:
         if self._pushed:
             await self._push_metrics("remove")
-        storage, self._storage = self._storage, None
-        self._engine_owner = None
+        shards, self._shards = self._shards, {}
         self._remote.clear()
         await self._close_endpoint()
-        if storage is not None:
-            storage.close()
-        if self._staging is not None:
-            self._staging.close()
-            self._staging = None
-        if self._worker_counters is not None:
-            self._worker_counters.close()
-            self._worker_counters = None
+        for shard in shards.values():
+            shard.close()
         if self._tracker is not None:
             try:
                 await self._tracker.unregister_rank(self.rank)
@@ -294,19 +325,24 @@ class TransferActor(xo.StatelessActor):
                                endpoint.address, exc)
 
     # -------------------------------------------------------------- peer view
-    def storage_descriptor(self) -> Dict[str, Any]:
-        """How peers map this rank's storage (same host) or read it (other hosts)."""
-        if self._storage is None:
-            raise TransferClosedError(f"rank {self.rank}: no storage (engine not registered)")
-        return {"host": host_id(), "layout": self._storage.layout,
-                "tiers": self._storage.handles()}
+    def _shard(self, tp_rank: int) -> _Shard:
+        shard = self._shards.get(int(tp_rank))
+        if shard is None:
+            raise TransferClosedError(f"rank {self.rank}: no storage of TP worker {tp_rank} "
+                                      "(engine not registered)")
+        return shard
+
+    def storage_descriptor(self, tp_rank: int = 0) -> Dict[str, Any]:
+        """How peers map this rank's storage of TP worker ``tp_rank`` (same host) or read
+        it (other hosts)."""
+        storage = self._shard(tp_rank).storage
+        return {"host": host_id(), "layout": storage.layout, "tiers": storage.handles()}
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
-                           refs: Sequence[Any]) -> int:
-        """A peer on another host reads ``slots`` (under its leases) into ``refs``."""
-        if self._storage is None:
-            raise TransferClosedError(f"rank {self.rank}: no storage")
-        n = await serve_blocks(self._storage, tier, group, slots, refs)
+                           refs: Sequence[Any], tp_rank: int = 0) -> int:
+        """A peer on another host reads ``slots`` of shard ``tp_rank`` (under its leases)
+        into ``refs``."""
+        n = await serve_blocks(self._shard(tp_rank).storage, tier, group, slots, refs)
         self._add_stats({"served_blocks": len(slots), "served_bytes": n})
         return n
 
@@ -344,18 +380,19 @@ class TransferActor(xo.StatelessActor):
         return peer_route(transport, False, usable)
 
     async def fetch_blocks(self, rank: int, tier: int, group: int,
-                           slots: Sequence[int]) -> int:
-        """For this rank's worker: read ``slots`` of ``rank``'s ``tier``/``group`` into
-        the staging rows it maps (rows ``0..len(slots)-1``).  One call at a time per
-        worker (its completion thread).  Returns the bytes moved."""
-        if self._engine_owner is None:
-            raise TransferClosedError(f"rank {self.rank}: no engine registered")
+                           slots: Sequence[int], tp_rank: int = 0) -> int:
+        """For this rank's TP worker ``tp_rank``: read ``slots`` of ``rank``'s shard
+        ``tp_rank``, ``tier``/``group``, into the staging rows it maps (rows
+        ``0..len(slots)-1``).  One call at a time per worker (its completion thread).
+        Returns the bytes moved."""
+        shard = self._shard(tp_rank)
+        if shard.owner is None or shard.staging is None:
+            raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
         if rank not in self._remote:
             await self.map_remote(rank)
         peer, address = self._remote[rank]
-        assert self._staging is not None
-        rows = [s[:len(slots)] for s in self._staging.rows[group]]
-        n = await fetch_into(peer, address, tier, group, slots, rows)
+        rows = [s[:len(slots)] for s in shard.staging.rows[group]]
+        n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
         self._add_stats({"remote_fetches": 1, "remote_bytes": n})
         return n
 
@@ -365,11 +402,15 @@ class TransferActor(xo.StatelessActor):
             self._stats[k] = self._stats.get(k, 0) + int(v)
 
     def counters(self) -> Dict[str, int]:
-        """This rank's counters: its worker's (read now from the file they share) and this
-        actor's own."""
-        worker = self._worker_counters.snapshot() if self._worker_counters else {}
-        worker.pop("world_epoch", None)
-        return sum_snapshots(worker, self._stats)
+        """This rank's counters: its workers' (read now from the files they share; summed
+        over the TP workers, the largest of a ``*_max_us``) and this actor's own."""
+        workers = [sh.counters.snapshot() for sh in self._shards.values() if sh.counters]
+        for worker in workers:
+            worker.pop("world_epoch", None)
+        total = sum_snapshots(*workers, self._stats)
+        for key in [k for k in total if k.endswith("_max_us")]:
+            total[key] = max((w.get(key, 0) for w in workers), default=total[key])
+        return total
 
     def metrics_text(self) -> str:
         return prometheus_text(self.counters(), {"rank": str(self.rank)})

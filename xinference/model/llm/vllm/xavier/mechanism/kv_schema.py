@@ -86,8 +86,12 @@ class GroupLayout:
 @dataclass(frozen=True)
 class KVLayout:
     """A replica's KV caches, group by group: two replicas exchange blocks only when their
-    layouts are compatible (:meth:`check_compatible` names the first difference)."""
+    layouts are compatible (:meth:`check_compatible` names the first difference).
+
+    ``tp_size``: the replica's tensor-parallel degree; the groups are then one worker's
+    shard of them (its KV heads), and only replicas of the same degree exchange blocks."""
     groups: Tuple[GroupLayout, ...]
+    tp_size: int = 1
 
     def group(self, group: int) -> GroupLayout:
         for g in self.groups:
@@ -101,8 +105,10 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         """Stable hash of what must match between peers (not the block counts)."""
-        desc = [[g.group, [[la.dtype, la.block_dim, list(la.block_shape)] for la in g.layers]]
-                for g in self.groups]
+        desc: list = [[g.group, [[la.dtype, la.block_dim, list(la.block_shape)]
+                                 for la in g.layers]] for g in self.groups]
+        if self.tp_size != 1:
+            desc.append(["tp", self.tp_size])
         return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
     def check_compatible(self, other: KVLayout, what: str = "peer") -> None:
@@ -112,6 +118,10 @@ class KVLayout:
         of layers, dtypes and per-block shapes (layer names and block counts
         may differ).
         """
+        if other.tp_size != self.tp_size:
+            raise SchemaMismatchError(
+                f"{what} schema: tensor_parallel_size {other.tp_size} does not match local "
+                f"{self.tp_size} (each worker holds a different shard of the KV heads)")
         theirs = {g.group: g for g in other.groups}
         for mine in self.groups:
             peer = theirs.get(mine.group)
@@ -136,8 +146,9 @@ LayerTensors = Sequence[Union["torch.Tensor", Tuple[str, "torch.Tensor"]]]
 
 
 def layout_of(caches: Mapping[int, LayerTensors],
-              block_dim: Union[int, Mapping[int, int]] = 0) -> KVLayout:
-    """Layout of ``{group: [tensor | (name, tensor), ...]}``.
+              block_dim: Union[int, Mapping[int, int]] = 0, tp_size: int = 1) -> KVLayout:
+    """Layout of ``{group: [tensor | (name, tensor), ...]}`` (one TP worker's shard when
+    ``tp_size > 1``).
 
     ``block_dim`` is one int for all groups or a per-group mapping.
     """
@@ -155,7 +166,7 @@ def layout_of(caches: Mapping[int, LayerTensors],
                 name=name, dtype=str(t.dtype), block_dim=dim, num_blocks=shape[dim],
                 block_shape=_block_shape(t, dim)))
         groups.append(GroupLayout(int(gid), tuple(layers)))
-    return KVLayout(tuple(groups))
+    return KVLayout(tuple(groups), tp_size)
 
 
 def _block_shape(t: torch.Tensor, block_dim: int) -> Tuple[int, ...]:

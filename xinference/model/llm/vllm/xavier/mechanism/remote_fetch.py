@@ -25,13 +25,15 @@ from .snapshot_storage import ShmHandles, SnapshotStorage, new_shm_tensor
 
 
 async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
-                     staging_rows: List[torch.Tensor]) -> int:
+                     staging_rows: List[torch.Tensor], tp_rank: int = 0) -> int:
     """Loader side: have ``source`` (an actor ref exposing ``serve_blocks``) write
-    ``slots`` of its ``tier``/``group`` into ``staging_rows`` (per layer ``uint8``
-    ``[len(slots), block_bytes]``), received at ``address``.  Returns the bytes moved."""
+    ``slots`` of its shard ``tp_rank``'s ``tier``/``group`` into ``staging_rows`` (per
+    layer ``uint8`` ``[len(slots), block_bytes]``), received at ``address``.  Returns the
+    bytes moved."""
     # the rows must stay alive until copy_to has written them: they do, in this frame
     refs = [xo.buffer_ref(address, rows) for rows in staging_rows]
-    return int(await source.serve_blocks(int(tier), int(group), list(slots), refs))
+    return int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
+                                         int(tp_rank)))
 
 
 async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,

@@ -5,9 +5,9 @@ Xavier on) and passes unknown keys, such as the CLI spelling ``enable-xavier``, 
 which fails only after the engines started.  The overlay wraps the supervisor's
 ``launch_builtin_model`` to run :func:`normalize_launch` on its keyword arguments first:
 Xavier's own keys in either spelling, ``enable_xavier`` as a strict switch, and, when it is
-on, the replica count, vLLM's tensor/pipeline parallel sizes (1 only, for now: a replica's KV
-must be held by one worker) and the ``XAVIER_*`` launch envs, each failing at once with a
-message that starts with the option's name.  Nothing else of the launch is touched.
+on, the replica count, vLLM's pipeline parallel size (1 only: tensor parallelism is shared
+shard by shard, pipeline stages are not) and the ``XAVIER_*`` launch envs, each failing at
+once with a message that starts with the option's name.  Nothing else of the launch is touched.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_
                "xavier_transfer_block_num")
 
 
-#: vLLM's parallelism options that split one replica's KV cache over several workers
-PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size")
+#: vLLM's parallelism options Xavier cannot share (``tensor_parallel_size`` is shared: each
+#: TP worker stores and loads its own shard of the KV heads, :mod:`.shards`)
+UNSHARED_PARALLEL_KEYS = ("pipeline_parallel_size",)
 
 
 def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
@@ -57,15 +58,15 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
     if replicas < 2:
         raise ValueError(f"enable_xavier: shares prefixes between replicas and needs "
                          f"replica >= 2, got replica={replica!r}")
-    for key in PARALLEL_KEYS:
+    for key in UNSHARED_PARALLEL_KEYS:
         value = kwargs.get(key, kwargs.get(key.replace("_", "-")))
         try:
             degree = int(value) if value is not None else 1
         except (TypeError, ValueError):
             degree = 1  # not Xavier's option: vLLM checks it
         if degree > 1:
-            raise ValueError(f"{key}: Xavier shares the KV of replicas of one worker each "
-                             f"(tensor-parallel replicas are not supported yet), got {key}="
+            raise ValueError(f"{key}: Xavier does not share the KV of pipeline-parallel "
+                             f"replicas (tensor parallelism is supported), got {key}="
                              f"{value!r}; launch with {key}=1 or without enable_xavier")
     env = dict(envs or {})
     check_env_names(env)

@@ -127,21 +127,21 @@ def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1
                     pipeline_parallel: int = 1) -> Optional[str]:
     """Why the engine's KV caches cannot be shared, or None.  Shared: attention caches
     (full, sliding-window, chunked-local; several groups with vLLM's hybrid KV-cache
-    manager) of one block size, held by ONE worker.  Not shared: state caches
-    (Mamba-style SSM layers: a request's state is not a sequence of per-token blocks),
-    encoder and cross-attention caches, and replicas of several workers (each worker of a
-    tensor- or pipeline-parallel replica holds a shard: until shards are stored and
-    loaded apart, issue #22, one rank's storage would mix them)."""
+    manager) of one block size, held by one worker or split over the workers of a
+    tensor-parallel replica (each stores and loads its own shard, :mod:`..planning.
+    shards`).  Not shared: state caches (Mamba-style SSM layers: a request's state is not
+    a sequence of per-token blocks), encoder and cross-attention caches, and
+    pipeline-parallel replicas (a stage holds some layers of every block: not built)."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         CrossAttentionSpec,
         EncoderOnlyAttentionSpec,
     )
 
-    if tensor_parallel > 1 or pipeline_parallel > 1:
-        return (f"tensor_parallel_size={tensor_parallel}, pipeline_parallel_size="
-                f"{pipeline_parallel}: Xavier shares the KV of replicas of one worker only "
-                "(tensor-parallel replicas: not yet supported)")
+    if pipeline_parallel > 1:
+        return (f"pipeline_parallel_size={pipeline_parallel}: Xavier shares the KV of "
+                "replicas without pipeline parallelism only (tensor parallelism is "
+                "supported)")
 
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if sizes and sizes != {block_size}:
@@ -184,8 +184,8 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
         self.disabled: Optional[str] = None
         parallel = vllm_config.parallel_config
-        problem = sharing_problem(groups, self.block_size,
-                                  int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+        tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        problem = sharing_problem(groups, self.block_size, tp_size,
                                   int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
         if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
             why = install_hybrid_recompute()
@@ -198,13 +198,14 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: Optional[XavierConnectorWorker] = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = XavierConnectorScheduler(self.options, self.block_size,
-                                                      len(groups), bridge)
+                                                      len(groups), bridge, tp_size)
         else:
             num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
             self.worker = XavierConnectorWorker(
-                self.options, bridge, [list(g.layer_names) for g in groups], num_blocks)
-        logger.info("xavier: connector (%s) for rank %d, block size %d", role.name,
-                    self.options.rank, self.block_size)
+                self.options, bridge, [list(g.layer_names) for g in groups], num_blocks,
+                tp_size)
+        logger.info("xavier: connector (%s) for rank %d, block size %d, tensor parallel %d",
+                    role.name, self.options.rank, self.block_size, tp_size)
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason

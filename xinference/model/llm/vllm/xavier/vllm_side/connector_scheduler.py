@@ -63,7 +63,7 @@ class XavierConnectorScheduler:
     goes (:meth:`request_finished`)."""
 
     def __init__(self, options: XavierOptions, block_size: int, num_groups: int,
-                 bridge: ActorBridge) -> None:
+                 bridge: ActorBridge, tp_size: int = 1) -> None:
         self.options = options
         self._bridge = bridge
         self._ready = False
@@ -74,7 +74,7 @@ class XavierConnectorScheduler:
                                     bridge.schedule)
         lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
-                                  releaser.release_many)
+                                  releaser.release_many, tp_size=tp_size)
         #: the launch's seed, until the first request checked that vLLM hashes with it
         self._unchecked_seed: Optional[str] = None
         if user_seed() is None:  # else vLLM seeds every replica from the user's value
@@ -110,7 +110,7 @@ class XavierConnectorScheduler:
 
     def _send_lookups(self, batch: Sequence[Any]) -> concurrent.futures.Future[List[QueryResult]]:
         ref = self._directory.get()  # unchecked: a ref without a lookup
-        groups = list(range(self.side.num_groups))
+        groups = self.side.shards.directory_groups
         requests = [list(keys) for _, keys in batch]
         rank = self.options.rank
         return self._bridge.start(lambda: ref.query_many(groups, requests, rank))

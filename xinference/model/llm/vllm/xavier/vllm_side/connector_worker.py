@@ -28,7 +28,8 @@ class XavierConnectorWorker:
     the failed blocks not yet reported to vLLM."""
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge,
-                 group_layer_names: List[List[str]], num_blocks: int) -> None:
+                 group_layer_names: List[List[str]], num_blocks: int,
+                 tp_size: int = 1) -> None:
         self.options = options
         self._bridge = bridge
         self._group_layer_names = group_layer_names
@@ -37,6 +38,7 @@ class XavierConnectorWorker:
         self._load_errors: Set[int] = set()
         #: requests whose loads failed without reaching a data plane: reported finished next
         self._failed_requests: Set[str] = set()
+        self._tp_size = tp_size
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
         self._stats: Optional[CounterDeltas] = None
@@ -45,14 +47,16 @@ class XavierConnectorWorker:
         """Build the data plane on ``kv_caches`` and attach it; returns why sharing cannot
         run on these caches (``None`` when it can)."""
         try:
+            self._tp_rank = _tp_rank() if self._tp_size > 1 else 0
             groups, dims = group_layers(kv_caches, self._group_layer_names, self._num_blocks)
             self._device = groups[min(groups)][0][1].device
-            self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims)
+            self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
+                                         tp_rank=self._tp_rank, tp_size=self._tp_size)
         except Exception as exc:
             return f"KV caches cannot be shared: {exc}"
-        self._tp_rank = _tp_rank()
-        logger.info("xavier: rank %d KV caches registered (%d groups, %s)",
-                    self.options.rank, len(groups), self._device)
+        logger.info("xavier: rank %d TP worker %d/%d: KV caches registered (%d groups, %s)",
+                    self.options.rank, self._tp_rank, self._tp_size, len(groups),
+                    self._device)
         self.plane.attach()
         self._stats = CounterDeltas(self.plane.counters.get)
         return None
@@ -113,9 +117,8 @@ class XavierConnectorWorker:
 
 
 def _tp_rank() -> int:
-    try:
-        from vllm.distributed import get_tensor_model_parallel_rank
+    """This worker's tensor-parallel rank (vLLM's TP group exists once the worker built
+    its model, before it registers the KV caches)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
-    except Exception:
-        return 0
+    return int(get_tensor_model_parallel_rank())

@@ -16,6 +16,7 @@ world changes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import Any, Dict, List, Optional, Set
 import torch
 
 from ..mechanism.gpu_transfer import GPUTransfer
+from ..mechanism.kv_schema import KVLayout
 from ..mechanism.snapshot_storage import open_shm, open_tier
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
@@ -50,8 +52,12 @@ class PeerMaps:
 
     def __init__(self, rank: int, options: XavierOptions, bridge: ActorBridge,
                  transfer: LazyActor, engine: GPUTransfer, counters: SharedCounters,
-                 pin: bool) -> None:
+                 pin: bool, tp_rank: int = 0, layout: Optional[KVLayout] = None) -> None:
         self._rank, self._options, self._bridge = rank, options, bridge
+        #: the TP worker this is: it maps and reads shard ``tp_rank`` of every peer
+        self._tp_rank = tp_rank
+        #: this worker's KV layout: a peer's must match it (TP degree included)
+        self._layout = layout
         self._transfer, self._engine, self._counters = transfer, engine, counters
         self._pin = pin
         self._world: List[str] = []
@@ -246,8 +252,9 @@ class PeerMaps:
         ref = peer.get(timeout=PEER_MAP_TIMEOUT_S)
         if ref is None:
             raise LookupError(f"rank {rank}: no transfer actor at {address}")
-        desc: Optional[Dict[str, Any]] = self._bridge.call(lambda: ref.storage_descriptor(),
-                                                           PEER_MAP_TIMEOUT_S)
+        tp_rank = self._tp_rank
+        desc: Optional[Dict[str, Any]] = self._bridge.call(
+            lambda: ref.storage_descriptor(tp_rank), PEER_MAP_TIMEOUT_S)
         return desc
 
     def _map_peer(self, rank: int, remote: bool = True,
@@ -261,6 +268,10 @@ class PeerMaps:
             desc = self._describe(rank, self._world[rank])
             if desc is None:
                 raise LookupError(f"rank {rank}: holds no storage")
+        layout: KVLayout = desc["layout"]
+        if self._layout is not None:  # the TP degree: the engine sees one shard's caches
+            self._layout.check_compatible(layout, f"rank {rank}")
+        shard_layout = dataclasses.replace(layout, tp_size=1)
         try:
             # NIXL vs sockets is the actor's choice (map_remote): only "ipc or not" here
             route = peer_route(self._options.transport, desc["host"] == self._host, True)
@@ -287,7 +298,7 @@ class PeerMaps:
             raise LookupError("the rank's transfer actor is not reachable")
         self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
         for tier in sorted(desc["tiers"]):
-            self._engine.map_remote_storage(rank, Tier(tier), desc["layout"],
+            self._engine.map_remote_storage(rank, Tier(tier), shard_layout,
                                            self._remote_fetch(own, rank, Tier(tier)))
         return True
 
@@ -297,8 +308,9 @@ class PeerMaps:
         def fetch(transfer: Any) -> List[torch.Tensor]:
             slots = [int(s) for s in transfer.src_slots]
             group = int(transfer.group)
-            self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group, slots),
-                              CALL_TIMEOUT_S)
+            tp_rank = self._tp_rank
+            self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group, slots,
+                                                       tp_rank), CALL_TIMEOUT_S)
             return [s[:len(slots)] for s in self._staging[group]]
 
         return fetch

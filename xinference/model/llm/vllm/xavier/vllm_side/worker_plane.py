@@ -43,11 +43,13 @@ from ..mechanism.load_handle import LoadHandle
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import SharedCounters
+from ..planning.directory_link import DirectoryLink, ShardLink
 from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
 from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
 from ..planning.scheduler_side import StepMeta
+from ..planning.shards import Shards
 from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
 from .tracker_link import TrackerLink
@@ -112,15 +114,18 @@ class WorkerDataPlane:
     """See the module docstring.  Built by the worker connector at ``register_kv_caches``."""
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge, caches: GroupedLayers,
-                 block_dims: Dict[int, int]) -> None:
+                 block_dims: Dict[int, int], tp_rank: int = 0, tp_size: int = 1) -> None:
         self.options = options
         self.rank = options.rank
+        #: this worker's place in its tensor-parallel replica (it holds shard ``tp_rank``)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shards = Shards(max(1, len(caches)), tp_size)
         self._bridge = bridge
         self._transfer = LazyActor(bridge, options.rank_address, options.transfer_actor_uid)
         self._tracker = LazyActor(bridge, options.block_tracker_address,
                                   options.block_tracker_uid, checked=False)
         self.counters = SharedCounters.create()
-        self.layout: KVLayout = layout_of(caches, block_dims)
+        self.layout: KVLayout = layout_of(caches, block_dims, tp_size)
         self.device = next(t for layers in caches.values() for _, t in layers).device
         self._releaser = BatchingReleaser(directory_sender(self._tracker, bridge.start),
                                           bridge.schedule)
@@ -136,7 +141,8 @@ class WorkerDataPlane:
         self._attached = False
         self._own_releases: List[Any] = []
         self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
-                              self.counters, pin=self.device.type == "cuda")
+                              self.counters, pin=self.device.type == "cuda", tp_rank=tp_rank,
+                              layout=self.layout)
         self._pending: List[_StepLoad] = []
         self._closed = False
         self.hooks: Optional[PlaneHooks] = load_test_hooks(self)
@@ -166,8 +172,8 @@ class WorkerDataPlane:
         path = self.counters.path
         try:
             desc = self._bridge.call(lambda: ref.register_engine(
-                self.layout, opts, owner=os.getpid(), device=device, counters_path=path),
-                timeout=CALL_TIMEOUT_S * 10)
+                self.layout, opts, owner=os.getpid(), device=device, counters_path=path,
+                tp_rank=self.tp_rank), timeout=CALL_TIMEOUT_S * 10)
             self._open_storage(desc)
         except Exception as exc:
             logger.warning("xavier: rank %d: registering the KV caches failed: %s",
@@ -210,9 +216,12 @@ class WorkerDataPlane:
             caches, release = open_tier(kind, handles, pin=pin)
             tiers[Tier(tier)] = caches
             self._own_releases.append(release)
-        self.writer = StorageWriter(self.rank, self.layout, tiers, TrackerLink(
-            self._bridge, self._tracker), self.device, stream=self.engine.stream,
-            counters=self.counters, room_blocks=self.options.slab_blocks)
+        link: DirectoryLink = TrackerLink(self._bridge, self._tracker)
+        if self.tp_size > 1:
+            link = ShardLink(link, self.shards, self.tp_rank)
+        self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
+                                    stream=self.engine.stream, counters=self.counters,
+                                    room_blocks=self.options.slab_blocks)
         self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
@@ -246,6 +255,7 @@ class WorkerDataPlane:
         self._releaser.release_many([lease.lease_id for lease in leases])
 
     def _load(self, step: StepMeta) -> _StepLoad:
+        step = step.for_shard(self.tp_rank, self.tp_size)
         batch: Optional[LoadBatch] = step.loads
         assert batch is not None
         pending = _StepLoad(batch.request_ids)
