@@ -2,7 +2,7 @@
 
     python benchmarks/serving_bench.py [--quick] [--device cpu|cuda] [--concurrency 1,8,16,32]
         [--prefix-tokens 1024,4096] [--modes plain,local-hit,none,per_request,batched]
-        [--unique] [--model DIR] [--gpus 0,1] [--eager]
+        [--unique] [--model DIR] [--gpus 0,1] [--tp 2] [--eager]
 
 Workload: groups of requests share a long prefix (a system prompt or a conversation's
 history) and differ in a short suffix; the turns of a group alternate between the two
@@ -45,6 +45,10 @@ for the GPU runs.
 ``--gpus 0,1`` (with ``--device cuda``) puts each replica on its own GPU, given to its sub
 pool as ``CUDA_VISIBLE_DEVICES`` as Xinference does: loads then cross GPUs through CUDA
 IPC.  Without it both replicas share the one GPU (started one after the other).
+
+``--tp 2``: every replica (plain ones too) is tensor parallel over two workers (vLLM's
+multiprocessing executor): on CUDA each replica on GPUs 0 and 1 (the pairs started one after
+the other); on CPU one OpenMP core per worker (``VLLM_CPU_OMP_THREADS_BIND``).
 
 ``--steady-state`` fills every replica's top storage tier before measuring (unmeasured
 requests with fresh prefixes until each replica has evicted), so that every Xavier row meets
@@ -192,7 +196,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       per_group: int, max_tokens: int, gpus: Optional[Sequence[str]] = None,
                       steady_state: bool = False, budgets: Optional[Dict[str, str]] = None,
                       eager: bool = False, unique: bool = False,
-                      switch_interval_us: int = 0,
+                      switch_interval_us: int = 0, tp: int = 1,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
                       ) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
@@ -206,14 +210,19 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     want_noop = "noop-connector" in modes
     want_xavier = any(m not in PLAIN_MODES for m in modes) or unique
     opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
+    if tp > 1:  # every pair (plain too) of tensor-parallel replicas, vLLM's mp executor
+        opts.extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        if device == "cuda":  # each replica on all TP GPUs (as Xinference places them)
+            gpus = [",".join(str(i) for i in range(tp))] * 2
     kw: Dict[str, Any]
     if device == "cuda":
         # two pairs share the GPU when plain rows are asked for
-        util = 0.2 if want_plain and want_xavier and not gpus else 0.3
+        util = 0.2 if want_plain and want_xavier and (not gpus or tp > 1) else 0.3
         opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
                           max_num_batched_tokens=8192, enforce_eager=eager)
         # Xavier's own defaults (1 GiB GPU tier, 1 GiB CPU tier) unless asked otherwise
-        kw = dict(gpu_budget="1GiB", cpu_budget="1GiB", sequential=gpus is None, gpus=gpus)
+        kw = dict(gpu_budget="1GiB", cpu_budget="1GiB", sequential=gpus is None or tp > 1,
+                  gpus=gpus)
     else:
         kw = dict(cpu_budget="512MiB")
     kw.update({k: v for k, v in (budgets or {}).items() if v})
@@ -221,6 +230,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     # each step): production has none, so neither do the measured replicas unless an
     # experiment needs them (--switch-interval-us)
     kw["extra_env"] = {} if switch_interval_us else {"XAVIER_TEST_HOOKS": ""}
+    if tp > 1 and device == "cpu":  # vLLM's CPU build: one OpenMP core per TP worker
+        kw["extra_env"]["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     where = f"GPUs {','.join(gpus)}" if gpus else device
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
@@ -358,6 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--gpu-budget", help="GPU tier per replica (default 1GiB on cuda)")
     ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor_parallel_size of every replica (cuda: each on GPUs 0..tp-1)")
     ap.add_argument("--switch-interval-us", type=int, default=0,
                     help="experiment: after each concurrency's rows, none and batched again "
                     "with sys.setswitchinterval at this many µs in the engine processes "
@@ -386,6 +399,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--gpus: two device ids (one per replica) with --device cuda")
     suffix = ("-quick" if args.quick else "") + ("" if args.shape == "tiny" else f"-{args.shape}")
     suffix += f"-{len(gpus)}gpus" if gpus else ""
+    suffix += f"-tp{args.tp}" if args.tp > 1 else ""
+    if gpus and args.tp > 1:
+        ap.error("--gpus: not with --tp (each TP replica is placed on GPUs 0..tp-1)")
     suffix += "-steady" if args.steady_state else ""
     out = args.out or os.path.join(REPO, "doc", "results",
                                    f"serving_bench-{args.device}{suffix}.json")
@@ -404,7 +420,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    {"gpu_budget": args.gpu_budget,
                                     "cpu_budget": args.cpu_budget}, eager=args.eager,
                                    unique=args.unique,
-                                   switch_interval_us=args.switch_interval_us, on_row=write))
+                                   switch_interval_us=args.switch_interval_us, tp=args.tp,
+                                   on_row=write))
     write(rows)
     print()
     print(HEADER)

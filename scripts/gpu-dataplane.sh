@@ -3,7 +3,7 @@
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
 #   carry: .vbundle .whl            (or .vbmla .whl for `mla`: see below)
-#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|fp8|mla|models|bench|all]...
+#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|fp8|mla|models|bench|tp|tpbench|all]...
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
@@ -25,6 +25,10 @@
 #        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
 #        XAVIER_BENCH_UNIQUE= drops the unique-prompt rows, XAVIER_BENCH_ARGS adds arguments
 #        (e.g. --switch-interval-us 500).
+# tp:    issue #22 on nvidia-h200-x2: two TP=2 replicas, each on both GPUs, end to end
+#        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
+#        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
+#        call each (a call lasts at most 600 s).
 # Logs and JSON go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
@@ -37,6 +41,7 @@ if [ -f "$bundle/_vllm_fa3_C.abi3.so.xz" ] && [ ! -f "$fa3" ]; then
   xz -dc "$bundle/_vllm_fa3_C.abi3.so.xz" > "$fa3.part" && mv "$fa3.part" "$fa3" || exit 1
 fi
 has() { case "$what" in *" $1 "*|*" all "*) return 0 ;; esac; return 1; }
+only() { case "$what" in *" $1 "*) return 0 ;; esac; return 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
@@ -89,5 +94,20 @@ if has bench; then
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
+fi
+if only tp; then
+  # issue #22: tensor-parallel replicas (needs two GPUs: nvidia-h200-x2)
+  XAVIER_TEST_DEVICE=cuda timeout "${XAVIER_TEST_PART_TIMEOUT:-330}" python3 -m pytest -v -s \
+    -p no:cacheprovider tests/test_tp_e2e.py 2>&1 | tee "$out/e2e-tp2-cuda.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if only tpbench; then
+  timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b --tp 2 \
+    --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
+    --modes "${XAVIER_BENCH_MODES:-plain,none,batched}" ${XAVIER_BENCH_ARGS:-} \
+    --out "$out/serving_bench-cuda-qwen2.5-0.5b-tp2.json" 2>&1 \
+    | grep -v "it/s]" > "$out/serving_bench-tp2.log"
+  rc=$((rc | PIPESTATUS[0]))
+  grep -E "^\[serving|^(plain|local-hit|none|batched)" "$out/serving_bench-tp2.log"
 fi
 exit "$rc"
