@@ -209,3 +209,16 @@ def test_an_answer_crosses_processes_in_its_compact_form_unchanged():
     assert isinstance(form[1], np.ndarray) and isinstance(form[2], np.ndarray)
     empty = d.query_prefix([0], [12345], exclude_rank=2)
     assert pickle.loads(pickle.dumps(empty)) == empty and empty.num_hits == 0
+
+
+def test_ranks_of_another_tensor_parallel_degree_are_refused_naming_it():
+    d = BlockDirectory()
+    d.register_rank(1, tp_size=2)
+    d.register_rank(1, tp_size=2)  # the same rank again (an engine restarted)
+    with pytest.raises(DirectoryError, match="^tensor_parallel_size: rank 2 runs 1, the other "
+                                             "replicas of the launch 2"):
+        d.register_rank(2)
+    d.register_rank(2, tp_size=2)
+    d.unregister_rank(1)
+    d.unregister_rank(2)
+    d.register_rank(3, tp_size=4)  # no rank of the old degree left: accepted

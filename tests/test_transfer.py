@@ -167,3 +167,79 @@ def test_rdma_devices_lists_the_sysfs_class(tmp_path):
     (tmp_path / "mlx5_1").mkdir()
     (tmp_path / "mlx5_0").mkdir()
     assert rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
+
+
+@pytest.mark.slow
+def test_a_tp_worker_reads_the_same_shard_of_a_peer_on_another_host():
+    """Two ranks' transfer actors in their own processes, each with a TP=2 engine's two
+    storages: rank 2's worker 1 reads a slot of rank 1 (the route for peers on other hosts,
+    ``copy_to`` over sockets) and gets rank 1's shard 1, never shard 0, in its own staging
+    rows; worker 0 gets shard 0."""
+    import dataclasses
+
+    import xoscar as xo
+
+    from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import open_shm, open_tier
+    from xinference.model.llm.vllm.xavier.planning.options import (
+        XavierOptions,
+        transfer_actor_uid,
+    )
+
+    from .support.pools import actor_pool, sub_pool_addresses
+
+    layout = layout_of({0: [torch.zeros(4, 2, 16, 8)]}, tp_size=2)
+    bb = layout.groups[0].block_bytes
+
+    async def run():
+        async with actor_pool(n_process=2) as pool:
+            subs = sub_pool_addresses(pool)
+            tracker = await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
+                                            uid=f"{VLLMBlockTracker.default_uid()}-tp")
+            world = [pool.external_address] + subs[:2]
+            actors = {rank: await xo.create_actor(
+                TransferActor, rank, 3, subs[rank - 1], "127.0.0.1", 0, world,
+                address=subs[rank - 1], uid=transfer_actor_uid(rank)) for rank in (1, 2)}
+            desc = {}
+            for rank, actor in actors.items():
+                opts = XavierOptions(rank=rank, rank_address=subs[rank - 1],
+                                     block_tracker_address=tracker.address,
+                                     block_tracker_uid=tracker.uid, gpu_budget_bytes=0,
+                                     cpu_budget_bytes=8 * bb, transport="sockets",
+                                     slab_blocks=4)
+                assert not await actor.is_ready()
+                for k in (0, 1):
+                    desc[rank, k] = await actor.register_engine(
+                        layout, opts, owner=10 * rank + k, device="cpu", tp_rank=k)
+                assert await actor.is_ready()
+            written = {}
+            for k in (0, 1):  # rank 1's worker k stored shard k of one block in slot 3
+                caches, release = open_tier(*desc[1, k]["tiers"][int(Tier.CPU)])
+                caches[0][0][3].copy_(torch.full_like(caches[0][0][3], 1.5 + k))
+                written[k] = caches[0][0][3].clone()
+                release()
+            for k in (0, 1):
+                assert await actors[2].fetch_blocks(1, int(Tier.CPU), 0, [3], k) == bb
+                staging = open_shm(desc[2, k]["staging"])[0][0][0]
+                assert torch.equal(staging, written[k].reshape(-1).view(torch.uint8))
+                other = written[1 - k].reshape(-1).view(torch.uint8)
+                assert not torch.equal(staging, other)
+            # a replica of another TP degree cannot join: its engine's attach (the launch)
+            # fails, naming the option
+            third = await xo.create_actor(
+                TransferActor, 3, 4, subs[1], "127.0.0.1", 0, world, address=subs[1],
+                uid=transfer_actor_uid(3))
+            opts = XavierOptions(rank=3, rank_address=subs[1],
+                                 block_tracker_address=tracker.address,
+                                 block_tracker_uid=tracker.uid, gpu_budget_bytes=0,
+                                 cpu_budget_bytes=8 * bb, transport="sockets", slab_blocks=4)
+            with pytest.raises(Exception, match="tensor_parallel_size: rank 3 runs 1, the "
+                                                "other replicas of the launch 2"):
+                await third.register_engine(dataclasses.replace(layout, tp_size=1), opts,
+                                            owner=30, device="cpu")
+            assert not await third.is_ready()
+            for actor in [*actors.values(), third]:
+                await xo.destroy_actor(actor)
+
+    asyncio.run(run())

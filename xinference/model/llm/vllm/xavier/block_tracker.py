@@ -44,8 +44,10 @@ class VLLMBlockTracker(xo.StatelessActor):
         """The launch's secret block-hash seed (never logged)."""
         return self._hash_seed
 
-    def register_rank(self, rank: int) -> None:
-        self._directory.register_rank(rank)
+    def register_rank(self, rank: int, tp_size: int = 1) -> None:
+        """A rank's engine joins (``tp_size``: its tensor-parallel degree, which every rank
+        of the launch must share; another raises, naming ``tensor_parallel_size``)."""
+        self._directory.register_rank(rank, tp_size)
 
     def unregister_rank(self, rank: int) -> int:
         dropped = self._directory.unregister_rank(rank)

@@ -163,7 +163,7 @@ class TransferActor(xo.StatelessActor):
                                      f"through NIXL here: {exc}") from exc
             if new_engine:
                 await tracker.unregister_rank(self.rank)  # blocks of a previous engine go
-                await tracker.register_rank(self.rank)
+                await tracker.register_rank(self.rank, layout.tp_size)
         except BaseException:
             storage.close()
             if staging is not None:

@@ -119,16 +119,30 @@ class BlockDirectory:
     _leases: Dict[int, SlotId] = field(default_factory=dict)
     _lease_count: Dict[SlotId, int] = field(default_factory=dict)
     _ranks: Set[int] = field(default_factory=set)
+    #: rank -> its engine's tensor-parallel degree (given at register_rank)
+    _tp_sizes: Dict[int, int] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     stats: DirectoryStats = field(default_factory=DirectoryStats)
 
     # ---------------------------------------------------------------- ranks
-    def register_rank(self, rank: int) -> None:
-        self._ranks.add(_check_int("rank", rank))
+    def register_rank(self, rank: int, tp_size: int = 1) -> None:
+        """``rank``'s engine joins; ``tp_size``: its tensor-parallel degree.  The ranks of one
+        directory share one degree (a directory group names a shard, :mod:`.shards`): a
+        rank of another degree than the ranks registered is refused, naming it."""
+        _check_int("rank", rank)
+        others = {tp for r, tp in self._tp_sizes.items() if r != rank}
+        if others and tp_size not in others:
+            raise DirectoryError(
+                f"tensor_parallel_size: rank {rank} runs {tp_size}, the other replicas of the "
+                f"launch {sorted(others)[0]}; replicas of different tensor-parallel degrees "
+                "cannot share KV (each worker holds another shard of the heads)")
+        self._ranks.add(rank)
+        self._tp_sizes[rank] = tp_size
 
     def unregister_rank(self, rank: int) -> int:
         """Forget every block and lease of ``rank``; returns the blocks dropped."""
         self._ranks.discard(rank)
+        self._tp_sizes.pop(rank, None)
         slots = [s for s in self._by_slot if s[0] == rank]
         for s in slots:
             key, _ = self._by_slot.pop(s)

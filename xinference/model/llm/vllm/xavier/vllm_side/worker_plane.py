@@ -18,6 +18,11 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
   the actor bumps ``world_epoch`` there when the world changed (a rank died or came
   back), and the next load drops the mappings of every rank whose address changed.
 
+In a tensor-parallel replica every worker has its own plane for its shard of the KV heads
+(``tp_rank``): its own storage at the transfer actor, its shard's rows of each step
+(``StepMeta.for_shard``) and their leases, shard ``tp_rank`` of every peer
+(:mod:`..planning.shards`).
+
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
 live outside the package (``tests/support/worker_hooks.py``): the plane calls an observer
 of the :class:`PlaneHooks` shape only when ``XAVIER_TEST_HOOKS`` names one
