@@ -3,13 +3,14 @@
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
 #   carry: .vbundle .whl            (or .vbmla .whl for `mla`: see below)
-#   command: bash scripts/gpu-dataplane.sh [units|tests|hybrid|fp8|mla|models|bench|tp|tpbench|all]...
+#   command: bash scripts/gpu-dataplane.sh [units|tests|e2e|hybrid|fp8|mla|models|bench|tp|tpbench|all]...
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
 #        CUDA-only tests included), then the connector end to end with vLLM's defaults (CUDA
 #        graphs, async scheduling, the model runner vLLM picks), then transfer_bench,
 #        copy_kernel_profile and export_bench;
+# e2e:   the connector end to end alone (the first half of `tests`);
 # hybrid: the tiny Gemma-3-shaped (sliding-window + full attention) model end to end with
 #        vLLM's hybrid KV-cache manager (issue #18);
 # fp8:   the connector end to end (the tests that a KV dtype can change) on an fp8 KV cache
@@ -54,10 +55,12 @@ if has tests || has units; then
     tests/test_lookups.py tests/test_block_directory.py 2>&1 | tee "$out/pytest-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
-if has tests; then
+if has tests || only e2e; then
   XAVIER_TEST_DEVICE=cuda timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
     tests/test_connector_e2e.py 2>&1 | tee "$out/e2e-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
+fi
+if has tests; then
   timeout 60 python3 benchmarks/copy_kernel_profile.py 2>&1 | tee "$out/copy_kernel_profile.log"
   timeout 90 python3 benchmarks/transfer_bench.py --device cuda --reps 5 \
     --out "$out/transfer_bench-cuda.json" 2>&1 | tee "$out/transfer_bench-cuda.log"

@@ -306,6 +306,7 @@ class SchedulerSide:
         leases: List[Lease] = []
         per_group = len(hit.result.locations) // max(1, len(hit.keys))
         drop: List[int] = []
+        tp_size = self.shards.tp_size
         for g in range(per_group):
             for j in range(len(hit.keys)):
                 i = g * len(hit.keys) + j
@@ -314,9 +315,9 @@ class SchedulerSide:
                     drop.append(lease)
                     continue
                 pos = hit.first_block + j
-                shard = self.shards.tp_rank(loc.group)
+                # the directory group names the KV-cache group and the shard (.shards)
+                group, shard = divmod(loc.group, tp_size)
                 leases.append(Lease(int(lease), int(loc.rank), shard))
-                group = self.shards.kv_group(loc.group)
                 if pos >= len(block_ids[group]) or null[group][pos]:
                     if shard == 0:  # counted once per block position
                         self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
