@@ -209,9 +209,11 @@ def test_a_tp_worker_reads_the_same_shard_of_a_peer_on_another_host():
                                      cpu_budget_bytes=8 * bb, transport="sockets",
                                      slab_blocks=4)
                 assert not await actor.is_ready()
-                for k in (0, 1):
-                    desc[rank, k] = await actor.register_engine(
-                        layout, opts, owner=10 * rank + k, device="cpu", tp_rank=k)
+                # the two workers attach at the same moment (vLLM's collective_rpc)
+                both = await asyncio.gather(*(actor.register_engine(
+                    layout, opts, owner=10 * rank + k, device="cpu", tp_rank=k)
+                    for k in (0, 1)))
+                desc.update({(rank, k): d for k, d in enumerate(both)})
                 assert await actor.is_ready()
             written = {}
             for k in (0, 1):  # rank 1's worker k stored shard k of one block in slot 3

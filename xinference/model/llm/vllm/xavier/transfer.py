@@ -105,6 +105,9 @@ class TransferActor(xo.StatelessActor):
         self._shards: Dict[int, _Shard] = {}
         #: the engine's tensor-parallel degree (from its workers' layouts)
         self._tp_size = 1
+        #: the workers of a TP engine register at the same moment: one at a time, so that
+        #: only the first of a new engine replaces the previous engine's storages
+        self._registering = asyncio.Lock()
         self._tracker: Any = None
         self._options: Optional[XavierOptions] = None
         self._world_epoch = 0
@@ -135,6 +138,13 @@ class TransferActor(xo.StatelessActor):
         the worker maps it (tiers, staging rows), this host's id and the world.  A worker
         registering again (its engine restarted) replaces everything of the previous
         engine, every shard.  A budget that holds no block fails, naming the option."""
+        async with self._registering:
+            return await self._register_engine(layout, options, owner, device, counters_path,
+                                               tp_rank)
+
+    async def _register_engine(self, layout: KVLayout, options: XavierOptions,
+                               owner: Optional[int], device: str,
+                               counters_path: Optional[str], tp_rank: int) -> Dict[str, Any]:
         opts = options
         if not isinstance(opts, XavierOptions):
             raise TypeError(f"options: expected XavierOptions, got {type(opts).__name__}")
