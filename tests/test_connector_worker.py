@@ -5,7 +5,7 @@ blocks and no request waits for a load that never comes."""
 import numpy as np
 
 from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, LoadBatch
-from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
+from xinference.model.llm.vllm.xavier.planning.step_meta import StepMeta
 from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge
 from xinference.model.llm.vllm.xavier.vllm_side.connector_worker import XavierConnectorWorker
 

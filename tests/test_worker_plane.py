@@ -9,7 +9,7 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
 )
 from xinference.model.llm.vllm.xavier.planning.load_batch import COLUMNS, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
-from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
+from xinference.model.llm.vllm.xavier.planning.step_meta import StepMeta
 from xinference.model.llm.vllm.xavier.vllm_side import peers
 from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge
 from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane

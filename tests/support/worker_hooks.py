@@ -208,7 +208,7 @@ class WorkerHooks:
             LoadBatch,
             LoadBatchError,
         )
-        from xinference.model.llm.vllm.xavier.planning.scheduler_side import StepMeta
+        from xinference.model.llm.vllm.xavier.planning.step_meta import StepMeta
 
         plane = self._plane
         held = tuple(Lease(int(a), int(b)) for a, b in leases)

@@ -45,100 +45,15 @@ import numpy as np
 
 from .block_directory import QueryResult
 from .block_names import row_key
-from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError, empty_batch
+from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError
 from .lookups import DirectoryLookups, State
 from .shards import Shards
+from .step_meta import ExportRow, StepMeta, StepStats
 
 logger = logging.getLogger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
-#: (group, block name, block_id) of a newly computed full block
-ExportRow = Tuple[int, int, int]
-
-
-@dataclass
-class StepStats:
-    """The scheduler side's figures of one step (the worker adds them to the rank's
-    counters)."""
-
-    queries: int = 0
-    queried_blocks: int = 0
-    hit_blocks: int = 0
-    hit_tokens: int = 0
-    requests_with_hits: int = 0
-    steps_with_loads: int = 0
-    lookup_calls: int = 0
-    lookups_deferred: int = 0
-    lookups_given_up: int = 0
-    lookup_wait_us: int = 0
-    #: steps built, and the time vLLM's scheduling loop spent in the connector (µs)
-    scheduler_steps: int = 0
-    scheduler_us: int = 0
-    #: steps whose loads were not a valid batch (a defect; recomputed)
-    rejected_metadata: int = 0
-    #: requests whose loads were dropped (recomputed): a block of theirs and another of
-    #: the step had different names with equal low 63 bits (:mod:`.block_names`)
-    identity_clashes: int = 0
-    #: hits that reached their first forward, and where their time went (µs, summed)
-    hits_started: int = 0
-    hit_lookup_us: int = 0
-    hit_load_wait_us: int = 0
-    #: hit blocks whose destination was vLLM's null block (a sliding-window block outside
-    #: the window): nothing loaded there
-    null_blocks_skipped: int = 0
-
-    def as_dict(self) -> Dict[str, int]:
-        return dict(vars(self))
-
-
-@dataclass
-class StepMeta:
-    """One step's work for the worker (pickled by vLLM from the scheduler to the worker):
-    ONE :class:`~.load_batch.LoadBatch` with every request's loads, each request's leases
-    (``leases[lease_offsets[i]:lease_offsets[i+1]]`` belong to ``loads.request_ids[i]``;
-    the worker owns them from now on), the newly full blocks to export, the step's figures.
-
-    ``failed_dests``: destinations of loads the scheduler could not express as a valid
-    batch (a defect, logged there): the worker reports them failed so that vLLM recomputes
-    them; their requests are in ``loads`` with no rows."""
-
-    loads: LoadBatch = field(default_factory=empty_batch)
-    leases: Tuple[Lease, ...] = ()
-    lease_offsets: Tuple[int, ...] = (0,)
-    exports: Tuple[ExportRow, ...] = ()
-    stats: StepStats = field(default_factory=StepStats)
-    failed_dests: Tuple[int, ...] = ()
-
-    @property
-    def has_loads(self) -> bool:
-        return self.loads.num_requests > 0
-
-    def for_shard(self, tp_rank: int, tp_size: int) -> StepMeta:
-        """What TP worker ``tp_rank`` does of this step: the rows of its shard
-        (:meth:`~.load_batch.LoadBatch.for_shard`) and their leases; every request, the
-        exports and ``failed_dests`` stay (each worker exports its shard of every block and
-        reports the failed blocks; vLLM recomputes a block any worker failed on all of
-        them).  ``tp_size == 1``: this step."""
-        if tp_size == 1:
-            return self
-        keep = [lease.shard == tp_rank for lease in self.leases]
-        counts = [sum(keep[a:b]) for a, b in zip(self.lease_offsets, self.lease_offsets[1:])]
-        return StepMeta(self.loads.for_shard(tp_rank, tp_size),
-                        tuple(lease for lease, k in zip(self.leases, keep) if k),
-                        tuple(int(x) for x in np.cumsum([0] + counts)), self.exports,
-                        self.stats, self.failed_dests)
-
-    def per_request(self, loads: Optional[LoadBatch] = None
-                    ) -> List[Tuple[LoadBatch, Tuple[Lease, ...]]]:
-        """The step's loads as one batch per request with its own leases (the per-request
-        baseline: one load call each).  ``loads``: the step's batch after rows were dropped
-        (the same requests, in the same order); default the step's own."""
-        batch = self.loads if loads is None else loads
-        if batch.request_ids != self.loads.request_ids:
-            raise ValueError("loads: not the step's requests")
-        return [(part, self.leases[self.lease_offsets[i]:self.lease_offsets[i + 1]])
-                for i, part in enumerate(batch.split())]
 
 
 @dataclass

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..planning.options import XavierOptions
-from ..planning.scheduler_side import StepMeta
+from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
 from .connector_scheduler import XavierConnectorScheduler
 from .connector_stats import XavierKVConnectorStats
@@ -116,7 +116,7 @@ if not vllm.__version__.startswith(SUPPORTED_VLLM):  # pragma: no cover - versio
 
 
 class XavierConnectorMetadata(KVConnectorMetadata):
-    """One step's :class:`~..planning.scheduler_side.StepMeta`, as vLLM carries it from the
+    """One step's :class:`~..planning.step_meta.StepMeta`, as vLLM carries it from the
     scheduler to the worker (pickled once per step)."""
 
     def __init__(self, step: StepMeta) -> None:
@@ -269,7 +269,7 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """ONE :class:`~..planning.scheduler_side.StepMeta` for the step.
+        """ONE :class:`~..planning.step_meta.StepMeta` for the step.
 
         Carries every load allocated since the last step (the worker owns their leases
         from now on), the newly full blocks the step's forward computes (to export) and

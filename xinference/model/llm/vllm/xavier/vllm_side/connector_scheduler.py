@@ -4,7 +4,7 @@ Translates vLLM's requests and blocks for :class:`~..planning.scheduler_side.
 SchedulerSide`: a request's directory lookup leaves when the request arrives, batched
 with the others of that moment (:class:`~..planning.lookups.DirectoryLookups`); a hit
 becomes an asynchronous load in vLLM's sense; each step's loads, exports and figures
-leave as ONE :class:`~..planning.scheduler_side.StepMeta`.
+leave as ONE :class:`~..planning.step_meta.StepMeta`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ..planning.hash_seed import user_seed
 from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
-from ..planning.scheduler_side import SchedulerSide, StepMeta
+from ..planning.scheduler_side import SchedulerSide
+from ..planning.step_meta import StepMeta
 from . import none_hash
 from .actor_bridge import ActorBridge, LazyActor
 

@@ -1,7 +1,7 @@
 """The worker half of :class:`~.connector.XavierConnector` (vLLM worker process).
 
 Hands vLLM's KV caches to the worker's :class:`~.worker_plane.WorkerDataPlane` and each
-step's :class:`~..planning.scheduler_side.StepMeta` to it: loads launched before the
+step's :class:`~..planning.step_meta.StepMeta` to it: loads launched before the
 forward, exports after it, finished loads and failed blocks reported back to vLLM.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from ..planning.load_batch import DEST
 from ..planning.options import XavierOptions
-from ..planning.scheduler_side import StepMeta
+from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
 from .connector_stats import CounterDeltas, XavierKVConnectorStats
 from .kv_caches import group_layers

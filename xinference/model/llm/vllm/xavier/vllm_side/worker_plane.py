@@ -53,8 +53,8 @@ from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
 from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
-from ..planning.scheduler_side import StepMeta
 from ..planning.shards import Shards
+from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
 from .tracker_link import TrackerLink
