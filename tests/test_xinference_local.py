@@ -41,6 +41,28 @@ from .support.xinference_server import (
 pytestmark = pytest.mark.slow
 
 
+def rank_addresses(home):
+    """Rank -> the address each rank registered at (the collective manager's log lines)."""
+    addresses = {}
+    for line in log_lines(home, "registered at"):
+        rank = int(line.split("rank ")[1].split()[0])
+        addresses[rank] = line.strip().rsplit(" ", 1)[1]
+    return addresses
+
+
+def two_requests_sharing_a_prefix(server, tag, offset):
+    """Two completions whose prompts share 2,500 characters and differ after; their usages
+    (each generated tokens).  Xinference sends them to different replicas."""
+    text = open(os.__file__).read()
+    prefix = text[:2500]
+    usages = [server.call("POST", "/v1/completions", {
+        "model": MODEL,
+        "prompt": prefix + f"\n# {tag} {i}\n" + text[offset + 100 * i:offset + 100 + 100 * i],
+        "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
+    assert all(u["completion_tokens"] > 0 for u in usages)
+    return usages
+
+
 def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
     import asyncio
 
@@ -55,18 +77,8 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, tmp_path):
                    for r in (0, 1, 2)) == 3
         attached = log_lines(home, "init_xavier: workers attached=True")
         assert len(attached) == 2
-        addresses = {}
-        for line in log_lines(home, "registered at"):
-            rank = int(line.split("rank ")[1].split()[0])
-            addresses[rank] = line.strip().rsplit(" ", 1)[1]
-
-        text = open(os.__file__).read()
-        prefix = text[:2500]
-        usages = [server.call("POST", "/v1/completions", {
-            "model": MODEL, "prompt": prefix + f"\n# request {i}\n" + text[7000 + 100 * i:
-                                                                          7100 + 100 * i],
-            "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
-        assert all(u["completion_tokens"] > 0 for u in usages)
+        addresses = rank_addresses(home)
+        usages = two_requests_sharing_a_prefix(server, "request", 7000)
         c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
         print("xavier counters per rank:", {r: {k: c[r].get(k, 0) for k in (
             "requests_with_hits", "hit_blocks", "hit_tokens", "batch_calls", "blocks_written",
@@ -173,18 +185,8 @@ def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_d
                 assert sum(f"rank {rank}: engine worker {k}/2" in line
                            for line in workers) == 1, (rank, k, workers)
         assert len(log_lines(home, "init_xavier: workers attached=True")) == 2
-        addresses = {}
-        for line in log_lines(home, "registered at"):
-            rank = int(line.split("rank ")[1].split()[0])
-            addresses[rank] = line.strip().rsplit(" ", 1)[1]
-
-        text = open(os.__file__).read()
-        prefix = text[:2500]
-        usages = [server.call("POST", "/v1/completions", {
-            "model": MODEL, "prompt": prefix + f"\n# tp request {i}\n" + text[9000 + 100 * i:
-                                                                             9100 + 100 * i],
-            "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
-        assert all(u["completion_tokens"] > 0 for u in usages)
+        addresses = rank_addresses(home)
+        usages = two_requests_sharing_a_prefix(server, "tp request", 9000)
         c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
         total = {k: sum(c[r].get(k, 0) for r in (1, 2)) for k in (
             "requests_with_hits", "hit_blocks", "batch_calls", "blocks_written",
