@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from typing import Iterator, List, Optional
 
 import pytest
 
+from .support import run_table
 from .support.engines import EngineOptions, EngineProcess
 from .support.tiny_model import (
     TinyDeepseekV2,
@@ -55,8 +56,34 @@ def engine_process(tiny_model_dir: str) -> Iterator[EngineProcess]:
         eng.close()
 
 
+_WATCHER: List[run_table.ProcessWatcher] = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Count engine and Xinference process starts per test file (``support/run_table.py``)."""
+    watcher = run_table.ProcessWatcher()
+    watcher.start()
+    _WATCHER.append(watcher)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
+    run_table.enter_file(item.location[0])
+    yield
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    run_table.add_time(report.location[0], report.duration, report.when == "teardown")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for watcher in _WATCHER:
+        watcher.stop()
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
-    """Print the reliability suite's table (faults tried, survived, requests, leaks)."""
+    """Print the reliability suite's table (faults tried, survived, requests, leaks) and what
+    each test file cost (seconds, engine starts, Xinference servers and workers)."""
     from .support import reliability
 
     lines = reliability.table()
@@ -65,3 +92,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: igno
         for line in lines:
             terminalreporter.write_line(line)
         reliability.write_json()
+    lines = run_table.table()
+    if lines:
+        terminalreporter.section("xavier test-run cost per file")
+        for line in lines:
+            terminalreporter.write_line(line)
+        terminalreporter.write_line(f"wall clock of the run: {run_table.wall_seconds():.0f} s "
+                                    "(a shared world's teardown counts for the last file "
+                                    "that ran)")
+        run_table.write_json(run_table.wall_seconds())

@@ -63,6 +63,9 @@ def start_in_process_llm(opts: EngineOptions) -> Any:
     os.environ.update(cpu_engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
     from vllm import LLM
 
+    from . import run_table
+
+    run_table.count_in_process_engine()
     return LLM(**opts.llm_kwargs())
 
 
