@@ -24,16 +24,24 @@ from .support.probe_actor import OverlayProbeActor
 
 MODEL_UID = "liveness-model"
 INTERVAL_S = 0.5
+TIMEOUT_S = 30.0
 
 
 def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
     async def run():
-        async with actor_pool(n_process=2) as pool:
+        # Xinference's worker pool: a killed sub pool comes back without its actors (with
+        # xoscar's default, "actor", the rank's actor would be created again and could
+        # answer before two checks missed it: the flaky run of session 14)
+        async with actor_pool(n_process=2, auto_recover="process") as pool:
             tracker = await xo.create_actor(
                 VLLMBlockTracker, address=pool.external_address,
                 uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
+            # checks every 0.5 s, each allowed 30 s: a live rank on a busy machine is never
+            # a miss (the negative control), a dead one fails at once (connection refused,
+            # or no such actor once its process is back)
             manager = await xo.create_actor(
                 CollectiveManager, MODEL_UID, liveness_interval_s=INTERVAL_S,
+                liveness_timeout_s=TIMEOUT_S,
                 address=pool.external_address,
                 uid=f"{CollectiveManager.default_uid()}-{MODEL_UID}")
             addresses = sub_pool_addresses(pool)

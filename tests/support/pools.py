@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
 
 import xoscar as xo
 
@@ -20,17 +20,22 @@ def free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def actor_pool(n_process: int = 1, scheme: str = "",
-                     envs: Optional[Sequence[Dict[str, str]]] = None
+                     envs: Optional[Sequence[Dict[str, str]]] = None,
+                     auto_recover: Union[str, bool] = "actor",
                      ) -> AsyncIterator[xo.MainActorPoolType]:
     """A main pool on loopback with ``n_process`` spawned sub pools; ``scheme="nixl"``
     makes every pool use xoscar's NIXL channel (``copy_to`` then moves bytes with NIXL);
     ``envs``: one environment per sub pool, set before anything runs there (Xinference
-    gives each replica's sub pool its ``CUDA_VISIBLE_DEVICES`` this way)."""
+    gives each replica's sub pool its ``CUDA_VISIBLE_DEVICES`` this way);
+    ``auto_recover``: xoscar's (its default ``"actor"`` restarts a dead sub pool with its
+    actors created again; Xinference's worker pool uses ``"process"``: the process comes
+    back, its actors do not)."""
     os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     prefix = f"{scheme}://" if scheme else ""
     pool = await xo.create_actor_pool(f"{prefix}127.0.0.1:{free_port()}", n_process=n_process,
                                       subprocess_start_method="spawn",
-                                      envs=list(envs) if envs else None)
+                                      envs=list(envs) if envs else None,
+                                      auto_recover=auto_recover)
     try:
         yield pool
     finally:

@@ -118,7 +118,11 @@ class CollectiveManager(xo.StatelessActor):
     def default_uid(cls) -> str:
         return "xavier-collective-manager"
 
-    def __init__(self, model_uid: str, liveness_interval_s: Optional[float] = None) -> None:
+    def __init__(self, model_uid: str, liveness_interval_s: Optional[float] = None,
+                 liveness_timeout_s: Optional[float] = None) -> None:
+        """``liveness_interval_s``: seconds between two checks (default
+        :attr:`LIVENESS_INTERVAL_S`); ``liveness_timeout_s``: how long one check may take
+        before it counts as a miss (default: the interval)."""
         super().__init__()
         self._model_uid = model_uid
         self._addresses: Dict[int, str] = {}
@@ -129,6 +133,7 @@ class CollectiveManager(xo.StatelessActor):
         self._tracker: Any = None
         self._lock = asyncio.Lock()
         self._interval = float(liveness_interval_s or self.LIVENESS_INTERVAL_S)
+        self._timeout = float(liveness_timeout_s or self._interval)
         self._watch: Optional[asyncio.Task] = None
         self.world_updates = 0
         self.ranks_dropped_unreachable = 0
@@ -205,7 +210,7 @@ class CollectiveManager(xo.StatelessActor):
             checked = [(rank, self._generation.get(rank, 0), ref)
                        for rank, ref in self._refs.items()]
         results = await asyncio.gather(
-            *(asyncio.wait_for(ref.is_ready(), self._interval) for _, _, ref in checked),
+            *(asyncio.wait_for(ref.is_ready(), self._timeout) for _, _, ref in checked),
             return_exceptions=True)
         current = {(rank, generation) for rank, generation, _ in checked}
         for stale in [key for key in misses if key not in current]:
