@@ -4,7 +4,8 @@ reliability summary; written as JSON to ``$XAVIER_TEST_RUN_TABLE_JSON`` when tha
 
 Engine starts are counted from the processes themselves, wherever they run (under this
 process, under ``xinference-local``, inside a simulated host's network namespace: one PID
-namespace): a watcher thread lists the machine's processes every ``POLL_S`` seconds and
+namespace): a watcher thread lists this process's descendants (another test run on the
+same machine is not counted) every ``POLL_S`` seconds and
 counts each new vLLM engine-core process (vLLM titles it ``VLLM::EngineCore``) and each
 new ``xinference-local`` / ``xinference-supervisor`` / ``xinference-worker`` process for the
 test file running at that moment.  An engine core lives at least its start-up (10 s and
@@ -19,7 +20,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import psutil
 
@@ -48,7 +49,7 @@ def _cost(path: str) -> FileCost:
 def kind_of(cmdline: List[str]) -> Optional[str]:
     """``"engine"``, ``"server"``, ``"worker"`` or None for a process's command line."""
     text = " ".join(cmdline)
-    if "EngineCore" in text:
+    if "VLLM::EngineCore" in text:  # vLLM's process title (not a script that names it)
         return "engine"
     if "xinference-local" in text or "xinference-supervisor" in text:
         return "server"
@@ -63,6 +64,7 @@ class ProcessWatcher:
     def __init__(self) -> None:
         self._seen: Set[Tuple[int, float]] = set()
         self._stop = threading.Event()
+        self._scanning = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="run-table-watcher",
                                         daemon=True)
         self._scan(count=False)  # what runs before the tests is not theirs
@@ -79,13 +81,25 @@ class ProcessWatcher:
         while not self._stop.wait(POLL_S):
             self._scan(count=True)
 
+    def scan_now(self) -> None:
+        """Count what runs now (the fast loop's check after each test)."""
+        self._scan(count=True)
+
     def _scan(self, count: bool) -> None:
-        for p in psutil.process_iter(["pid", "create_time", "cmdline"]):
+        with self._scanning:
+            self._scan_locked(count)
+
+    def _scan_locked(self, count: bool) -> None:
+        try:  # this run's processes only (another run on the machine is not ours)
+            ours = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        for p in ours:
             try:
-                key = (p.info["pid"], p.info["create_time"])
+                key = (p.pid, p.create_time())
                 if key in self._seen:
                     continue
-                kind = kind_of(p.info["cmdline"] or [])
+                kind = kind_of(p.cmdline())
             except (psutil.Error, TypeError):
                 continue
             if kind is None:
@@ -112,6 +126,21 @@ def note_shared_world(name: str) -> None:
     """A shared world (``tests/support/worlds.py``) was started while this file ran."""
     with _LOCK:
         _cost(_current[0]).shared_worlds.append(name)
+
+
+def engine_starts() -> Dict[str, int]:
+    """Test file -> engines and Xinference servers it started (files that started none are
+    left out)."""
+    with _LOCK:
+        return {p: c.engine_starts + c.xinference_servers for p, c in _COSTS.items()
+                if c.engine_starts + c.xinference_servers}
+
+
+def total_starts() -> int:
+    """Engines and Xinference servers and workers counted so far, every file."""
+    with _LOCK:
+        return sum(c.engine_starts + c.xinference_servers + c.xinference_workers
+                   for c in _COSTS.values())
 
 
 def enter_file(path: str) -> None:
@@ -146,6 +175,27 @@ def table() -> List[str]:
                  f"{sum(c.xinference_servers for c in t):>7}  "
                  f"{sum(c.xinference_workers for c in t):>7}")
     return lines
+
+
+def process_counts() -> Dict[str, Dict[str, Any]]:
+    """What this process's watcher counted, per file (a pytest-xdist worker hands it to the
+    controller, which has the tests' times from their reports)."""
+    with _LOCK:
+        return {p: {"engine_starts": c.engine_starts,
+                    "xinference_servers": c.xinference_servers,
+                    "xinference_workers": c.xinference_workers,
+                    "shared_worlds": list(c.shared_worlds)} for p, c in _COSTS.items()}
+
+
+def add_process_counts(counts: Dict[str, Dict[str, Any]]) -> None:
+    """Add a worker's :func:`process_counts`."""
+    with _LOCK:
+        for path, got in counts.items():
+            cost = _cost(path)
+            cost.engine_starts += int(got["engine_starts"])
+            cost.xinference_servers += int(got["xinference_servers"])
+            cost.xinference_workers += int(got["xinference_workers"])
+            cost.shared_worlds.extend(got["shared_worlds"])
 
 
 def write_json(wall_s: float) -> None:
