@@ -1,83 +1,45 @@
 """Cross-replica prefix hits end to end: two real vLLM engines with Xavier, each in its own
-xoscar sub pool (its engine core a further process), the directory in the test's pool.
+xoscar sub pool (its engine core a further process), the directory in the test's pool (the
+shared ``qwen_pair`` world, reset before each test: ``tests/support/worlds.py``).
 
-Baselines run on replica A with sharing off for the request (``kv_transfer_params=
-{"xavier": False}``: no query, no export).  GPU kernels give bit-identical results only for
-identical computation shapes, so the baseline is computed the way B's run is: A first serves
-the priming prompts with sharing off (computing the shared prefix exactly as its later
-export will), then the asked prompts, whose prefix is then a *local* hit on A.  On CPU, B's
-tokens must also equal a run that computes the whole prompt.  Then A's prefix cache is reset
-and A serves the priming prompts again with sharing on, computing and exporting every block.
-Every load is also checked byte for byte: the bytes in B's destination blocks against the
-bytes in A's storage.
+The baselines and the scenarios (hit, negative control, failed block) are those of
+``tests/support/scenarios.py``.  On CPU, B's tokens must also equal a run that computes the
+whole prompt.  Every load is also checked byte for byte: the bytes in B's destination blocks
+against the bytes in A's storage.
 """
 
 import os
-from typing import Iterator, List
+from typing import Tuple
 
 import pytest
 
 from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_SWITCH_INTERVAL_US
 
-from .support.engines import EngineOptions
 from .support.loop_thread import LoopThread
-from .support.pools import gpus_from_env
 from .support.processes import tokens
-from .support.xavier_replicas import Replicas, replicas_in_loop_thread
+from .support.scenarios import (
+    assert_loaded_bytes_exact,
+    baseline_then_prime,
+    block_names_of,
+    cross_replica_hit,
+    delta,
+    leases,
+    negative_control,
+    primed,
+    serve_with_one_failed_block,
+)
+from .support.worlds import DEVICE, KV_CACHE_DTYPE, World
+from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
 
-#: "cuda" on the GPU machine: two engines share one GPU, storage GPU tiers, CUDA IPC loads
-DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
-#: with DEVICE "cuda": e.g. "0,1" puts each replica on its own GPU (CUDA IPC across GPUs)
-GPUS = gpus_from_env()
-#: vLLM's ``kv_cache_dtype`` for both replicas, e.g. "fp8" on the H200 (issue #18); vLLM's
-#: own default ("auto": the model's dtype) when unset
-KV_CACHE_DTYPE = os.environ.get("XAVIER_TEST_KV_CACHE_DTYPE", "")
 PREFIX = 512  # tokens: 32 blocks of 16
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def world(tiny_model_dir: str) -> Iterator[tuple]:
-    if DEVICE == "cuda":  # vLLM's defaults: CUDA graphs, async scheduling, its model runner
-        opts = EngineOptions(model=tiny_model_dir, extra={
-            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
-            "enforce_eager": os.environ.get("XAVIER_TEST_EAGER") == "1",
-            **({"kv_cache_dtype": KV_CACHE_DTYPE} if KV_CACHE_DTYPE else {})})
-        yield from replicas_in_loop_thread(tiny_model_dir, n=2, gpu_budget="256MiB",
-                                           cpu_budget="64MiB", engine=opts,
-                                           sequential=GPUS is None, gpus=GPUS)
-    else:
-        yield from replicas_in_loop_thread(tiny_model_dir, n=2)
-
-
-def baseline_then_prime(lt: LoopThread, r: Replicas, asked: List[List[int]],
-                        prime: List[List[int]], local_hit: int) -> List[List[int]]:
-    """Tokens of ``asked`` on A without sharing, their first ``local_hit`` tokens a local
-    prefix-cache hit left by ``prime``; then A, its cache reset, serves ``prime`` with
-    sharing on."""
-    a, b = r.replicas
-    lt.run(b.reset_recent_loads())
-    lt.run(a.reset_prefix_cache())
-    lt.run(a.generate(prime, xavier=False))
-    base = lt.run(a.generate(asked, xavier=False))
-    assert all(x["cached"] == local_hit for x in base)
-    lt.run(a.reset_prefix_cache())
-    lt.run(a.generate(prime))
-    return [x["ids"] for x in base]
-
-
-def delta(before: dict, after: dict) -> dict:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
-
-
-def assert_loaded_bytes_exact(lt: LoopThread, r: Replicas, keys_expected: int) -> None:
-    a, b = r.replicas
-    loaded = lt.run(b.loaded_block_digests())
-    stored = lt.run(a.stored_block_digests(list(loaded)))
-    assert len(loaded) >= keys_expected
-    assert stored == loaded  # every block B loaded holds exactly A's bytes
+@pytest.fixture
+def world(qwen_pair: World) -> Tuple[LoopThread, Replicas]:
+    return qwen_pair.pair
 
 
 def test_vllm_defaults_are_kept(world):
@@ -112,18 +74,12 @@ def test_the_kv_cache_dtype_asked_for_is_the_one_shared(world):
 def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     lt, r = world
     a, b = r.replicas
-    shared = tokens(1, PREFIX)
-    asked = shared + tokens(3, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(2, 40)], local_hit=PREFIX)
-    before = lt.run(b.counters())
     stats_before = lt.run(b.connector_stats())
-    out = lt.run(b.generate([asked]))
-    c = delta(before, lt.run(b.counters()))
-    assert out[0]["ids"] == base[0]
+    hit = cross_replica_hit(lt, r, seed=1, prefix=PREFIX)
+    out, c = hit.out, hit.counters
     if DEVICE == "cpu":  # CPU kernels: also equal to computing the whole prompt
         lt.run(a.reset_prefix_cache())
-        assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
-    assert out[0]["cached"] == PREFIX  # B had nothing locally: all of it came from A
+        assert out["ids"] == lt.run(a.generate([hit.scenario.asked], xavier=False))[0]["ids"]
     assert c["hit_blocks"] == PREFIX // BLOCK and c["blocks_written"] == PREFIX // BLOCK
     # B's mapping thread had mapped A while A computed the prefix: the hit paid no mapping
     assert c.get("peer_map_us", 0) == 0 and c.get("load_launch_cpu_us", 0) > 0
@@ -140,7 +96,7 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert vllm_stats.get("blocks_written") == c["blocks_written"]
     assert vllm_stats.get("useful_bytes") == c["useful_bytes"] > 0
     assert vllm_stats.get("batch_calls") == 1
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
     # the default transport maps a peer of the same host (test_nixl_endpoint: through NIXL)
     mapped = lt.run(b.counters())
     assert mapped.get("peers_mapped_ipc") == 1 and mapped.get("peers_mapped_nixl", 0) == 0
@@ -156,50 +112,18 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
 def test_negative_control_copy_skipped_changes_tokens(world):
     """The same checks as above catch a hit whose copy did not happen."""
     lt, r = world
-    a, b = r.replicas
-    shared = tokens(11, PREFIX)
-    asked = shared + tokens(13, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(12, 40)], local_hit=PREFIX)
-    lt.run(b.inject_fault("skip_copy"))
-    out = lt.run(b.generate([asked]))
-    assert out[0]["cached"] == PREFIX  # the hit was claimed ...
-    assert out[0]["ids"] != base[0]  # ... and the missing copy is caught
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
-
-
-def serve_with_one_failed_block(lt: LoopThread, r: Replicas, asked: List[int],
-                                blocks: int) -> List[int]:
-    """B serves ``asked`` (a ``blocks``-block hit) with one loaded block zeroed and reported
-    failed: vLLM recomputes it and nothing computed against it is published.  B's tokens."""
-    a, b = r.replicas
-    before = lt.run(b.counters())
-    lt.run(b.inject_fault("fail_one_block"))  # the middle block is zeroed and reported failed
-    out = lt.run(b.generate([asked]))
-    c = delta(before, lt.run(b.counters()))
-    assert c["faults_fail_one_block"] == 1
-    assert c["blocks_written"] == blocks - 1
-    [(group, block)] = lt.run(b.recorded_faults())
-    # vLLM recomputed from the failed block: it no longer holds the zeros the fault left
-    assert not lt.run(b.engine_block_is_zero(group, block))
-    # what the failed step computed against the zeroed block was never published: every
-    # block B stored equals the (recomputed) engine block it came from
-    assert lt.run(b.stored_vs_engine_mismatches()) == []
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
-    return out[0]["ids"]
+    negative_control(lt, r, seed=11, prefix=PREFIX)
 
 
 def test_failed_block_is_recomputed_by_vllm(world):
     lt, r = world
-    shared = tokens(21, PREFIX)
-    asked = shared + tokens(23, 40)
-    prime = shared + tokens(22, 40)
-    base = baseline_then_prime(lt, r, [asked], [prime], local_hit=PREFIX)
-    ids = serve_with_one_failed_block(lt, r, asked, PREFIX // BLOCK)
+    s = primed(lt, r, seed=21, prefix=PREFIX)
+    ids = serve_with_one_failed_block(lt, r, s.asked, PREFIX // BLOCK)
     if DEVICE == "cpu":
         # CPU kernels give the same bytes whatever the shape: tokens equal the baseline.  On
         # the GPU, blocks 16-31 are recomputed in another shape than A computed them, which
         # may change low bits (then tokens too): that is vLLM's recompute, not a load.
-        assert ids == base[0]
+        assert ids == s.base
 
 
 def test_concurrent_requests_share_one_load_call_per_step(world):
@@ -220,23 +144,7 @@ def test_concurrent_requests_share_one_load_call_per_step(world):
     assert c["batch_calls"] == c["steps_with_loads"] >= 1
     assert c["batch_calls"] < with_hits  # batched: fewer calls than requests
     assert_loaded_bytes_exact(lt, r, 6 * 256 // BLOCK)
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
-
-
-def block_names_of(seed: str, ids: List[int]) -> List[int]:
-    """Xavier's names of the full blocks of ``ids`` as an engine whose ``NONE_HASH`` comes
-    from ``seed`` hashes them (vLLM's sha256 chain, no extra keys)."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens
-
-    from xinference.model.llm.vllm.xavier.planning.block_names import block_name
-
-    fn = get_hash_fn_by_name("sha256")
-    parent, names = BlockHash(fn(seed)), []
-    for i in range(len(ids) // BLOCK):
-        parent = hash_block_tokens(fn, parent, ids[i * BLOCK:(i + 1) * BLOCK])
-        names.append(block_name(parent))
-    return names
+    assert leases(lt, r) == 0
 
 
 def test_block_hashes_come_from_the_launchs_secret_seed(world):
@@ -290,7 +198,7 @@ def test_a_forged_short_key_collision_is_never_loaded(world):
         assert got["ids"] == lt.run(b.generate([prompt], xavier=False))[0]["ids"]
     finally:
         lt.run(r.tracker.claim(1, 0, 0, [slot for _, _, _, slot, _ in forged]))
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
 
 
 def test_prompt_logprob_requests_never_load(world):
@@ -318,7 +226,7 @@ def test_prompt_logprob_requests_never_load(world):
     hit = lt.run(b.generate([asked]))[0]
     assert hit["cached"] == PREFIX  # the control
     assert delta(before, lt.run(b.counters()))["hit_blocks"] == PREFIX // BLOCK
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
 
 
 def test_cache_salts_keep_tenants_apart_across_replicas(world):
@@ -346,4 +254,32 @@ def test_cache_salts_keep_tenants_apart_across_replicas(world):
     assert same["cached"] == PREFIX and c["hit_blocks"] == PREFIX // BLOCK
     if DEVICE == "cpu":  # CPU kernels: a loaded prefix gives the whole-prompt tokens
         assert same["ids"] == alone["ids"]
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
+
+
+def test_the_shared_world_forgets_every_prefix_at_its_reset(qwen_pair):
+    """What the shared world's reset between tests (``tests/support/worlds.py``) promises
+    the next test: a prefix A exported is listed in the directory until the reset and a
+    miss after it (nothing stored, nothing listed, B's and A's local prefix caches empty);
+    B's own blocks of that request are forgotten by the next reset too; the counters since
+    a reset are the test's own.  Control: the same scenario without a reset in between is a
+    hit (the other tests of this module)."""
+    lt, r = qwen_pair.pair
+    a, b = r.replicas
+    s = primed(lt, r, seed=51, prefix=256)
+    assert lt.run(r.tracker.stats())["blocks"] >= 256 // BLOCK  # A's export is listed
+    report = qwen_pair.reset()
+    assert report.cleared_blocks >= 256 // BLOCK
+    assert report.directory_blocks == 0 and report.outstanding_leases == 0
+    out = lt.run(b.generate([s.asked]))[0]
+    assert out["cached"] == 0 and out["ids"] == s.base  # computed by B: a miss
+    since = qwen_pair.since_reset(1)
+    assert since["queries"] == 1 and since.get("hit_blocks", 0) == 0
+    idle = qwen_pair.since_reset(0)  # A served nothing since the reset
+    assert idle.get("queries", 0) == 0 and idle.get("export_exported", 0) == 0
+    lt.run(b.flush())
+    assert lt.run(r.tracker.stats())["blocks"] > 0  # B exported what it computed ...
+    qwen_pair.reset()
+    again = lt.run(b.generate([s.asked]))[0]
+    assert again["cached"] == 0  # ... and the reset forgot that too
+    assert leases(lt, r) == 0

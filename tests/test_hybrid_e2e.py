@@ -8,37 +8,39 @@ KV cache holds as many blocks as plain vLLM's for this model, a cross-replica hi
 tokens of the run without sharing, every loaded block holds the source's bytes, the null
 blocks of the loads were skipped (counted), and a failed load is recomputed without taking
 the engine down (vLLM's own recompute raises on two groups: ``test_hybrid_failures.py``).
-The baselines are made as in ``test_connector_e2e.py``.
+The world is the shared ``hybrid_pair`` (on the GPU machine, ``scripts/gpu-dataplane.sh
+hybrid``, both replicas on one GPU); baselines and scenarios are those of
+``tests/support/scenarios.py``.
 """
 
-import os
-from typing import Iterator
+from typing import Tuple
 
 import pytest
 
 from .support.engines import EngineOptions, EngineProcess
+from .support.loop_thread import LoopThread
 from .support.processes import tokens
-from .support.xavier_replicas import replicas_in_loop_thread
-from .test_connector_e2e import assert_loaded_bytes_exact, baseline_then_prime, delta
+from .support.scenarios import (
+    assert_loaded_bytes_exact,
+    cross_replica_hit,
+    delta,
+    leases,
+    negative_control,
+    primed,
+)
+from .support.worlds import DEVICE, World
+from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
 
-#: "cuda" on the GPU machine (scripts/gpu-dataplane.sh hybrid): both replicas on one GPU
-DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 PREFIX = 512  # tokens: 32 blocks of 16; the window is 3 blocks
 BLOCK = 16
 GROUPS = 2
 
 
-@pytest.fixture(scope="module")
-def world(tiny_hybrid_model_dir: str) -> Iterator[tuple]:
-    if DEVICE == "cuda":  # vLLM's defaults (CUDA graphs, async scheduling), as in the e2e
-        opts = EngineOptions(model=tiny_hybrid_model_dir, extra={
-            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
-        yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2, gpu_budget="256MiB",
-                                           cpu_budget="64MiB", engine=opts, sequential=True)
-    else:
-        yield from replicas_in_loop_thread(tiny_hybrid_model_dir, n=2)
+@pytest.fixture
+def world(hybrid_pair: World) -> Tuple[LoopThread, Replicas]:
+    return hybrid_pair.pair
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_model_dir):
@@ -51,8 +53,10 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_m
     assert lt.run(r.replicas[0].hook("engine_groups")) == list(range(GROUPS))
     if DEVICE == "cuda":  # the GPU's KV cache is sized from free memory: no fixed comparison
         return
+    # vLLM's engine core in the child's own process (one process to start, not three):
+    # the KV cache is sized from the same KV space and the same model either way
     plain = EngineProcess(EngineOptions(model=tiny_hybrid_model_dir),
-                          env={"XAVIER_TEST_HOOKS": ""})
+                          env={"XAVIER_TEST_HOOKS": "", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     try:
         plain_settings = plain.request({"op": "settings"})
     finally:
@@ -65,19 +69,13 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_m
 def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
     lt, r = world
     a, b = r.replicas
-    shared = tokens(31, PREFIX)
-    asked = shared + tokens(33, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(32, 40)], local_hit=PREFIX)
-    before = lt.run(b.counters())
-    out = lt.run(b.generate([asked]))
-    c = delta(before, lt.run(b.counters()))
+    hit = cross_replica_hit(lt, r, seed=31, prefix=PREFIX)
+    out, c = hit.out, hit.counters
     print("\nhybrid hit:", {k: c[k] for k in ("hit_blocks", "blocks_written",
                                               "null_blocks_skipped")})
-    assert out[0]["ids"] == base[0]
     if DEVICE == "cpu":  # CPU kernels: also equal to computing the whole prompt
         lt.run(a.reset_prefix_cache())
-        assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
-    assert out[0]["cached"] == PREFIX  # B had nothing locally: all of it came from A
+        assert out["ids"] == lt.run(a.generate([hit.scenario.asked], xavier=False))[0]["ids"]
     assert c["hit_blocks"] == PREFIX // BLOCK and c["batch_calls"] == 1
     # every position of every group was either loaded or vLLM's null block (skipped): the
     # sliding-window group keeps only the blocks of the window, so most of its were null
@@ -85,19 +83,12 @@ def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
     assert PREFIX // BLOCK - 4 <= c["null_blocks_skipped"] < PREFIX // BLOCK
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
     assert_loaded_bytes_exact(lt, r, c["blocks_written"])
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
 
 
 def test_negative_control_copy_skipped_changes_hybrid_tokens(world):
     lt, r = world
-    a, b = r.replicas
-    shared = tokens(41, PREFIX)
-    asked = shared + tokens(43, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(42, 40)], local_hit=PREFIX)
-    lt.run(b.inject_fault("skip_copy"))
-    out = lt.run(b.generate([asked]))
-    assert out[0]["cached"] == PREFIX and out[0]["ids"] != base[0]
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    negative_control(lt, r, seed=41, prefix=PREFIX)
 
 
 def test_a_failed_load_on_a_hybrid_model_is_recomputed_and_the_engine_serves_on(world):
@@ -106,19 +97,17 @@ def test_a_failed_load_on_a_hybrid_model_is_recomputed_and_the_engine_serves_on(
     engine serves the next request."""
     lt, r = world
     a, b = r.replicas
-    shared = tokens(51, PREFIX)
-    asked = shared + tokens(53, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(52, 40)], local_hit=PREFIX)
+    s = primed(lt, r, seed=51, prefix=PREFIX)
     before = lt.run(b.counters())
     lt.run(b.inject_fault("fail_one_block"))
-    out = lt.run(b.generate([asked]))
+    out = lt.run(b.generate([s.asked]))
     c = delta(before, lt.run(b.counters()))
     assert c["faults_fail_one_block"] == 1 and c["hit_blocks"] == PREFIX // BLOCK
     if DEVICE == "cpu":  # on the GPU a recompute in another shape may change low bits
-        assert out[0]["ids"] == base[0]
+        assert out[0]["ids"] == s.base
     assert out[0]["cached"] < PREFIX  # recomputed, not served from the failed load
     assert lt.run(b.stored_vs_engine_mismatches()) == []
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
     nxt = tokens(54, 100)
     served = lt.run(b.generate([nxt]))[0]["ids"]
     assert len(served) == 16

@@ -8,7 +8,7 @@ loopback), then the whole path: two real vLLM replicas launched with
 through NIXL, tokens equal to the no-sharing run.
 """
 
-from typing import Any, Dict, List
+from typing import Any, List
 
 import numpy as np
 import pytest
@@ -19,17 +19,12 @@ from xinference.model.llm.vllm.xavier.mechanism.nixl_endpoint import (
     open_nixl_endpoint,
 )
 
-from .support.loop_thread import LoopThread
 from .support.pools import actor_pool, nixl_available, sub_pool_addresses
-from .support.processes import tokens
-from .support.xavier_replicas import replicas_in_loop_thread
-from .test_connector_e2e import (
-    BLOCK,
-    PREFIX,
-    assert_loaded_bytes_exact,
-    baseline_then_prime,
-    delta,
-)
+from .support.scenarios import assert_loaded_bytes_exact, cross_replica_hit, leases
+from .support.worlds import World
+
+PREFIX = 512  # tokens: 32 blocks of 16
+BLOCK = 16
 
 needs_nixl = pytest.mark.skipif(not nixl_available(),
                                 reason="NIXL not installed (scripts/setup.sh installs it)")
@@ -110,30 +105,17 @@ def test_plain_pool_receives_copy_to_through_its_nixl_endpoint():
     asyncio.run(run())
 
 
-@pytest.fixture(scope="module")
-def nixl_world(tiny_model_dir: str):
-    if not nixl_available():
-        pytest.skip("NIXL not installed (scripts/setup.sh installs it)")
-    yield from replicas_in_loop_thread(tiny_model_dir, n=2, transport="nixl")
-
-
+@needs_nixl
 @pytest.mark.slow
-def test_replicas_launched_with_nixl_transport_load_through_nixl(nixl_world):
-    lt: LoopThread
-    lt, r = nixl_world
+def test_replicas_launched_with_nixl_transport_load_through_nixl(nixl_pair: World):
+    lt, r = nixl_pair.pair
     a, b = r.replicas
-    shared = tokens(5, PREFIX)
-    asked = shared + tokens(7, 40)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(6, 40)], local_hit=PREFIX)
-    before: Dict[str, int] = lt.run(b.counters())
-    out = lt.run(b.generate([asked]))
-    c = delta(before, lt.run(b.counters()))
-    assert out[0]["ids"] == base[0]
-    assert out[0]["cached"] == PREFIX
+    hit = cross_replica_hit(lt, r, seed=5, prefix=PREFIX)
+    c = hit.counters
     assert c["blocks_written"] == PREFIX // BLOCK and c["load_failures"] == 0
     # one host, but the nixl transport maps the peer through copy_to into B's NIXL endpoint
     after = lt.run(b.counters())
     assert after.get("peers_mapped_nixl", 0) == 1
     assert after.get("peers_mapped_ipc", 0) == 0 and after.get("peers_mapped_sockets", 0) == 0
     assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0

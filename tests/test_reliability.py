@@ -8,8 +8,10 @@ processes, engine-core processes of a killed replica still running.
 
 Faults that cannot be caused on demand in a real engine use the transfer actor's test-only
 fault switch (``stall_load``: hold a load call after its leases were granted); every such
-test also checks the real outcome (tokens, bytes, leases).  The scenario with a killed
-source rank comes last: the world is not usable by later tests after it.
+test also checks the real outcome (tokens, bytes, leases).  The world is the shared
+``qwen_pair`` (reset before each test); the directory restart and the killed source rank
+leave it unusable (the directory's new seed, a dead replica): they are marked
+``breaks_world`` and run last among its users.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ import os
 import re
 import signal
 import time
-from typing import Iterator, List
+from typing import List, Tuple
 
 import numpy as np
 import psutil
@@ -29,19 +31,17 @@ from xinference.model.llm.vllm.xavier.planning.block_names import row_key
 from .support.loop_thread import LoopThread
 from .support.processes import tokens
 from .support.reliability import record
-from .support.xavier_replicas import Replicas, replicas_in_loop_thread
+from .support.scenarios import leases
+from .support.worlds import World
+from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def world(tiny_model_dir: str) -> Iterator[tuple]:
-    yield from replicas_in_loop_thread(tiny_model_dir, n=2)
-
-
-def leases(lt: LoopThread, r: Replicas) -> int:
-    return int(lt.run(r.tracker.stats())["outstanding_leases"])
+@pytest.fixture
+def world(qwen_pair: World) -> Tuple[LoopThread, Replicas]:
+    return qwen_pair.pair
 
 
 def exported_on_a(lt: LoopThread, r: Replicas, prefix: List[int], asked: List[int]) -> List[int]:
@@ -202,12 +202,15 @@ def _settles(lt: LoopThread, r: Replicas, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_directory_restart_then_ranks_reregister_misses_then_hits(world):
+@pytest.mark.breaks_world
+def test_directory_restart_then_ranks_reregister_misses_then_hits(world, qwen_pair):
     import xoscar as xo
 
     from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 
     lt, r = world
+    # the new directory draws a new block-hash seed, which the engines never fetch again
+    qwen_pair.mark_broken("directory restarted")
     a, b = r.replicas
     old_prefix = tokens(7000, 128)
     old_asked = old_prefix + tokens(7001, 20)
@@ -238,8 +241,10 @@ def test_directory_restart_then_ranks_reregister_misses_then_hits(world):
            "miss while gone, miss after restart, then 8-block hit")
 
 
-def test_source_rank_killed_during_a_load(world):
+@pytest.mark.breaks_world
+def test_source_rank_killed_during_a_load(world, qwen_pair):
     lt, r = world
+    qwen_pair.mark_broken("replica A killed")
     a, b = r.replicas
     prefix = tokens(9000, 256)
     asked = prefix + tokens(9001, 20)

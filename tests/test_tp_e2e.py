@@ -16,38 +16,24 @@ step).  The planning side (directory groups, rows and leases per worker) is test
 replica on both GPUs.
 """
 
-import os
-from typing import Iterator
+from typing import Tuple
 
 import pytest
 
-from .support.engines import EngineOptions
-from .support.processes import tokens
-from .support.xavier_replicas import replicas_in_loop_thread
-from .test_connector_e2e import baseline_then_prime, delta
+from .support.loop_thread import LoopThread
+from .support.scenarios import cross_replica_hit, delta, leases, negative_control, primed
+from .support.worlds import DEVICE, TP, World
+from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
 
-DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
-TP = 2
 PREFIX = 256  # tokens: 16 blocks of 16
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def world(tiny_model_dir: str) -> Iterator[tuple]:
-    extra = {"tensor_parallel_size": TP, "distributed_executor_backend": "mp"}
-    if DEVICE == "cuda":  # vLLM's defaults otherwise (CUDA graphs, async scheduling)
-        extra.update({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
-                      "enforce_eager": False})
-        yield from replicas_in_loop_thread(
-            tiny_model_dir, n=2, gpu_budget="256MiB", cpu_budget="64MiB",
-            engine=EngineOptions(model=tiny_model_dir, extra=extra), sequential=True,
-            gpus=["0,1", "0,1"])
-    else:
-        yield from replicas_in_loop_thread(
-            tiny_model_dir, n=2, engine=EngineOptions(model=tiny_model_dir, extra=extra),
-            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, sequential=True)
+@pytest.fixture
+def world(tp_pair: World) -> Tuple[LoopThread, Replicas]:
+    return tp_pair.pair
 
 
 def test_every_worker_of_a_tp_replica_attaches_with_its_own_shard(world):
@@ -60,18 +46,12 @@ def test_every_worker_of_a_tp_replica_attaches_with_its_own_shard(world):
 def test_a_cross_replica_hit_loads_every_shard_and_gives_baseline_tokens(world):
     lt, r = world
     a, b = r.replicas
-    shared = tokens(61, PREFIX)
-    asked = shared + tokens(63, 30)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(62, 30)], local_hit=PREFIX)
-    before = lt.run(b.counters())
-    out = lt.run(b.generate([asked]))
-    c = delta(before, lt.run(b.counters()))
+    hit = cross_replica_hit(lt, r, seed=61, prefix=PREFIX, tail=30)
+    out, c = hit.out, hit.counters
     print("\nTP=2 hit:", {k: c[k] for k in ("hit_blocks", "blocks_written", "batch_calls")})
-    assert out[0]["ids"] == base[0]
     if DEVICE == "cpu":  # CPU kernels: also equal to computing the whole prompt
         lt.run(a.reset_prefix_cache())
-        assert out[0]["ids"] == lt.run(a.generate([asked], xavier=False))[0]["ids"]
-    assert out[0]["cached"] == PREFIX  # all of it came from A
+        assert out["ids"] == lt.run(a.generate([hit.scenario.asked], xavier=False))[0]["ids"]
     blocks = PREFIX // BLOCK
     assert c["hit_blocks"] == blocks  # counted once per replica
     assert c["blocks_written"] == TP * blocks  # every block on every shard
@@ -87,21 +67,14 @@ def test_a_cross_replica_hit_loads_every_shard_and_gives_baseline_tokens(world):
         shard_digests.append(mine)
     common = set(shard_digests[0]) & set(shard_digests[1])
     assert common and all(shard_digests[0][x] != shard_digests[1][x] for x in common)
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    assert leases(lt, r) == 0
 
 
 def test_negative_control_one_shard_not_copied_changes_tokens(world):
     """Worker 1 of B skips its copies (and claims success) while worker 0 loads its shard:
     the tokens differ from the baseline, so the hit test above sees each shard's bytes."""
     lt, r = world
-    a, b = r.replicas
-    shared = tokens(81, PREFIX)
-    asked = shared + tokens(83, 30)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(82, 30)], local_hit=PREFIX)
-    lt.run(b.hook_all("inject_fault", "skip_copy", 1, 1))
-    out = lt.run(b.generate([asked]))
-    assert out[0]["cached"] == PREFIX and out[0]["ids"] != base[0]
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+    negative_control(lt, r, seed=81, prefix=PREFIX, tail=30, tp_rank=1)
 
 
 def test_one_shards_failed_block_is_recomputed_on_every_shard(world):
@@ -110,12 +83,10 @@ def test_one_shards_failed_block_is_recomputed_on_every_shard(world):
     a missing one."""
     lt, r = world
     a, b = r.replicas
-    shared = tokens(71, PREFIX)
-    asked = shared + tokens(73, 30)
-    base = baseline_then_prime(lt, r, [asked], [shared + tokens(72, 30)], local_hit=PREFIX)
+    s = primed(lt, r, seed=71, prefix=PREFIX, tail=30)
     before = lt.run(b.counters())
     lt.run(b.hook_all("inject_fault", "fail_one_block", 1, 1))  # worker 1 only
-    out = lt.run(b.generate([asked]))
+    out = lt.run(b.generate([s.asked]))
     c = delta(before, lt.run(b.counters()))
     blocks = PREFIX // BLOCK
     assert c["faults_fail_one_block"] == 1
@@ -128,5 +99,5 @@ def test_one_shards_failed_block_is_recomputed_on_every_shard(world):
     # ... and nothing computed against the failed block was published, on either worker
     assert lt.run(b.hook_all("stored_vs_engine_mismatches")) == [[]] * TP
     if DEVICE == "cpu":
-        assert out[0]["ids"] == base[0]
-    assert lt.run(r.tracker.stats())["outstanding_leases"] == 0
+        assert out[0]["ids"] == s.base
+    assert leases(lt, r) == 0

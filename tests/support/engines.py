@@ -8,13 +8,14 @@ repository on ``PYTHONPATH`` so the overlay and the test support import there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,15 +59,31 @@ def greedy(max_tokens: int = 16) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def start_in_process_llm(opts: EngineOptions) -> Any:
-    """``vllm.LLM`` with the engine core and worker in this process (fast start)."""
-    os.environ.update(cpu_engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
-    from vllm import LLM
+@contextlib.contextmanager
+def in_process_llm(opts: EngineOptions) -> Iterator[Any]:
+    """``vllm.LLM`` with the engine core and worker in this process (fast start); the
+    environment it needs is this process's only while it lives (a later test's child
+    processes must not inherit ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    env = cpu_engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        from vllm import LLM
 
-    from . import run_table
+        from . import run_table
 
-    run_table.count_in_process_engine()
-    return LLM(**opts.llm_kwargs())
+        run_table.count_in_process_engine()
+        llm = LLM(**opts.llm_kwargs())
+        try:
+            yield llm
+        finally:
+            del llm
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def generate_ids(llm: Any, prompts: Sequence[Any], max_tokens: int = 16) -> List[List[int]]:
@@ -85,6 +102,10 @@ class EngineProcess:
                  start_timeout: float = 300.0) -> None:
         child_env = dict(os.environ)
         child_env.update(cpu_engine_env(env))
+        if child_env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            from . import run_table
+
+            run_table.count_in_process_engine()  # no engine-core process to be seen
         child_env["PYTHONPATH"] = REPO + os.pathsep + child_env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.engine_server", json.dumps(opts.llm_kwargs())],

@@ -198,6 +198,31 @@ class WorkerHooks:
         """Every launched load, export publication and lease release done."""
         self._plane.flush()
 
+    def clear_storage(self) -> Dict[str, int]:
+        """Forget every block this worker's storage holds (the shared worlds' reset between
+        tests, ``tests/support/worlds.py``): each tier's occupied slots are claimed from the
+        directory, as eviction claims them, and freed.  Returns the blocks ``cleared`` and
+        those ``left`` (a slot the directory refused: still leased by a peer's load)."""
+        self._plane.flush()
+        writer = self._plane.writer
+        if writer is None:
+            return {"cleared": 0, "left": 0}
+        cleared = left = 0
+        for tier, groups in writer._alloc.items():
+            for group, alloc in groups.items():
+                with writer._lock:
+                    slots = sorted(alloc._key_of)
+                if not slots:
+                    continue
+                granted = writer._directory.claim(writer.rank, int(tier), group, slots)
+                with writer._lock:
+                    for slot in granted:
+                        alloc.release(slot)
+                cleared += len(granted)
+                left += len(slots) - len(granted)
+        writer._gauges()
+        return {"cleared": cleared, "left": left}
+
     def raw_load(self, request_ids: Sequence[str], offsets: Any, table: Any,
                  leases: Sequence[Sequence[int]]) -> Dict[str, Any]:
         """One load with caller-made metadata (bad-input tests), outside vLLM's steps:

@@ -147,8 +147,10 @@ class ReplicaActor(xo.StatelessActor):
         if not self._xavier_config.get("plain"):
             await self.engine.set_batched_loads(batched)
 
-    async def reset_prefix_cache(self) -> None:
-        await self.engine.reset_prefix_cache()
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset of the local prefix cache; False when vLLM refused it (a request
+        still holds blocks)."""
+        return bool(await self.engine.reset_prefix_cache())
 
     async def counters(self) -> Dict[str, int]:
         return await self._transfer.counters() if self._transfer is not None else {}
