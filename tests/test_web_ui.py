@@ -129,60 +129,56 @@ def wait_ready(server: Server, timeout: float) -> List[Dict[str, Any]]:
 
 
 def test_launch_from_the_web_ui_shares_a_prefix_and_shows_errors(browser, tiny_model_dir,
-                                                                 tmp_path):
-    home = str(tmp_path)
-    server = Server(home)
-    try:
-        page = log_in(browser, server)
-        out = shots()
+                                                                 xinference_server):
+    server = xinference_server
+    page = log_in(browser, server)
+    out = shots()
 
-        # a bad option: the toast names it, nothing is launched
-        dialog = fill_launch_dialog(page, tiny_model_dir, [("XAVIER_CPU_BUDGET", "lots")],
-                                    PARAMS)
-        dialog.get_by_role("button", name="Deploy").click()
-        toast = page.get_by_text("xavier_cpu_budget: 'lots' is not a size", exact=False)
-        toast.first.wait_for(timeout=60_000)
-        page.wait_for_timeout(400)  # the toast slides in
-        page.screenshot(path=os.path.join(out, "web-ui-bad-budget.png"))
-        assert server.call("GET", "/v1/models")["data"] == []
-        assert server.engine_cores() == []
+    # a bad option: the toast names it, nothing is launched
+    dialog = fill_launch_dialog(page, tiny_model_dir, [("XAVIER_CPU_BUDGET", "lots")],
+                                PARAMS)
+    dialog.get_by_role("button", name="Deploy").click()
+    toast = page.get_by_text("xavier_cpu_budget: 'lots' is not a size", exact=False)
+    toast.first.wait_for(timeout=60_000)
+    page.wait_for_timeout(400)  # the toast slides in
+    page.screenshot(path=os.path.join(out, "web-ui-bad-budget.png"))
+    assert server.call("GET", "/v1/models")["data"] == []
+    assert server.engine_cores() == []
 
-        # the launch as a user makes it: two replicas, Xavier on, options as env variables
-        dialog.get_by_role("button", name="Cancel").click()
-        toast.first.wait_for(state="hidden", timeout=60_000)
-        dialog = fill_launch_dialog(page, tiny_model_dir, ENVS, PARAMS,
-                                    os.path.join(out, "web-ui-launch-dialog-top.png"))
-        dialog.screenshot(path=os.path.join(out, "web-ui-launch-dialog.png"))
-        dialog.get_by_role("button", name="Deploy").click()
-        wait_ready(server, 900)
+    # the launch as a user makes it: two replicas, Xavier on, options as env variables
+    dialog.get_by_role("button", name="Cancel").click()
+    toast.first.wait_for(state="hidden", timeout=60_000)
+    dialog = fill_launch_dialog(page, tiny_model_dir, ENVS, PARAMS,
+                                os.path.join(out, "web-ui-launch-dialog-top.png"))
+    dialog.screenshot(path=os.path.join(out, "web-ui-launch-dialog.png"))
+    dialog.get_by_role("button", name="Deploy").click()
+    wait_ready(server, 900)
 
-        # two requests sharing a prefix: Xinference sends them to different replicas, the
-        # second loads the first one's blocks; the hit shows in the worker's metrics
-        text = open(os.__file__).read()
-        prefix = text[:2500]
-        for i in range(2):
-            usage = server.call("POST", "/v1/completions", {
-                "model": MODEL, "prompt": prefix + f"\n# request {i}\n" + text[7000 + 100 * i:
-                                                                              7100 + 100 * i],
-                "max_tokens": 8, "temperature": 0})["usage"]
-            assert usage["completion_tokens"] > 0
-        endpoint = metrics_endpoint(home)
-        hits = wait_for_series(endpoint, "xinference:xavier_requests_with_hits_total", 2, 30)
-        deadline = time.monotonic() + 30
-        while sum(v for _, v in hits) < 1 and time.monotonic() < deadline:
-            time.sleep(1)  # replicas send their counters every few seconds
-            hits = wait_for_series(endpoint, "xinference:xavier_requests_with_hits_total", 2, 5)
-        print("xavier_requests_with_hits per replica:", hits)
-        assert sum(v for _, v in hits) == 1
-        blocks = wait_for_series(endpoint, "xinference:xavier_hit_blocks_total", 2, 5)
-        assert sum(v for _, v in blocks) >= 2500 // 4 // 16
+    # two requests sharing a prefix: Xinference sends them to different replicas, the
+    # second loads the first one's blocks; the hit shows in the worker's metrics
+    text = open(os.__file__).read()
+    prefix = text[:2500]
+    for i in range(2):
+        usage = server.call("POST", "/v1/completions", {
+            "model": MODEL, "prompt": prefix + f"\n# request {i}\n" + text[7000 + 100 * i:
+                                                                          7100 + 100 * i],
+            "max_tokens": 8, "temperature": 0})["usage"]
+        assert usage["completion_tokens"] > 0
+    endpoint = metrics_endpoint(server.home)
+    hits = wait_for_series(endpoint, "xinference:xavier_requests_with_hits_total", 2, 30)
+    deadline = time.monotonic() + 30
+    while sum(v for _, v in hits) < 1 and time.monotonic() < deadline:
+        time.sleep(1)  # replicas send their counters every few seconds
+        hits = wait_for_series(endpoint, "xinference:xavier_requests_with_hits_total", 2, 5)
+    print("xavier_requests_with_hits per replica:", hits)
+    assert sum(v for _, v in hits) == 1
+    blocks = wait_for_series(endpoint, "xinference:xavier_hit_blocks_total", 2, 5)
+    assert sum(v for _, v in blocks) >= 2500 // 4 // 16
 
-        page.get_by_text("Running Models", exact=True).first.click()
-        page.get_by_text(MODEL).first.wait_for(timeout=30_000)
-        page.wait_for_timeout(2000)
-        page.screenshot(path=os.path.join(out, "web-ui-running-model.png"))
+    page.get_by_text("Running Models", exact=True).first.click()
+    page.get_by_text(MODEL).first.wait_for(timeout=30_000)
+    page.wait_for_timeout(2000)
+    page.screenshot(path=os.path.join(out, "web-ui-running-model.png"))
 
-        assert server.call("DELETE", f"/v1/models/{MODEL}") is None
-        assert server.engines_gone() == []
-    finally:
-        server.stop()
+    assert server.call("DELETE", f"/v1/models/{MODEL}") is None
+    assert server.engines_gone() == []

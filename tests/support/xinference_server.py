@@ -27,7 +27,12 @@ LOCAL_CMD = ([LOCAL_SCRIPT] if os.path.exists(LOCAL_SCRIPT) else
 
 
 class Server:
+    """``xinference-local`` in its own process group, its log in ``home``; one serves every
+    test that needs it (the ``xinference_server`` fixture, ``tests/support/worlds.py``)."""
+
     def __init__(self, home: str) -> None:
+        self.home = home
+        self._log_mark = 0
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1")
@@ -69,6 +74,23 @@ class Server:
                 if exc.code != 503 or time.monotonic() > deadline:
                     raise
                 time.sleep(2)
+
+    def begin_test(self) -> None:
+        """Between two tests: no model is left running (a failed test may leave one: it is
+        terminated), and :meth:`log_lines` counts from here."""
+        for model in self.call("GET", "/v1/models")["data"]:
+            self.call("DELETE", f"/v1/models/{model['id']}")
+        if self.engines_gone():
+            raise RuntimeError(f"engines still running after their models were terminated: "
+                               f"{self.engine_cores()}")
+        self._log_mark = os.path.getsize(os.path.join(self.home, "xinference-local.log"))
+
+    def log_lines(self, needle):
+        """The lines of the server's log since :meth:`begin_test` that contain ``needle``."""
+        with open(os.path.join(self.home, "xinference-local.log"), "rb") as f:
+            f.seek(self._log_mark)
+            text = f.read().decode(errors="replace")
+        return [line for line in text.splitlines(keepends=True) if needle in line]
 
     def engine_cores(self):
         return engine_cores(self.proc.pid)
