@@ -16,9 +16,10 @@ Faults: the worker of the host that holds the prefix is killed (SIGKILL, its eng
 too); the other replica's next request still finds the blocks in the directory (the
 supervisor has not noticed yet), its load fails, vLLM recomputes: correct text, no hang,
 no lease left; the directory's liveness check then drops the dead rank and its blocks.
-With the host's worker back, the model launched again shares across the hosts again.
-(Xinference 3.5.0 neither relaunches a replica on a returning worker nor adds replicas to
-Xavier models, so "back" means a new launch.)
+With the host's worker back, the model launched again (with NIXL forced) shares across the
+hosts again.  (Xinference 3.5.0 neither relaunches a replica on a returning worker nor adds
+replicas to Xavier models, so "back" means a new launch.)  Five engine starts in all: the
+baseline, one launch with the automatic transport for the first two tests, the relaunch.
 
 The hosts share one kernel: the workers run with ``UCX_TLS=tcp`` so that UCX does not
 pick its shared-memory transports between them (real separate hosts cannot), and the
@@ -50,6 +51,7 @@ from .support.netns import SimulatedHosts, simulated_hosts
 REQUIRED = os.environ.get("XAVIER_TEST_REQUIRE_NETNS") == "1"  # CI: fail, never skip
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.engine,
     pytest.mark.skipif(os.geteuid() != 0 and not REQUIRED,
                        reason="simulated hosts (network namespaces) need root"),
 ]
@@ -69,8 +71,13 @@ def prompt(i: int, round_: int = 0) -> str:
     return prefix + f"\n# request {i}\n" + TEXT[7000 + 100 * i:7100 + 100 * i]
 
 
+#: the pairs of prompts (round, first request, second request) sent to a launch until one
+#: pair crossed the hosts, and the round of the host-death test (a prefix of its own)
+PAIRS = [(0, 0, 1), (1, 2, 3), (2, 4, 5)]
+DEATH_ROUND = 3
 #: every prompt these tests send: (round, request)
-PROMPTS = [(0, i) for i in range(5)] + [(r, i) for r in (1, 2) for i in (2 * r, 2 * r + 1)]
+PROMPTS = ([(r, i) for r, i0, i1 in PAIRS for i in (i0, i1)]
+           + [(DEATH_ROUND, i) for i in range(3)])
 
 
 class Cluster:
@@ -300,58 +307,94 @@ def launched_across_hosts(cluster: Cluster, transport: str) -> List[str]:
     return world
 
 
-@pytest.mark.parametrize("transport,route", [("xavier", "sockets"), ("nixl", "nixl")])
-def test_a_prefix_computed_on_one_host_is_loaded_on_the_other(cluster, baseline, transport,
-                                                              route):
-    world = launched_across_hosts(cluster, transport)
+class Launch:
+    """The model launched with Xavier and the automatic transport, shared by the first two
+    tests (one launch instead of two: #32); ``world`` is empty once it was terminated."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.world: List[str] = []
+
+    def get(self) -> List[str]:
+        if not self.world:
+            self.world = launched_across_hosts(self.cluster, "xavier")
+        return self.world
+
+    def terminate(self) -> None:
+        if self.world:
+            self.world = []
+            self.cluster.terminate()
+
+
+@pytest.fixture(scope="module")
+def automatic_launch(cluster: Cluster):
+    launch = Launch(cluster)
     try:
-        before = cluster.counters(world)
-        # round robin: the first request goes to one replica (which computes the prefix),
-        # the second to the other (which loads it from the first one's host); a load that
-        # fails is recomputed, so further pairs with new prefixes are tried until the
-        # channel has moved bytes once (the first NIXL connection may time out on a
-        # two-core machine, see doc/multi-host.md)
-        rounds = []
-        for round_ in range(3):
-            i0, i1 = 2 * round_, 2 * round_ + 1
-            listed = cluster.directory()["blocks"]
-            first = cluster.complete(prompt(i0, round_))
-            cluster.wait_published(listed + 2500 // 4 // 16)
-            second = cluster.complete(prompt(i1, round_))
-            rounds.append({"compute_s": round(first["s"], 3), "load_s": round(second["s"], 3)})
-            assert first["text"] == baseline[round_, i0]
-            assert second["text"] == baseline[round_, i1]
-            after = cluster.counters(world)
-            if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
-                break
-        record(f"{transport}: requests (s)", rounds)
-        loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
-        source = 3 - loader
-        assert host_of(world[loader], cluster) != host_of(world[source], cluster)
-        figures = {k: delta(after, before, loader, k) for k in (
-            "hit_blocks", "blocks_written", "load_failures", "remote_fetches", "remote_bytes",
-            "useful_bytes", "load_launch_us", "load_background_us", "peers_mapped_ipc",
-            f"peers_mapped_{route}")}
-        figures["served_bytes (source)"] = delta(after, before, source, "served_bytes")
-        record(f"{transport}: loader counters", figures)
-        assert figures["hit_blocks"] >= 2500 // 4 // 16
-        assert figures["remote_fetches"] >= 1 and figures["remote_bytes"] > 0
-        assert figures["served_bytes (source)"] == figures["remote_bytes"]
-        assert figures[f"peers_mapped_{route}"] == 1  # the channel that moved the bytes
-        assert figures["peers_mapped_ipc"] == 0  # the other host's memory was never mapped
-        assert all(delta(after, before, r, "peers_mapped_ipc") == 0 for r in (1, 2))
-        assert cluster.directory()["outstanding_leases"] == 0
+        yield launch
     finally:
-        cluster.terminate()
+        launch.terminate()
+
+
+def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
+                               transport: str, route: str) -> None:
+    """Pairs of requests with a new prefix each until one pair crossed the hosts, then the
+    loader's counters: the bytes went over ``route`` and no memory of the other host was
+    mapped."""
+    before = cluster.counters(world)
+    # round robin: the first request goes to one replica (which computes the prefix),
+    # the second to the other (which loads it from the first one's host); a load that
+    # fails is recomputed, so further pairs with new prefixes are tried until the
+    # channel has moved bytes once (the first NIXL connection may time out on a
+    # two-core machine, see doc/multi-host.md)
+    rounds = []
+    for round_, i0, i1 in PAIRS:
+        listed = cluster.directory()["blocks"]
+        first = cluster.complete(prompt(i0, round_))
+        cluster.wait_published(listed + 2500 // 4 // 16)
+        second = cluster.complete(prompt(i1, round_))
+        rounds.append({"compute_s": round(first["s"], 3), "load_s": round(second["s"], 3)})
+        assert first["text"] == baseline[round_, i0]
+        assert second["text"] == baseline[round_, i1]
+        after = cluster.counters(world)
+        if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
+            break
+    record(f"{transport}: requests (s)", rounds)
+    loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
+    source = 3 - loader
+    assert host_of(world[loader], cluster) != host_of(world[source], cluster)
+    figures = {k: delta(after, before, loader, k) for k in (
+        "hit_blocks", "blocks_written", "load_failures", "remote_fetches", "remote_bytes",
+        "useful_bytes", "load_launch_us", "load_background_us", "peers_mapped_ipc",
+        f"peers_mapped_{route}")}
+    figures["served_bytes (source)"] = delta(after, before, source, "served_bytes")
+    record(f"{transport}: loader counters", figures)
+    assert figures["hit_blocks"] >= 2500 // 4 // 16
+    assert figures["remote_fetches"] >= 1 and figures["remote_bytes"] > 0
+    assert figures["served_bytes (source)"] == figures["remote_bytes"]
+    assert figures[f"peers_mapped_{route}"] == 1  # the channel that moved the bytes
+    assert figures["peers_mapped_ipc"] == 0  # the other host's memory was never mapped
+    assert all(delta(after, before, r, "peers_mapped_ipc") == 0 for r in (1, 2))
+    assert cluster.directory()["outstanding_leases"] == 0
+
+
+def test_a_prefix_computed_on_one_host_is_loaded_on_the_other(cluster, baseline,
+                                                              automatic_launch):
+    """The automatic transport (no RDMA device here: xoscar's sockets)."""
+    a_prefix_crosses_the_hosts(cluster, baseline, automatic_launch.get(), "xavier",
+                               "sockets")
 
 
 def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
-        cluster, baseline):
-    world = launched_across_hosts(cluster, "sockets")
-    assert cluster.complete(prompt(0))["text"] == baseline[0, 0]
-    cluster.wait_published(2500 // 4 // 16)
+        cluster, baseline, automatic_launch):
+    world = automatic_launch.get()
+    start = cluster.counters(world)
+    listed = cluster.directory()["blocks"]  # (the test before may have left blocks)
+    assert cluster.complete(prompt(0, DEATH_ROUND))["text"] == baseline[DEATH_ROUND, 0]
+    cluster.wait_published(listed + 2500 // 4 // 16)
     counters = cluster.counters(world)
-    source = max((1, 2), key=lambda r: counters[r].get("export_exported", 0))
+    # the replica that computed this round's prefix (the other one may hold blocks of the
+    # test before, on the same launch)
+    source = max((1, 2), key=lambda r: delta(counters, start, r, "export_exported"))
     survivor = 3 - source
     dead_host = 0 if host_of(world[source], cluster) == "A" else 1
     used = {r: counters[r].get("storage_cpu_used_blocks", 0) for r in (1, 2)}
@@ -363,9 +406,9 @@ def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
     cluster.kill_worker(dead_host)
     t0 = time.monotonic()
     # Xinference's round robin hands the next request to the survivor
-    served = cluster.complete_eventually(prompt(1), 120)
+    served = cluster.complete_eventually(prompt(1, DEATH_ROUND), 120)
     record("host death: request after the kill", {k: served[k] for k in ("s", "failed")})
-    assert served["text"] == baseline[0, 1]  # recomputed: the right text, no hang
+    assert served["text"] == baseline[DEATH_ROUND, 1]  # recomputed: the right text, no hang
     after = cluster.counters(survivor_only)
     figures = {k: delta(after, counters, survivor, k) for k in (
         "requests_with_hits", "hit_blocks", "load_failures", "rows_unreachable",
@@ -388,32 +431,24 @@ def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
     assert stats["blocks"] == cluster.counters(survivor_only)[survivor][
         "storage_cpu_used_blocks"]  # the survivor's own blocks only
     # Xinference answers again once its health check has dropped the dead worker
-    served = cluster.complete_eventually(prompt(2), 180)
+    served = cluster.complete_eventually(prompt(2, DEATH_ROUND), 180)
     record("host death: Xinference serves again", {k: served[k] for k in ("total_s", "failed")})
-    assert served["text"] == baseline[0, 2]
+    assert served["text"] == baseline[DEATH_ROUND, 2]
     t1 = time.monotonic()
-    cluster.terminate()
+    automatic_launch.terminate()
     record("host death: terminate took (s)", round(time.monotonic() - t1, 1))
 
-    # the host's worker is back: a new launch shares across the hosts again
-    cluster.start_worker(dead_host)
-    world = launched_across_hosts(cluster, "sockets")
+
+def test_with_the_host_back_a_nixl_launch_shares_across_the_hosts_again(cluster, baseline,
+                                                                         automatic_launch):
+    """The host's worker is back (started again here if a test before killed it): a new
+    launch, with NIXL forced (UCX over TCP), shares across the hosts again."""
+    automatic_launch.terminate()  # (still there if the test before failed)
+    for host in (0, 1):
+        if cluster.workers[host].poll() is not None:
+            cluster.start_worker(host)
+    world = launched_across_hosts(cluster, "nixl")
     try:
-        before = cluster.counters(world)
-        # as in the first test: pairs with new prefixes until one crossed the hosts (the
-        # round robin normally sends the pair's second request to the other replica)
-        for round_, (i0, i1) in enumerate([(3, 4), (2, 3), (4, 5)]):
-            listed = cluster.directory()["blocks"]
-            assert cluster.complete(prompt(i0, round_))["text"] == baseline[round_, i0]
-            cluster.wait_published(listed + 2500 // 4 // 16)
-            assert cluster.complete(prompt(i1, round_))["text"] == baseline[round_, i1]
-            after = cluster.counters(world)
-            if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
-                break
-        record("relaunch: counters", {r: {k: delta(after, before, r, k) for k in (
-            "requests_with_hits", "remote_fetches", "export_published", "load_failures")}
-            for r in (1, 2)})
-        assert sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) == 1
-        assert sum(delta(after, before, r, "load_failures") for r in (1, 2)) == 0
+        a_prefix_crosses_the_hosts(cluster, baseline, world, "nixl", "nixl")
     finally:
         cluster.terminate()

@@ -22,7 +22,7 @@ from .support.pools import actor_pool, sub_pool_addresses
 from .support.processes import engine_cores, tokens
 from .support.xavier_replicas import ReplicaActor
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MODEL_UID = "qwen-tiny"
 
@@ -136,20 +136,8 @@ def test_launch_serve_recover_terminate(tiny_model_dir):
                     break
                 await asyncio.sleep(0.5)
             assert engine_cores() == []
-
-            # a storage budget that holds no KV block fails the launch, naming the option
-            tracker = await xo.create_actor(
-                VLLMBlockTracker, address=sup, uid=f"{VLLMBlockTracker.default_uid()}-bad")
-            cfg = dict(xavier_config(tracker, 1, r1_addr, 2), xavier_cpu_budget="1KiB")
-            bad = await xo.create_actor(ReplicaActor, address=r1_addr, uid="bad-budget",
-                                        rank=1, opts=kwargs, xavier_config=cfg, env=env)
-            with pytest.raises(ValueError, match=r"xavier_cpu_budget: .*1024 bytes.* smaller "
-                                                 r"than one KV block"):
-                await bad.start_transfer([rank0_addr, r1_addr])
-            await xo.destroy_actor(bad)  # Xinference's rollback
-            assert not await xo.has_actor(
-                xo.create_actor_ref(r1_addr, f"{TransferActor.default_uid()}-1"))
-            await xo.destroy_actor(tracker)
+            # (a storage budget that holds no KV block fails the launch naming the option:
+            # test_xinference_local.py's CLI launch, through Xinference's own rollback)
 
     asyncio.run(run())
 
