@@ -7,7 +7,7 @@ import os
 import pytest
 import xoscar as xo
 
-from .support.engines import EngineOptions, generate_ids, start_in_process_llm
+from .support.engines import EngineOptions, generate_ids, in_process_llm
 from .support.pools import actor_pool, sub_pool_addresses
 from .support.probe_actor import OverlayProbeActor
 from .support.tiny_model import TinyQwen2, build_tiny_qwen2
@@ -37,11 +37,8 @@ def test_engine_in_child_process_generates_and_caches_prefixes(engine_process):
 @pytest.mark.slow
 def test_engine_in_process_matches_child_process(tiny_model_dir, engine_process):
     prompts = ["import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
-    llm = start_in_process_llm(EngineOptions(model=tiny_model_dir))
-    try:
+    with in_process_llm(EngineOptions(model=tiny_model_dir)) as llm:
         local = generate_ids(llm, prompts, max_tokens=12)
-    finally:
-        del llm
     remote = engine_process.generate(prompts, max_tokens=12)["ids"]
     assert local == remote
 

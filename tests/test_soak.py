@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from .support.reliability import record
-from .test_storage_multiprocess import world
+from .support.replica_actors import storage_world
 
 pytestmark = pytest.mark.slow
 LOADS, EVERY = 10_000, 500
@@ -18,7 +18,7 @@ LOADS, EVERY = 10_000, 500
 
 def test_ten_thousand_loads_leave_fds_and_rss_flat():
     async def run():
-        pool_cm, tracker, a, b = await world(gpu_blocks=8, cpu_blocks=8)
+        pool_cm, tracker, a, b = await storage_world(gpu_blocks=8, cpu_blocks=8)
         try:
             await a.export([(0, 100 + i, 10 + i) for i in range(4)])
             samples = await b.soak([100, 101, 102, 103], LOADS, EVERY)

@@ -4,36 +4,17 @@ and the loading rank each live in their own xoscar sub pool (spawned processes).
 import asyncio
 
 import pytest
-import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
-
-from .support.pools import actor_pool, nixl_available, sub_pool_addresses
+from .support.pools import nixl_available
 from .support.reliability import record
-from .support.replica_actors import LoaderRankActor, StorageRankActor
+from .support.replica_actors import storage_world
 
 pytestmark = pytest.mark.slow
 
 
-async def world(gpu_blocks, cpu_blocks, remote=False, scheme=""):
-    pool_cm = actor_pool(n_process=3, scheme=scheme)
-    pool = await pool_cm.__aenter__()
-    t_addr, a_addr, b_addr = sub_pool_addresses(pool)
-    uid = f"{VLLMBlockTracker.default_uid()}-model"
-    tracker = await xo.create_actor(VLLMBlockTracker, address=t_addr, uid=uid)
-    a = await xo.create_actor(StorageRankActor, 1, t_addr, uid, gpu_blocks, cpu_blocks, 7,
-                              address=a_addr, uid="rank-1")
-    b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, address=b_addr, uid="rank-2")
-    if remote:
-        await b.map_remote_peer(1, a_addr, "rank-1", await a.storage_layouts())
-    else:
-        await b.map_peer(1, await a.handles())
-    return pool_cm, tracker, a, b
-
-
 def test_export_query_load_across_processes_with_eviction_and_overflow():
     async def run():
-        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4)
+        pool_cm, tracker, a, b = await storage_world(gpu_blocks=2, cpu_blocks=4)
         try:
             # rank 1 fills its 2-slot GPU tier; room made ahead demotes the LRU block
             await a.export([(0, 100, 10), (0, 101, 11)])
@@ -90,7 +71,7 @@ def test_remote_storage_through_xoscar_copy_to(scheme):
     xoscar copy_to: plain sockets, or NIXL (UCX over loopback here) with nixl:// pools."""
 
     async def run():
-        pool_cm, tracker, a, b = await world(gpu_blocks=2, cpu_blocks=4, remote=True,
+        pool_cm, tracker, a, b = await storage_world(gpu_blocks=2, cpu_blocks=4, remote=True,
                                              scheme=scheme)
         try:
             await a.export([(0, 100, 10), (0, 101, 11)])

@@ -12,6 +12,7 @@ from typing import Any, Coroutine, Dict, List, Sequence, Tuple, TypeVar
 import torch
 import xoscar as xo
 
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
 from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
@@ -24,6 +25,8 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
 from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
 from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
+
+from .pools import actor_pool, sub_pool_addresses
 
 LAYERS, BLOCK, N_BLOCKS = 3, (2, 16, 8), 64
 T = TypeVar("T")
@@ -240,3 +243,23 @@ class LoaderRankActor(_RankActor):
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.close)
+
+
+async def storage_world(gpu_blocks: int, cpu_blocks: int, remote: bool = False,
+                        scheme: str = "") -> Tuple[Any, Any, Any, Any]:
+    """The directory, an exporting rank (1) and a loading rank (2), each in its own sub pool
+    of a new pool: ``(pool context, tracker, rank 1, rank 2)``; the caller leaves the pool
+    context (``await pool_cm.__aexit__(None, None, None)``)."""
+    pool_cm = actor_pool(n_process=3, scheme=scheme)
+    pool = await pool_cm.__aenter__()
+    t_addr, a_addr, b_addr = sub_pool_addresses(pool)
+    uid = f"{VLLMBlockTracker.default_uid()}-model"
+    tracker = await xo.create_actor(VLLMBlockTracker, address=t_addr, uid=uid)
+    a = await xo.create_actor(StorageRankActor, 1, t_addr, uid, gpu_blocks, cpu_blocks, 7,
+                              address=a_addr, uid="rank-1")
+    b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, address=b_addr, uid="rank-2")
+    if remote:
+        await b.map_remote_peer(1, a_addr, "rank-1", await a.storage_layouts())
+    else:
+        await b.map_peer(1, await a.handles())
+    return pool_cm, tracker, a, b
