@@ -1,13 +1,17 @@
-"""Shared fixtures: the tiny local model, real vLLM engines, real xoscar pools."""
+"""Shared fixtures: the tiny local models, real vLLM engines, real xoscar pools; the shared
+engine worlds and ``xinference-local`` server (``support/worlds.py``), the order of the run
+that lets them be shared, and the table of what each test file cost (``support/run_table.py``).
+"""
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 import pytest
 
-from .support import run_table
+from .support import run_table, worlds
 from .support.engines import EngineOptions, EngineProcess
 from .support.tiny_model import (
     TinyDeepseekV2,
@@ -17,6 +21,7 @@ from .support.tiny_model import (
     build_tiny_gemma3,
     build_tiny_qwen2,
 )
+from .support.xinference_server import Server
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +51,10 @@ def tiny_mla_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_deepseek_v2(out, TinyDeepseekV2())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def engine_process(tiny_model_dir: str) -> Iterator[EngineProcess]:
-    """A real vLLM V1 CPU engine in a child process (its own engine-core process too)."""
+    """A real vLLM V1 CPU engine in a child process (its own engine-core process too), one
+    per test module."""
     eng = EngineProcess(EngineOptions(model=tiny_model_dir))
     try:
         yield eng
@@ -56,11 +62,127 @@ def engine_process(tiny_model_dir: str) -> Iterator[EngineProcess]:
         eng.close()
 
 
+# ------------------------------------------------------------------ shared engine worlds
+# Each is started by its first user and closed after its last (see support/worlds.py);
+# every test gets it reset.
+def _breaks(request: pytest.FixtureRequest) -> bool:
+    return request.node.get_closest_marker("breaks_world") is not None
+
+
+@pytest.fixture
+def qwen_pair(request: pytest.FixtureRequest, tiny_model_dir: str) -> worlds.World:
+    """Two replicas of the tiny Qwen2 with Xavier, the default launch."""
+    return worlds.use_world("qwen_pair", tiny_model_dir, _breaks(request))
+
+
+@pytest.fixture
+def nixl_pair(request: pytest.FixtureRequest, tiny_model_dir: str) -> worlds.World:
+    """Two replicas of the tiny Qwen2 launched with ``vllm_transfer_backend_type: nixl``."""
+    return worlds.use_world("nixl_pair", tiny_model_dir, _breaks(request))
+
+
+@pytest.fixture
+def hybrid_pair(request: pytest.FixtureRequest, tiny_hybrid_model_dir: str) -> worlds.World:
+    """Two replicas of the tiny Gemma-3 (sliding-window and full attention)."""
+    return worlds.use_world("hybrid_pair", tiny_hybrid_model_dir, _breaks(request))
+
+
+@pytest.fixture
+def tp_pair(request: pytest.FixtureRequest, tiny_model_dir: str) -> worlds.World:
+    """Two tensor-parallel replicas (two workers each) of the tiny Qwen2."""
+    return worlds.use_world("tp_pair", tiny_model_dir, _breaks(request))
+
+
+@pytest.fixture
+def mla_pair(request: pytest.FixtureRequest, tiny_mla_model_dir: str) -> worlds.World:
+    """Two replicas of the tiny DeepSeek-V2 (multi-head latent attention; GPU only)."""
+    return worlds.use_world("mla_pair", tiny_mla_model_dir, _breaks(request))
+
+
+@pytest.fixture
+def xinference_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """One real ``xinference-local`` for the REST, CLI and web-UI tests (started by the
+    first, stopped after the last); no model runs when a test gets it."""
+    server = worlds.shared(
+        "xinference_server", lambda: Server(str(tmp_path_factory.mktemp("xinference-local"))),
+        Server.stop)
+    server.begin_test()
+    return server
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Order the run so that shared parts can be shared: first every test that starts no
+    engine (quick feedback), then each shared part's users one after the other (the part
+    lives only that long; those that break it last), then the tests that start engines or
+    servers of their own.  Within each, the order of collection.  Users of a shared part
+    and of ``engine_process`` get the ``engine`` marker."""
+    shared = worlds.SHARED_FIXTURES
+
+    def key(entry: tuple[int, pytest.Item]) -> tuple[int, int, int]:
+        index, item = entry
+        for rank, fixture in enumerate(shared):
+            if fixture in item.fixturenames:
+                item.add_marker(pytest.mark.engine)
+                return (1 + rank, int(item.get_closest_marker("breaks_world") is not None),
+                        index)
+        if "engine_process" in item.fixturenames:
+            item.add_marker(pytest.mark.engine)
+        if item.get_closest_marker("engine") is not None:
+            return (1 + len(shared), 0, index)
+        return (0, 0, index)
+
+    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+    for item in items:
+        if item.get_closest_marker("engine") is not None:
+            # with pytest-xdist (``--dist loadgroup``, scripts/test.sh) one worker runs all
+            # of them, one after the other in this order: the shared worlds stay shared
+            item.add_marker(pytest.mark.xdist_group("engines"))
+
+
+FAST = os.environ.get("XAVIER_TEST_FAST") == "1"
+_STARTS_BEFORE: List[int] = [0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if FAST and _WATCHER:
+        _WATCHER[0].scan_now()
+        _STARTS_BEFORE[0] = run_table.total_starts()
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures were torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
+    """After a test: close the shared parts the next test does not use (all of them after
+    the last test), and a world the test marked broken.  In the fast loop (``scripts/
+    test.sh --fast``): fail a test that started an engine or a server (it lacks the
+    ``engine`` marker)."""
+    if nextitem is None:
+        worlds.close_unneeded([])
+    else:
+        worlds.close_unneeded(list(nextitem.fixturenames),
+                              nextitem.get_closest_marker("breaks_world") is not None)
+    if FAST and _WATCHER:
+        _WATCHER[0].scan_now()
+        started = run_table.total_starts() - _STARTS_BEFORE[0]
+        if started:
+            pytest.fail(f"the fast loop runs no engine, but this test started {started} "
+                        "vLLM engines or Xinference processes: mark it @pytest.mark.engine")
+
+
 _WATCHER: List[run_table.ProcessWatcher] = []
 
 
+def _xdist_controller(config: pytest.Config) -> bool:
+    """This process hands the tests to pytest-xdist workers (``-n``) and runs none."""
+    return getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Count engine and Xinference process starts per test file (``support/run_table.py``)."""
+    """Count engine and Xinference process starts per test file (``support/run_table.py``);
+    under pytest-xdist each worker counts its own and the controller adds them up."""
+    if _xdist_controller(session.config):
+        return
     watcher = run_table.ProcessWatcher()
     watcher.start()
     _WATCHER.append(watcher)
@@ -77,8 +199,29 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    worlds.close_unneeded([])  # an interrupted run still stops its engines
     for watcher in _WATCHER:
         watcher.stop()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller prints the table
+        from dataclasses import asdict
+
+        from .support import reliability
+
+        workeroutput["xavier_process_counts"] = json.dumps(run_table.process_counts())
+        workeroutput["xavier_reliability_rows"] = json.dumps(
+            [asdict(row) for row in reliability.ROWS])
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's (the controller's side)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    from .support import reliability
+
+    output = getattr(node, "workeroutput", {})
+    if output.get("xavier_process_counts"):
+        run_table.add_process_counts(json.loads(output["xavier_process_counts"]))
+    for row in json.loads(output.get("xavier_reliability_rows") or "[]"):
+        reliability.ROWS.append(reliability.Row(**row))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # type: ignore[no-untyped-def]
