@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Optional
 
 import pytest
 
-from .support import run_table, worlds
+from .support import run_order, run_table, worlds
 from .support.engines import EngineOptions, EngineProcess
 from .support.tiny_model import (
     TinyDeepseekV2,
@@ -112,32 +112,24 @@ def xinference_server(tmp_path_factory: pytest.TempPathFactory) -> Server:
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Order the run so that shared parts can be shared: first every test that starts no
-    engine (quick feedback), then each shared part's users one after the other (the part
-    lives only that long; those that break it last), then the tests that start engines or
-    servers of their own.  Within each, the order of collection.  Users of a shared part
-    and of ``engine_process`` get the ``engine`` marker."""
-    shared = worlds.SHARED_FIXTURES
+    """Order the run so that shared parts can be shared, marking the engine tests
+    (``support/run_order.py``)."""
+    run_order.order_for_sharing(items, worlds.SHARED_FIXTURES)
 
-    def key(entry: tuple[int, pytest.Item]) -> tuple[int, int, int]:
-        index, item = entry
-        for rank, fixture in enumerate(shared):
-            if fixture in item.fixturenames:
-                item.add_marker(pytest.mark.engine)
-                return (1 + rank, int(item.get_closest_marker("breaks_world") is not None),
-                        index)
-        if "engine_process" in item.fixturenames:
-            item.add_marker(pytest.mark.engine)
-        if item.get_closest_marker("engine") is not None:
-            return (1 + len(shared), 0, index)
-        return (0, 0, index)
 
-    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
-    for item in items:
-        if item.get_closest_marker("engine") is not None:
-            # with pytest-xdist (``--dist loadgroup``, scripts/test.sh) one worker runs all
-            # of them, one after the other in this order: the shared worlds stay shared
-            item.add_marker(pytest.mark.xdist_group("engines"))
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker with ``--dist loadgroup``: every engine test must carry its
+    group in its node id (pytest-xdist adds ``@engines``) or the engine tests are spread
+    over the workers, each starting worlds of its own; fail the run at once, saying so."""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = run_order.ungrouped_engine_tests(session.items)
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {len(lost)} engine tests (e.g. {lost[0]}): this "
+            f"pytest ({pytest.__version__}) and pytest-xdist do not work together; install "
+            "the test extras' pinned versions (scripts/setup.sh)")
 
 
 FAST = os.environ.get("XAVIER_TEST_FAST") == "1"
