@@ -9,6 +9,7 @@ against the bytes in A's storage.
 """
 
 import os
+import time
 from typing import Tuple
 
 import pytest
@@ -74,6 +75,13 @@ def test_the_kv_cache_dtype_asked_for_is_the_one_shared(world):
 def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     lt, r = world
     a, b = r.replicas
+    # B's mapping thread maps A ahead, off the step's path; its first try can come before
+    # A's storage is up (a loaded machine: the world just started), then it tries again
+    # PREMAP_RETRY_S later.  Wait for that map: the hit below must pay no mapping.
+    deadline = time.monotonic() + 60
+    while lt.run(b.counters()).get("peers_mapped_ipc", 0) < 1:
+        assert time.monotonic() < deadline, "B's mapping thread never mapped A (60 s)"
+        time.sleep(0.2)
     stats_before = lt.run(b.connector_stats())
     hit = cross_replica_hit(lt, r, seed=1, prefix=PREFIX)
     out, c = hit.out, hit.counters
