@@ -22,6 +22,19 @@ Output length is fixed (``ignore_eos``).  Modes:
 * ``per_request``: Xavier, one load call per request (the baseline; switched on the same
   warm engines with ``XavierEngine.set_batched_loads(False)``, as ``XAVIER_BATCHED_LOADS=0``
   would at launch).
+* ``vllm-offload-fs`` (GPU only: vLLM's offloading runs on CUDA, ROCm and XPU): what a vLLM
+  user would pick instead of Xavier, vLLM's own tiered offloading: two plain replicas with
+  vLLM's ``OffloadingConnector`` (``TieringOffloadingSpec``: a CPU primary tier of
+  ``--peer-cpu-bytes``, default Xavier's GPU + CPU budgets together, and an ``fs`` secondary
+  tier under ``--peer-fs-dir``, one directory for both replicas, so that a block one replica
+  stored is found by the other), the same ``PYTHONHASHSEED`` on both (vLLM's block hashes);
+  routed as the Xavier rows (a group's follow-up on the other replica).
+
+Every row's answers are checked: after the measured rows, a sample of each row's prompts
+(the follow-up turns of the first ``--check-groups`` groups) is generated again on the
+plain replicas one at a time, and the row reports ``tokens_equal_plain`` (how many of the
+sampled requests produced the same tokens): a fast wrong peer cannot win.  The plain rows'
+own figure is the noise floor (vLLM's batch-dependent arithmetic).
 
 ``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
 for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` when asked): what Xavier costs
@@ -70,6 +83,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -139,6 +153,7 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     done = [x for x in results if x is not None]
     ttft = sorted(x["ttft_s"] for x in done if x["ttft_s"] is not None)
     follow = [x for i, x in enumerate(results) if x is not None and i >= groups]
+    followup_cached = sum(x["cached"] for x in follow)
     follow_ttft = sorted(x["ttft_s"] for x in follow if x["ttft_s"] is not None)
     follow_wall = sum(turn_walls[1:])
     delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
@@ -174,9 +189,12 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
         "followup_ttft_p50_ms": 1000 * _pct(follow_ttft, 50),
         "followup_ttft_p95_ms": 1000 * _pct(follow_ttft, 95),
         "external_hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "followup_cached_tokens": followup_cached,
         "local_or_external_cached_rate": sum(x["cached"] for x in done) / prompt_tokens,
         "load_calls": calls, "load_calls_per_request": calls / max(1, len(done)),
         "counters": delta,
+        # every request's tokens, by prompt index (checked against plain vLLM, then dropped)
+        "_ids": [None if x is None else x["ids"] for x in results],
     }
 
 
@@ -189,6 +207,20 @@ def _pct(values: Sequence[float], p: float) -> float:
 
 
 PLAIN_MODES = ("plain", "local-hit", "noop-connector")
+#: vLLM's own KV sharing, each on a pair of its own (plain vLLM with vLLM's connector)
+PEER_MODES = ("vllm-offload-fs",)
+
+
+def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for tiered offloading: its ``OffloadingConnector`` with
+    a CPU primary tier of ``cpu_bytes`` and an ``fs`` secondary tier in ``fs_dir`` (vLLM
+    0.26/0.27: ``vllm/v1/kv_offload/tiering/spec.py``, ``tiering/fs/manager.py``; stores go
+    through to the ``fs`` tier when the CPU store completes, lookups miss the CPU tier and
+    then check the files)."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": int(cpu_bytes),
+                "secondary_tiers": [{"type": "fs", "root_dir": fs_dir}]}}
 
 
 async def bench_modes(model: str, device: str, modes: Sequence[str],
@@ -197,7 +229,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       steady_state: bool = False, budgets: Optional[Dict[str, str]] = None,
                       eager: bool = False, unique: bool = False,
                       switch_interval_us: int = 0, tp: int = 1,
-                      on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None
+                      on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None,
+                      peer_cpu_bytes: int = 0, peer_fs_dir: str = "", check_groups: int = 8
                       ) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
     ``local-hit`` on a pair of plain vLLM engines started beside them; rows interleaved per
@@ -206,9 +239,14 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     short keeps what it measured)."""
     rows: List[Dict[str, Any]] = []
     seed = 1000
-    want_plain = any(m in ("plain", "local-hit") for m in modes) or unique
+    # the plain pair always runs: its rows, and the token check of every other row
+    want_plain = True
     want_noop = "noop-connector" in modes
-    want_xavier = any(m not in PLAIN_MODES for m in modes) or unique
+    want_xavier = any(m not in PLAIN_MODES + PEER_MODES for m in modes) or unique
+    want_fs = "vllm-offload-fs" in modes
+    if want_fs and device != "cuda":
+        raise SystemExit("vllm-offload-fs: vLLM's offloading runs on CUDA, ROCm and XPU "
+                         "only (vllm/v1/kv_offload/cpu/spec.py: get_worker)")
     opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
     if tp > 1:  # every pair (plain too) of tensor-parallel replicas, vLLM's mp executor
         opts.extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
@@ -217,7 +255,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     kw: Dict[str, Any]
     if device == "cuda":
         # two pairs share the GPU when plain rows are asked for
-        util = 0.2 if want_plain and want_xavier and (not gpus or tp > 1) else 0.3
+        pairs_on_gpu = 1 + want_xavier + want_noop + want_fs
+        util = {1: 0.3, 2: 0.2}.get(pairs_on_gpu, 0.13) if (not gpus or tp > 1) else 0.3
         opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
                           max_num_batched_tokens=8192, enforce_eager=eager)
         # Xavier's own defaults (1 GiB GPU tier, 1 GiB CPU tier) unless asked otherwise
@@ -236,18 +275,33 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
         pairs: Dict[str, Replicas] = {}
-        for kind, wanted in (("plain", want_plain), ("noop", want_noop), ("xavier", want_xavier)):
+        settings: Dict[str, Any] = {}
+        # vLLM's offloading pair first: a configuration it refuses fails the run early
+        for kind, wanted in (("vllm-offload-fs", want_fs), ("plain", want_plain),
+                             ("noop", want_noop), ("xavier", want_xavier)):
             if not wanted:
                 continue
             print(f"[serving_bench] starting 2 {kind} replicas ({where})", flush=True)
             t0 = time.perf_counter()
             engine = opts
+            pair_kw = dict(kw)
             if kind == "noop":
                 engine = dataclasses.replace(opts, extra=dict(opts.extra, kv_transfer_config={
                     "kv_connector": "NoopConnector", "kv_role": "kv_both",
                     "kv_connector_module_path": "tests.support.noop_connector"}))
+            if kind == "vllm-offload-fs":
+                fs_dir = os.path.join(peer_fs_dir, f"run-{os.getpid()}-{int(time.time())}")
+                os.makedirs(fs_dir, exist_ok=True)
+                stack.callback(shutil.rmtree, fs_dir, True)
+                transfer = offload_fs_config(peer_cpu_bytes, fs_dir)
+                engine = dataclasses.replace(opts, extra=dict(opts.extra,
+                                                              kv_transfer_config=transfer))
+                # vLLM's block hashes start from a seed: random per engine unless
+                # PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py: init_none_hash)
+                pair_kw["extra_env"] = dict(kw["extra_env"], PYTHONHASHSEED="0")
+                settings[kind] = transfer
             pairs[kind] = await stack.enter_async_context(
-                xavier_replicas(model, n=2, engine=engine, plain=kind != "xavier", **kw))
+                xavier_replicas(model, n=2, engine=engine, plain=kind != "xavier", **pair_kw))
             print(f"[serving_bench] {kind} replicas up in {time.perf_counter() - t0:.0f} s",
                   flush=True)
         if "xavier" in pairs:
@@ -258,21 +312,30 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                                                          vocab), 2, 2, max_tokens, xavier=True)
             if steady_state:
                 await fill_tiers(pairs["xavier"], max(prefixes), vocab)
-        if "plain" in pairs:
-            await run_mode(pairs["plain"], workload(5, 2, 2, min(prefixes), 64, vocab), 2, 2,
-                           max_tokens, xavier=True)
+        for kind in ("plain", "vllm-offload-fs"):
+            if kind in pairs:  # warm-up, not measured
+                await run_mode(pairs[kind], workload(5, 2, 2, min(prefixes), 64, vocab), 2, 2,
+                               max_tokens, xavier=True)
+        checks: List[tuple] = []  # (row, prompts, groups): each row's token check, at the end
 
         async def measure(mode: str, prompts: List[List[int]], c: int, prefix: int,
                           work: str) -> None:
             r = pairs["noop" if mode == "noop-connector" else
-                      "plain" if mode in PLAIN_MODES else "xavier"]
-            if mode not in PLAIN_MODES:
+                      "plain" if mode in PLAIN_MODES else
+                      mode if mode in PEER_MODES else "xavier"]
+            if mode not in PLAIN_MODES + PEER_MODES:
                 await _set_mode(r, mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
-            res = await run_mode(r, prompts, groups if work == "shared" else len(prompts), c,
-                                 max_tokens, xavier=not mode.startswith("none"),
+            n_groups = groups if work == "shared" else len(prompts)
+            res = await run_mode(r, prompts, n_groups, c, max_tokens,
+                                 xavier=not mode.startswith("none"),
                                  sticky=mode == "local-hit")
+            if mode in PEER_MODES:  # vLLM's connector: loaded tokens are the follow-ups'
+                res["external_hit_rate"] = res.pop("followup_cached_tokens") / sum(
+                    len(p) for p in prompts)
+            res.pop("followup_cached_tokens", None)
             res.update(mode=mode, concurrency=c, prefix_tokens=prefix, workload=work)
+            checks.append((res, prompts, n_groups))
             rows.append(res)
             print(_row(res), flush=True)
             on_row(rows)
@@ -306,7 +369,34 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,
                                   max(prefixes), "unique")
+        if settings:
+            for row in rows:
+                if row["mode"] in settings:
+                    row["peer_settings"] = settings[row["mode"]]
+        print(f"[serving_bench] checking every row's tokens against plain vLLM "
+              f"({check_groups} follow-ups per row, one at a time)", flush=True)
+        for row, prompts, n_groups in checks:
+            await check_tokens(pairs["plain"], row, prompts, n_groups, check_groups,
+                               max_tokens)
+            on_row(rows)
     return rows
+
+
+async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[List[int]],
+                       groups: int, sample: int, max_tokens: int) -> None:
+    """Generate a sample of the row's prompts again on plain vLLM (the second turn of the
+    first ``sample`` groups: the requests that loaded another replica's KV; the first turn
+    for unique prompts), one at a time, and record how many gave the row's tokens."""
+    ids = row.pop("_ids")
+    picked = [i for i in range(len(prompts)) if (i >= groups or groups == len(prompts))]
+    picked = picked[:sample]
+    equal = 0
+    for i in picked:
+        out = await plain.replicas[0].generate([prompts[i]], max_tokens=max_tokens,
+                                               xavier=True)
+        equal += out[0]["ids"] == ids[i]
+    row["tokens_checked"] = len(picked)
+    row["tokens_equal_plain"] = equal
 
 
 async def fill_tiers(r: Replicas, prefix: int, vocab: int, max_rounds: int = 200) -> None:
@@ -375,6 +465,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="experiment: after each concurrency's rows, none and batched again "
                     "with sys.setswitchinterval at this many µs in the engine processes "
                     "(through the test hooks, which are otherwise off in the benchmark)")
+    ap.add_argument("--peer-cpu-bytes", help="vllm-offload-fs: the CPU tier per replica "
+                    "(default: Xavier's GPU + CPU budgets together, e.g. 2GiB on cuda)")
+    ap.add_argument("--peer-fs-dir", default="/dev/shm/xavier-bench-vllm-fs",
+                    help="vllm-offload-fs: the fs tier's directory, one for both replicas")
+    ap.add_argument("--check-groups", type=int, default=8,
+                    help="requests per row generated again on plain vLLM to check tokens")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -415,20 +511,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        "args": vars(args), "shape": repr(SHAPES.get(args.shape)),
                        "rows": rows}, f, indent=1)
 
+    from xinference.model.llm.vllm.xavier.planning.budget import parse_bytes
+
+    default_budgets = ("1GiB", "1GiB") if args.device == "cuda" else ("0", "512MiB")
+    peer_cpu_bytes = parse_bytes("--peer-cpu-bytes", args.peer_cpu_bytes) if (
+        args.peer_cpu_bytes) else (parse_bytes("--gpu-budget", args.gpu_budget or
+                                               default_budgets[0])
+                                   + parse_bytes("--cpu-budget", args.cpu_budget or
+                                                 default_budgets[1]))
     rows = asyncio.run(bench_modes(model, args.device, modes, conc, prefixes, args.groups,
                                    args.per_group, args.max_tokens, gpus, args.steady_state,
                                    {"gpu_budget": args.gpu_budget,
                                     "cpu_budget": args.cpu_budget}, eager=args.eager,
                                    unique=args.unique,
                                    switch_interval_us=args.switch_interval_us, tp=args.tp,
-                                   on_row=write))
+                                   on_row=write, peer_cpu_bytes=peer_cpu_bytes,
+                                   peer_fs_dir=args.peer_fs_dir,
+                                   check_groups=args.check_groups))
     write(rows)
     print()
     print(HEADER)
     for r in rows:
         print(_row(r))
+    print("\ntokens equal to plain vLLM (a sample of each row, generated again one at a time):")
     for r in rows:
-        if not r["mode"].startswith("none") and r["mode"] not in PLAIN_MODES:
+        print(f"  {r['mode']:<16}{r.get('workload', 'shared'):>7} C{r['concurrency']:<3} "
+              f"{r.get('tokens_equal_plain', '-')} of {r.get('tokens_checked', '-')}")
+    for r in rows:
+        if not r["mode"].startswith("none") and r["mode"] not in PLAIN_MODES + PEER_MODES:
             print(f"\ncounters ({r['mode']}, C{r['concurrency']}, prefix {r['prefix_tokens']}):")
             for rank, d in enumerate(r["counters"], start=1):
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",

@@ -30,6 +30,8 @@
 #        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
 #        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
 #        call each (a call lasts at most 600 s).
+# peers: issue #35: serving_bench with vLLM's own tiered offloading (vllm-offload-fs) beside
+#        plain, local-hit and batched, 8K prefixes, C1/C8/C32, steady state (not in `all`).
 # Logs and JSON go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
@@ -97,6 +99,26 @@ if has bench; then
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
+fi
+if only peers; then
+  # issue #35: Xavier beside vLLM's own tiered offloading (OffloadingConnector: CPU tier +
+  # a shared fs tier) in one run; vLLM 0.26.0 opens fs files with O_DIRECT, which tmpfs
+  # accepts from Linux 6.6 on: /dev/shm there, else a directory on local disk
+  uname -r | tee "$out/kernel.txt"
+  fsdir=/dev/shm/xavier-bench-vllm-fs
+  python3 -c "import sys,platform; v=tuple(int(x) for x in platform.release().split('.')[:2]); sys.exit(v < (6, 6))" \
+    || fsdir=/tmp/xavier-bench-vllm-fs
+  echo "fs tier in $fsdir" | tee -a "$out/kernel.txt"
+  python3 -c "import nixl" > "$out/nixl-import.txt" 2>&1; echo "nixl import rc $?" >> "$out/nixl-import.txt"
+  timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+    --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 \
+    --steady-state --peer-fs-dir "$fsdir" \
+    --modes "${XAVIER_BENCH_MODES:-plain,local-hit,vllm-offload-fs,batched}" ${XAVIER_BENCH_ARGS:-} \
+    --out "$out/serving_bench-cuda-qwen2.5-0.5b-peers.json" 2>&1 \
+    | grep -v "it/s]" > "$out/serving_bench-peers.log"
+  rc=$((rc | PIPESTATUS[0]))
+  grep -E "^\[serving|^(plain|local-hit|vllm-offload-fs|batched)|^  |tokens equal" \
+    "$out/serving_bench-peers.log" | head -60
 fi
 if only tp; then
   # issue #22: tensor-parallel replicas (needs two GPUs: nvidia-h200-x2)
