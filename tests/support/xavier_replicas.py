@@ -93,13 +93,10 @@ class ReplicaActor(xo.StatelessActor):
 
     async def generate(self, prompts: Sequence[List[int]], max_tokens: int = 16,
                        xavier: bool = True, cache_salt: Optional[str] = None,
-                       prompt_logprobs: Optional[int] = None,
-                       kv_transfer_params: Optional[Dict[str, Any]] = None
-                       ) -> List[Dict[str, Any]]:
+                       prompt_logprobs: Optional[int] = None) -> List[Dict[str, Any]]:
         """Greedy generation of all ``prompts`` concurrently (``cache_salt``: vLLM's tenant
         salt for each; ``prompt_logprobs``: vLLM's, returned as each prompt token's
-        logprob, rounded; ``kv_transfer_params``: vLLM's, for another connector, e.g. the
-        benchmarks' peers).  Per request: token ids, the prompt tokens vLLM did not compute
+        logprob, rounded).  Per request: token ids, the prompt tokens vLLM did not compute
         (local prefix cache + external loads), time to first token and latency (seconds,
         measured here, next to the engine)."""
         import time
@@ -107,8 +104,6 @@ class ReplicaActor(xo.StatelessActor):
         from vllm import SamplingParams
 
         extra = None if xavier else {"kv_transfer_params": {"xavier": False}}
-        if kv_transfer_params is not None:
-            extra = {"kv_transfer_params": dict(kv_transfer_params)}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 extra_args=extra, prompt_logprobs=prompt_logprobs)
 
