@@ -4,10 +4,17 @@ Installed with a ``.pth`` line, so every Python process of the environment
 (supervisor, worker subpools, model actors, vLLM's spawned engine-core and
 worker processes) runs :func:`install` at start-up.  :func:`install` puts
 :class:`XavierOverlayFinder` first on ``sys.meta_path``; the finder claims
-exactly one module name, :data:`TARGET`, and answers with a spec whose
-``__path__`` is this project's package directory, so every submodule follows
-it.  Upstream Xinference's files are never read, written or moved: uninstall
-this project and upstream's package is served again.
+:data:`TARGET` and every module under it and answers each with the module of
+the same path under :data:`FORK_PACKAGE`, the name this project's package is
+installed under: ``xinference.model.llm.vllm.xavier.engine`` *is*
+``_xinference_xavier_fork.engine`` (one module object, two names in
+``sys.modules``, the aliasing setuptools does for ``distutils``).  So a process
+that needs only Xavier (vLLM's engine-core and worker processes loading the
+connector by :data:`FORK_PACKAGE`'s path, an xoscar sub pool unpickling a
+Xavier actor class) does not run upstream's ``xinference/model/__init__.py``,
+which imports every model family of Xinference (~8 s of CPU beside vLLM, ~20 s
+alone, on the 2-core machine).  Upstream Xinference's files are never read,
+written or moved: uninstall this project and upstream's package is served again.
 
 Set ``XINFERENCE_XAVIER_OVERLAY=0`` to switch the overlay off for a process.
 
@@ -33,6 +40,7 @@ when it fails, also after its engines started; upstream's CLI exits 0 then).
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
@@ -60,7 +68,9 @@ logger = logging.getLogger("xinference_xavier_overlay")
 
 
 class XavierOverlayFinder:
-    """Meta-path finder that maps :data:`TARGET` onto :data:`FORK_PACKAGE`'s directory."""
+    """Meta-path finder: :data:`TARGET` and its submodules are aliases of the modules of
+    the same path under :data:`FORK_PACKAGE`; in a child venv it also finds
+    :data:`FORK_PACKAGE` itself (at :attr:`fixed_location`)."""
 
     #: set in a child venv, where the fork package itself is not importable by name
     fixed_location: Optional[str] = None
@@ -78,14 +88,35 @@ class XavierOverlayFinder:
     @classmethod
     def find_spec(cls, fullname: str, path: Optional[Sequence[str]] = None,
                   target: Optional[ModuleType] = None) -> Optional[importlib.machinery.ModuleSpec]:
-        if fullname != TARGET:
+        if fullname == FORK_PACKAGE and cls.fixed_location is not None:
+            init = os.path.join(cls.fixed_location, "__init__.py")
+            return importlib.util.spec_from_file_location(
+                fullname, init, submodule_search_locations=[cls.fixed_location])
+        if fullname != TARGET and not fullname.startswith(TARGET + "."):
             return None
-        location = cls.fork_location()
-        if location is None:
+        if cls.fork_location() is None:
             return None
-        init = os.path.join(location, "__init__.py")
-        return importlib.util.spec_from_file_location(
-            fullname, init, submodule_search_locations=[location])
+        real = FORK_PACKAGE + fullname[len(TARGET):]
+        if importlib.util.find_spec(real) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real))
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads an alias: the module object is the one imported under ``real``."""
+
+    def __init__(self, real: str) -> None:
+        self.real = real
+        self._real_spec: Optional[importlib.machinery.ModuleSpec] = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.real)
+        self._real_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the import system set the alias's spec on the module: the real one stays
+        module.__spec__ = self._real_spec
 
 
 def install(location: Optional[str] = None) -> bool:

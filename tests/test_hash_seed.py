@@ -11,12 +11,13 @@ import pytest
 from xinference.model.llm.vllm.xavier.planning.hash_seed import new_launch_seed, user_seed
 
 # plays vLLM's EngineCore.__init__: the connector's scheduler half is built (here: the
-# seed is handed over), then vLLM calls init_none_hash through its core module
+# seed is handed over; vLLM imports it by the package's installed name, engine.CONNECTOR_MODULE),
+# then vLLM calls init_none_hash through its core module
 HASHES = r"""
 import os, sys
 mode, seed = sys.argv[1], sys.argv[2]
 if mode == "xavier":
-    from xinference.model.llm.vllm.xavier.vllm_side import none_hash
+    from _xinference_xavier_fork.vllm_side import none_hash
     assert none_hash.seed_next_init(seed)
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as k

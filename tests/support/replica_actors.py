@@ -1,6 +1,12 @@
 """Replica-side actors for the multi-process storage tests: a rank that owns an
 engine KV cache and a snapshot storage (its GPU tier in shared memory, or on the GPU with
-``device="cuda"``) and writes it as a worker does, and a rank that loads."""
+``device="cuda"``) and writes it as a worker does, and a rank that loads.
+
+Imported by the package's installed name (``_xinference_xavier_fork``: the same modules as
+``xinference.model.llm.vllm.xavier.*``, see ``_xinference_xavier_overlay``), so that the
+sub pools that unpickle these actors do not import upstream's ``xinference.model``
+(~20 s of CPU per process on the 2-core machine).
+"""
 
 from __future__ import annotations
 
@@ -12,19 +18,19 @@ from typing import Any, Coroutine, Dict, List, Sequence, Tuple, TypeVar
 import torch
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
-from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
-from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
-from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
-from xinference.model.llm.vllm.xavier.mechanism.remote_fetch import fetch_into, serve_blocks
-from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+from _xinference_xavier_fork.block_tracker import VLLMBlockTracker
+from _xinference_xavier_fork.mechanism.block_copy import block_view
+from _xinference_xavier_fork.mechanism.gpu_transfer import GPUTransfer
+from _xinference_xavier_fork.mechanism.kv_schema import layout_of
+from _xinference_xavier_fork.mechanism.remote_fetch import fetch_into, serve_blocks
+from _xinference_xavier_fork.mechanism.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
     open_tier,
 )
-from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
-from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
-from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
+from _xinference_xavier_fork.mechanism.storage_writer import StorageWriter
+from _xinference_xavier_fork.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
+from _xinference_xavier_fork.planning.plan import SlabConfig
 
 from .pools import actor_pool, sub_pool_addresses
 

@@ -15,6 +15,10 @@ plain values in and out.
   are done but reported to vLLM only :data:`HOLD_FINISH_S` later: the window in which a
   test aborts a request whose load vLLM still waits for);
 * readers: SHA-256 of engine blocks, of stored blocks, of the blocks recent loads wrote.
+
+Loaded in vLLM's worker process, so it imports the package by its installed name
+(``_xinference_xavier_fork``, as vLLM loads the connector): the same modules, without
+upstream's ``xinference.model``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence,
 import numpy as np
 import torch
 
-from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, GROUP, KEY, LoadBatch
+from _xinference_xavier_fork.planning.load_batch import DEST, GROUP, KEY, LoadBatch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPlane
+    from _xinference_xavier_fork.vllm_side.worker_plane import WorkerDataPlane
 
 FAULTS = ("skip_copy", "fail_one_block", "stall_load", "hold_finish")
 STALL_LOAD_S = 3.0
@@ -228,12 +232,12 @@ class WorkerHooks:
         """One load with caller-made metadata (bad-input tests), outside vLLM's steps:
         ``failed`` destinations, ``written`` blocks and the ``error`` that refused it
         (metadata that is not a valid batch is refused like the plane refuses it)."""
-        from xinference.model.llm.vllm.xavier.planning.load_batch import (
+        from _xinference_xavier_fork.planning.load_batch import (
             Lease,
             LoadBatch,
             LoadBatchError,
         )
-        from xinference.model.llm.vllm.xavier.planning.step_meta import StepMeta
+        from _xinference_xavier_fork.planning.step_meta import StepMeta
 
         plane = self._plane
         held = tuple(Lease(int(a), int(b)) for a, b in leases)
@@ -260,7 +264,7 @@ class WorkerHooks:
 def _stored_name(writer: Any, group: int, key: int) -> int:
     """The full name of the stored block of ``group`` whose name or load-row key (its low
     63 bits) is ``key`` (loads report row keys); ``key`` itself when none is stored."""
-    from xinference.model.llm.vllm.xavier.planning.block_names import row_key
+    from _xinference_xavier_fork.planning.block_names import row_key
 
     if writer.lookup(group, key) is not None:
         return key

@@ -6,6 +6,11 @@ Mirrors what Xinference 3.5.0 does for a replica (see the contract note):
 ``TransferActor`` next to itself and awaits ``init_xavier()``); the test process
 plays the supervisor and hosts the ``VLLMBlockTracker``.  vLLM spawns its own
 engine-core process under each sub pool.
+
+Imported by the package's installed name (``_xinference_xavier_fork``: the same modules as
+``xinference.model.llm.vllm.xavier.*``, see ``_xinference_xavier_overlay``), so that the
+sub pools that unpickle these actors do not import upstream's ``xinference.model``
+(~20 s of CPU per process on the 2-core machine).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence,
 
 import xoscar as xo
 
-from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+from _xinference_xavier_fork.block_tracker import VLLMBlockTracker
 
 from .engines import EngineOptions, cpu_engine_env
 from .pools import actor_pool, gpu_envs, sub_pool_addresses
@@ -74,13 +79,13 @@ class ReplicaActor(xo.StatelessActor):
 
             self.engine = AsyncLLM.from_engine_args(args)
             return
-        from xinference.model.llm.vllm.xavier.engine import XavierEngine
+        from _xinference_xavier_fork.engine import XavierEngine
 
         self.engine = XavierEngine.from_engine_args(
             args, xavier_config=self._xavier_config, stat_loggers=[_connector_stats_recorder()])
 
     async def start_transfer(self, world_addresses: List[str]) -> bool:
-        from xinference.model.llm.vllm.xavier.transfer import TransferActor
+        from _xinference_xavier_fork.transfer import TransferActor
 
         if self._xavier_config.get("plain"):
             return False

@@ -9,7 +9,6 @@ every method is synchronous, so each runs atomically in the actor.  Its
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -18,8 +17,9 @@ import xoscar as xo
 
 from .planning.block_directory import BlockDirectory, QueryResult
 from .planning.hash_seed import new_launch_seed
+from .planning.log_names import package_logger
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 
 class VLLMBlockTracker(xo.StatelessActor):

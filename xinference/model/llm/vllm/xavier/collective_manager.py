@@ -19,14 +19,14 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, Dict, List, Optional
 
 import xoscar as xo
 
+from .planning.log_names import package_logger
 from .planning.options import TRANSFER_ACTOR_UID, transfer_actor_uid
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 
 class Rank0TransferActor(xo.StatelessActor):

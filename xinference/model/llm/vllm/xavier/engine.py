@@ -25,7 +25,6 @@ request runs, whichever scheduler and runner are used.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from typing import Any, Dict, Optional
 
@@ -34,12 +33,17 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .planning.hash_seed import user_seed
 from .planning.launch_checks import error_text
+from .planning.log_names import INSTALLED_PACKAGE, package_logger
 from .planning.options import XavierOptions
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 CONNECTOR_NAME = "XavierConnector"
-CONNECTOR_MODULE = "xinference.model.llm.vllm.xavier.vllm_side.connector"
+#: vLLM's processes import the connector by the package's installed name
+#: (``_xinference_xavier_fork``), not upstream's package path: the same module (the import
+#: overlay aliases the two), without upstream's ``xinference/model/__init__.py``, which
+#: imports every model family of Xinference (~8 s of CPU per engine process)
+CONNECTOR_MODULE = f"{INSTALLED_PACKAGE}.vllm_side.connector"
 WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
 
 

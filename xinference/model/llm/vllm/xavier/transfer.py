@@ -24,7 +24,6 @@ is up.  The engine's vLLM worker moves the bytes of its own loads and exports
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -43,6 +42,7 @@ from .mechanism.nixl_endpoint import (
 from .mechanism.remote_fetch import StagingRows, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
+from .planning.log_names import package_logger
 from .planning.options import TRANSFER_ACTOR_UID, XavierOptions, transfer_actor_uid
 from .planning.routes import (
     ROUTE_NIXL,
@@ -53,7 +53,7 @@ from .planning.routes import (
     peer_route,
 )
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: how often each rank logs what it did (hit rate, loads, exports, storage), when it did
 ACTIVITY_LOG_S = 30.0

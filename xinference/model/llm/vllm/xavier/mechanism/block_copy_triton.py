@@ -20,14 +20,14 @@ layouts, and :func:`warm` compiles every pair of a worker when it attaches.
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from ..planning.log_names import package_logger
 from .block_copy import copy_rows_device, indices_on
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 try:  # pragma: no cover - exercised on the GPU machine
     import triton

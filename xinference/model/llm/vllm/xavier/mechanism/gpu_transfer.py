@@ -31,7 +31,6 @@ captured.  Mappings are guarded by a lock all the same.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
@@ -41,6 +40,7 @@ import torch
 
 from ..planning.counters import Counters, CounterSink, TransferCounters
 from ..planning.load_batch import Lease, LoadBatch, LoadBatchError, Tier
+from ..planning.log_names import package_logger
 from ..planning.plan import (
     ConflictingWriteError,
     LoadPlan,
@@ -67,7 +67,7 @@ from .load_handle import (
 from .slabs import SlabPool
 from .uva import cuda_views
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 
 class GPUTransfer:

@@ -10,7 +10,6 @@ and the engine parts handed to :meth:`LoadCompletion.start`.
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from dataclasses import dataclass
@@ -20,13 +19,14 @@ import torch
 
 from ..planning.counters import CounterSink
 from ..planning.load_batch import Lease
+from ..planning.log_names import package_logger
 from ..planning.plan import Transfer
 from .block_copy import copy_transfer, slab_as
 from .kv_schema import KVLayout
 from .load_handle import LoadError, LoadHandle, LoadJob, LoadResult, MappedStorage
 from .slabs import SlabPool
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: releases one lease (may raise: counted and reported, the other leases are still released)
 ReleaseLease = Callable[[Lease], None]

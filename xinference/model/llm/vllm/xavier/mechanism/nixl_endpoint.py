@@ -15,14 +15,15 @@ Needs NIXL's Python package (``nixl``, on GPU machines ``nixl_cu12``/``nixl_cu13
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, List
 
 import xoscar as xo
 
-logger = logging.getLogger(__name__)
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
 
 NIXL_SCHEME = "nixl://"
 

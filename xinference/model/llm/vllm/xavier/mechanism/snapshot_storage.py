@@ -13,7 +13,6 @@ block-first, of the layer's dtype.  A CPU tier on a CUDA host is page-locked
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -26,11 +25,12 @@ import torch
 
 from ..planning.budget import validate_budget
 from ..planning.load_batch import Tier
+from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 ShmHandles = Dict[int, List[Tuple[str, str, Tuple[int, ...]]]]
 #: per tier: ("shm", ShmHandles) or ("ipc", CUDA IPC handles per group and layer)

@@ -31,7 +31,6 @@ they are a device gather and a copy into page-locked rows, scattered on the host
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -43,6 +42,7 @@ import torch
 from ..planning.counters import Counters, CounterSink, elapsed_us
 from ..planning.directory_link import DirectoryLink, Entry, ExportRow
 from ..planning.load_batch import Tier
+from ..planning.log_names import package_logger
 from ..planning.slot_allocator import SlotAllocator, take_free_slots
 from . import block_copy_triton
 from .block_copy import (
@@ -54,7 +54,7 @@ from .block_copy import (
 from .kv_schema import KVLayout
 from .uva import cuda_views
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: blocks the room thread demotes and claims per round (per group)
 ROOM_CHUNK_BLOCKS = 512

@@ -24,15 +24,15 @@ registration) alive for as long as the views are used.  ``XAVIER_UVA=0`` turns v
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from ..planning.log_names import package_logger
 from .block_copy import layer_tensor
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 ENV_SWITCH = "XAVIER_UVA"
 

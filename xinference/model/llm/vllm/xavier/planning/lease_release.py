@@ -14,11 +14,12 @@ for every call so far (tests, shutdown).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 from typing import Any, Awaitable, Callable, List, Optional, Sequence
 
-logger = logging.getLogger(__name__)
+from .log_names import package_logger
+
+logger = package_logger(__name__)
 
 #: starts ``release(ids)`` on the directory and returns its future (or None: no directory)
 SendRelease = Callable[[Sequence[int]], Optional["concurrent.futures.Future[Any]"]]

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import enum
-import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .block_directory import QueryResult
+from .log_names import package_logger
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: one call for many lookups: ``[(request_id, keys), ...]`` -> a future of one
 #: :class:`QueryResult` per lookup, in order

@@ -36,7 +36,6 @@ engine releases them after the copies, on every path).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -46,11 +45,12 @@ import numpy as np
 from .block_directory import QueryResult
 from .block_names import row_key
 from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError
+from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
 from .step_meta import ExportRow, StepMeta, StepStats
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]

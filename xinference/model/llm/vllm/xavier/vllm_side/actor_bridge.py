@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import threading
 import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
-logger = logging.getLogger(__name__)
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
 T = TypeVar("T")
 
 _lock = threading.Lock()

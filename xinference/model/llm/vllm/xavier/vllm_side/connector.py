@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ..planning.log_names import PUBLIC_PACKAGE, package_logger
 from ..planning.options import XavierOptions
 from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
@@ -67,7 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 SUPPORTED_VLLM = ("0.26.", "0.27.")
 
@@ -78,7 +79,7 @@ def _configure_logging() -> None:
     level = os.environ.get("XAVIER_LOG_LEVEL")
     if not level:
         return
-    pkg = logging.getLogger(__name__.rsplit(".", 2)[0])
+    pkg = logging.getLogger(PUBLIC_PACKAGE)
     pkg.setLevel(level.upper())
     if not pkg.handlers:
         handler = logging.StreamHandler()

@@ -9,7 +9,6 @@ leave as ONE :class:`~..planning.step_meta.StepMeta`.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -18,6 +17,7 @@ from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
 from ..planning.hash_seed import user_seed
 from ..planning.lease_release import BatchingReleaser, directory_sender
+from ..planning.log_names import package_logger
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
 from ..planning.scheduler_side import SchedulerSide
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: how often the scheduler half asks whether the worker attached (until it has)
 READY_RECHECK_S = 0.5

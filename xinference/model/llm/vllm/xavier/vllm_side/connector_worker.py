@@ -7,12 +7,12 @@ forward, exports after it, finished loads and failed blocks reported back to vLL
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
 from ..planning.load_batch import DEST
+from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
 from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
@@ -20,7 +20,7 @@ from .connector_stats import CounterDeltas, XavierKVConnectorStats
 from .kv_caches import group_layers
 from .worker_plane import WorkerDataPlane
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 
 class XavierConnectorWorker:

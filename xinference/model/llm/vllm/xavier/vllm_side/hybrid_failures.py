@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from typing import Any, Dict, Iterable, Optional, Set, Tuple
 
-logger = logging.getLogger(__name__)
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
 
 #: vLLM's scheduler method that recomputes failed loads
 METHOD = "_update_requests_with_invalid_blocks"

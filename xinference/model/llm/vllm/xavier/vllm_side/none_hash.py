@@ -19,10 +19,11 @@ sharing off for the engine (its hashes would match no other replica's).
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import Any, Callable, Optional
 
-logger = logging.getLogger(__name__)
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
 
 #: the module whose global ``init_none_hash`` vLLM's EngineCore calls
 CORE_MODULE = "vllm.v1.engine.core"

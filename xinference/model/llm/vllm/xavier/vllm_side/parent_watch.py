@@ -11,14 +11,15 @@ is still alive ``grace_s`` later.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import threading
 import time
 from typing import Optional
 
-logger = logging.getLogger(__name__)
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
 
 _started_for: Optional[int] = None
 _lock = threading.Lock()

@@ -17,7 +17,6 @@ world changes.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional, Set
@@ -29,11 +28,12 @@ from ..mechanism.kv_schema import KVLayout
 from ..mechanism.snapshot_storage import open_shm, open_tier
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
+from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions, transfer_actor_uid
 from ..planning.routes import ROUTE_IPC, peer_route
 from .actor_bridge import ActorBridge, LazyActor
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: longest an actor call for a peer may take (world, remote fetch)
 CALL_TIMEOUT_S = 30.0

@@ -32,7 +32,6 @@ of the :class:`PlaneHooks` shape only when ``XAVIER_TEST_HOOKS`` names one
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from ..planning.counters import SharedCounters
 from ..planning.directory_link import DirectoryLink, ShardLink
 from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
+from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
 from ..planning.shards import Shards
@@ -59,7 +59,7 @@ from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
 from .tracker_link import TrackerLink
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: longest an actor call of the plane may take (attach; registering waits ten times this)
 CALL_TIMEOUT_S = 30.0
