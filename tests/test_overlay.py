@@ -71,6 +71,50 @@ def test_fresh_interpreter_and_spawned_child_get_the_fork(tmp_path):
         assert os.path.realpath(path) == os.path.realpath(os.path.join(FORK_DIR, "__init__.py"))
 
 
+ALIASES = r"""
+import json, logging, sys
+import _xinference_xavier_fork.planning.hash_seed as by_fork
+import _xinference_xavier_fork.transfer
+light = "xinference.model" not in sys.modules
+import xinference.model.llm.vllm.xavier.planning.hash_seed as by_public
+import xinference.model.llm.vllm.xavier as public_pkg, _xinference_xavier_fork as fork_pkg
+import xinference.model.llm.vllm.xavier.transfer
+print("REPORT " + json.dumps({
+    "light": light,
+    "same_submodule": by_fork is by_public,
+    "same_package": public_pkg is fork_pkg,
+    "same_in_sys_modules": sys.modules["xinference.model.llm.vllm.xavier.transfer"]
+        is sys.modules["_xinference_xavier_fork.transfer"],
+    "spec_name": by_public.__spec__.name,
+    "logger": _xinference_xavier_fork.transfer.logger.name,
+}))
+"""
+
+
+def test_public_name_is_an_alias_and_the_fork_name_skips_upstream_model_package(tmp_path):
+    """vLLM's engine processes import the connector by the installed name: that must not
+    run upstream's ``xinference/model/__init__.py`` (every model family, ~8 s of CPU per
+    process), and the public name must give the very same module objects (one class, one
+    registry), with loggers under the public name users configure."""
+    script = tmp_path / "aliases.py"
+    script.write_text(ALIASES)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, cwd=str(tmp_path), timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("REPORT "):])
+    assert out == {
+        "light": True,
+        "same_submodule": True,
+        "same_package": True,
+        "same_in_sys_modules": True,
+        "spec_name": "_xinference_xavier_fork.planning.hash_seed",
+        "logger": "xinference.model.llm.vllm.xavier.transfer",
+    }
+
+
 def test_overlay_off_serves_upstream(tmp_path):
     out = run_report(tmp_path, env={overlay.ENV_SWITCH: "0"})
     path, fork = out["main"]
