@@ -1,6 +1,7 @@
 """The batched load engine on real tensors (CPU here; the same tests run on CUDA
 when a device is present: XAVIER_TEST_DEVICE=cuda)."""
 
+import asyncio
 import os
 import threading
 
@@ -40,13 +41,13 @@ CFG = SlabConfig(full_rows=8, small_rows=2, switch_after=2)
 
 
 class Releaser:
-    def __init__(self, fail_ids=()):
-        self.released, self.fail_ids = [], set(fail_ids)
+    def __init__(self, fail_ids=(), error=RuntimeError):
+        self.released, self.fail_ids, self.error = [], set(fail_ids), error
 
     def __call__(self, lease: Lease) -> None:
         self.released.append(lease.lease_id)
         if lease.lease_id in self.fail_ids:
-            raise RuntimeError(f"directory unreachable for lease {lease.lease_id}")
+            raise self.error(f"directory unreachable for lease {lease.lease_id}")
 
 
 def assert_equal_bits(got, exp):
@@ -268,6 +269,33 @@ def test_partial_lease_release_failure_is_reported_and_others_released():
     assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
     record("one lease release fails (load engine)", 1, 1, 1, 0,
            "3 of 4 released, 1 error reported once")
+
+
+def test_a_release_cancelled_mid_load_does_not_stop_the_other_releases():
+    """A release callback raising ``CancelledError`` (a ``BaseException``: the bridge's
+    call was cancelled) is one failed release, like any other; the rest are released."""
+    world, local = _simple()
+    s = world.slot_of
+    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3)]]
+    releaser = Releaser(fail_ids={1}, error=asyncio.CancelledError)
+
+    eng = engine_with(world, local, releaser)
+    res = eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)]).wait(30)
+    assert sorted(releaser.released) == [1, 2, 3, 4]
+    assert len(res.lease_release_errors) == 1 and "CancelledError" in res.lease_release_errors[0]
+    assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
+    eng.close()
+
+
+def test_a_release_interrupted_releases_the_rest_then_reraises():
+    world, local = _simple()
+    releaser = Releaser(fail_ids={2}, error=KeyboardInterrupt)
+    eng = engine_with(world, local, releaser)
+    with pytest.raises(KeyboardInterrupt):
+        eng._completion.release_all([Lease(i, 1) for i in range(1, 4)])
+    assert releaser.released == [1, 2, 3]
+    assert eng.counters.lease_release_failures == 1
+    eng.close()
 
 
 def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):

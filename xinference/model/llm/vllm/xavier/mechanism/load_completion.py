@@ -185,18 +185,26 @@ class LoadCompletion:
         self.sink.add("loads_in_background")
 
     def release_all(self, leases: Sequence[Lease]) -> List[str]:
-        """Release every lease of ``leases`` (one failing does not stop the others);
-        returns the errors, counted in ``lease_release_failures``."""
+        """Release every lease of ``leases``: one failing, with any exception (also a
+        ``BaseException`` such as ``asyncio.CancelledError`` from a cancelled bridge call),
+        does not stop the others; returns the errors, counted in ``lease_release_failures``.
+        A ``KeyboardInterrupt`` or ``SystemExit`` is re-raised, but only after every lease
+        was tried."""
         errors: List[str] = []
         if not leases or self._release_lease is None:
             return errors
+        ending: Optional[BaseException] = None
         for lease in leases:
             try:
                 self._release_lease(lease)
-            except Exception as exc:
+            except BaseException as exc:
                 self.sink.add("lease_release_failures")
                 errors.append(f"lease {lease.lease_id} on rank {lease.rank}: {exc!r}")
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) and ending is None:
+                    ending = exc
         if errors:
             logger.error("rank %d: %d of %d lease releases failed: %s", self.rank, len(errors),
                          len(leases), "; ".join(errors))
+        if ending is not None:
+            raise ending
         return errors
