@@ -222,3 +222,20 @@ def test_ranks_of_another_tensor_parallel_degree_are_refused_naming_it():
     d.unregister_rank(1)
     d.unregister_rank(2)
     d.register_rank(3, tp_size=4)  # no rank of the old degree left: accepted
+
+
+def test_a_recreated_directory_hands_out_no_lease_id_of_the_old_one():
+    """A reader that held a lease of the old incarnation (the supervisor's directory actor
+    was re-created) releases it late: that must free no lease of the new incarnation (with
+    ids restarting at 1 it freed another replica's lease of the same id, and the source
+    then reused the slot under that replica's load)."""
+    old = BlockDirectory()
+    old.register(0, [(0, 7, 0, 3, 1)])
+    held = old.query(0, [7], exclude_rank=1).lease_ids
+    new = BlockDirectory()
+    new.register(0, [(0, 7, 0, 3, 1)])
+    live = new.query(0, [7], exclude_rank=2).lease_ids
+    assert len(held) == len(live) == 1 and not set(held) & set(live)
+    assert new.release(held) == 0 and new.stats.unknown_releases == 1
+    assert new.claim(0, 0, 0, [3]) == []  # the live lease still protects the slot
+    assert all(0 < i < 2 ** 63 for i in held + live)

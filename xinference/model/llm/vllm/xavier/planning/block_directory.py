@@ -24,6 +24,8 @@ each one is atomic with respect to the others.
   reused, and a query never returns a slot being reused.
 * :meth:`BlockDirectory.unregister_rank` purges a rank (its leases die too:
   a load from a dead rank fails and vLLM recomputes).
+* Lease ids are unique across directory incarnations (:func:`fresh_lease_ids`): a late
+  release from before a directory was re-created frees nothing of the new one's.
 
 Memory is bounded by the number of registered slots (one key per slot, one
 location per (key, rank)); ``max_leases`` bounds outstanding leases.
@@ -32,6 +34,7 @@ location per (key, rank)); ``max_leases`` bounds outstanding leases.
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
@@ -88,6 +91,18 @@ def _query_result(keys: Tuple[int, ...], locations: np.ndarray,
     return QueryResult(keys, tuple(map(Location._make, rows)), tuple(lease_ids.tolist()))
 
 
+#: lease ids of one directory incarnation start at a random offset below this bound, so
+#: that the ranges of two incarnations overlap with a chance of about (leases granted) / 2**62
+LEASE_ID_SPACE = 2 ** 62
+
+
+def fresh_lease_ids() -> itertools.count[int]:
+    """Lease ids of a new directory incarnation: consecutive from a random start, so that a
+    release that outlived an older incarnation (a re-created supervisor actor) names no
+    lease of this one and is counted as unknown.  Stays within ``int64``."""
+    return itertools.count(1 + secrets.randbelow(LEASE_ID_SPACE))
+
+
 @dataclass
 class DirectoryStats:
     """The directory's counters (``VLLMBlockTracker.stats``)."""
@@ -121,7 +136,9 @@ class BlockDirectory:
     _ranks: Set[int] = field(default_factory=set)
     #: rank -> its engine's tensor-parallel degree (given at register_rank)
     _tp_sizes: Dict[int, int] = field(default_factory=dict)
-    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    #: lease ids: unique across directory incarnations (a re-created directory must not
+    #: hand out an id that an old incarnation's reader may still release late)
+    _ids: itertools.count[int] = field(default_factory=lambda: fresh_lease_ids())
     stats: DirectoryStats = field(default_factory=DirectoryStats)
 
     # ---------------------------------------------------------------- ranks
