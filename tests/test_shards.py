@@ -126,13 +126,15 @@ def test_shard_link_names_directory_groups_in_register_claim_and_move():
     shards = Shards(num_groups=2, tp_size=2)
     link = ShardLink(LocalDirectory(directory), shards, tp_rank=1)
     assert link.register(1, [(1, 77, 0, 5, 1)]) == 1
-    assert directory.query(3, [77]).num_hits == 1  # group 1 of worker 1 -> directory group 3
+    hit = directory.query(3, [77])
+    assert hit.num_hits == 1  # group 1 of worker 1 -> directory group 3
     assert directory.query(1, [77]).num_hits == 0
-    directory.release(range(1, 10))
+    directory.release(hit.lease_ids)
     assert link.move(1, [(1, 77, 1, 9, 1)], 0, 1, [5]) == [5]  # demoted: CPU slot 9
-    loc = directory.query(3, [77]).locations[0]
+    hit = directory.query(3, [77])
+    loc = hit.locations[0]
     assert (loc.tier, loc.group, loc.slot) == (1, 3, 9)
-    directory.release(range(1, 10))
+    directory.release(hit.lease_ids)
     assert link.claim(1, 1, 1, [9]) == [9]
     assert directory.query(3, [77]).num_hits == 0
     with pytest.raises(ValueError, match="^tp_rank"):
