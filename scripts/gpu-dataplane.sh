@@ -47,7 +47,7 @@ has() { case "$what" in *" $1 "*|*" all "*) return 0 ;; esac; return 1; }
 only() { case "$what" in *" $1 "*) return 0 ;; esac; return 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
+export PYTHONPATH=$PWD/scripts/gpu_site:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 rc=0
 if has tests || has units; then

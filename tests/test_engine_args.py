@@ -83,6 +83,17 @@ def test_gpu_budget_must_fit_next_to_vllm():
                          kv_cache_memory_bytes=125 * gib)
 
 
+def test_vllm_loads_the_connector_by_the_installed_name():
+    """Installed, the connector's module path is the installed name (no upstream
+    ``xinference.model`` import in vLLM's engine processes), and it names this very module."""
+    import importlib
+
+    from xinference.model.llm.vllm.xavier.vllm_side import connector
+
+    assert CONNECTOR_MODULE == "_xinference_xavier_fork.vllm_side.connector"
+    assert importlib.import_module(CONNECTOR_MODULE) is connector
+
+
 def test_the_names_vllm_loads_exist():
     """vLLM imports the connector and the worker extension by these names in its own
     processes: each must resolve (a moved module fails here, not in a replica)."""

@@ -33,17 +33,19 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .planning.hash_seed import user_seed
 from .planning.launch_checks import error_text
-from .planning.log_names import INSTALLED_PACKAGE, package_logger
+from .planning.log_names import package_logger
 from .planning.options import XavierOptions
 
 logger = package_logger(__name__)
 
 CONNECTOR_NAME = "XavierConnector"
-#: vLLM's processes import the connector by the package's installed name
-#: (``_xinference_xavier_fork``), not upstream's package path: the same module (the import
-#: overlay aliases the two), without upstream's ``xinference/model/__init__.py``, which
-#: imports every model family of Xinference (~8 s of CPU per engine process)
-CONNECTOR_MODULE = f"{INSTALLED_PACKAGE}.vllm_side.connector"
+#: vLLM's processes import the connector by the name this package was loaded under: where it
+#: is installed (the import overlay aliases the public name to it) that is
+#: ``_xinference_xavier_fork``, the same module as the public path without upstream's
+#: ``xinference/model/__init__.py``, which imports every model family of Xinference (~8 s of
+#: CPU per engine process); from a source tree on ``PYTHONPATH`` with no overlay (namespace
+#: packages, no install) it is the public ``xinference.model.llm.vllm.xavier``
+CONNECTOR_MODULE = f"{__package__}.vllm_side.connector"
 WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
 
 
