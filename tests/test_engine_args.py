@@ -94,6 +94,15 @@ def test_vllm_loads_the_connector_by_the_installed_name():
     assert importlib.import_module(CONNECTOR_MODULE) is connector
 
 
+def test_xavier_worker_extension_by_its_public_path_is_xavier_s(model):
+    """A user who names Xavier's own worker extension by the public path gets it (loaded by
+    the installed name, and ``init_xavier`` still attaches at once)."""
+    public = "xinference.model.llm.vllm.xavier.vllm_side.connector.XavierWorkerExtension"
+    args = AsyncEngineArgs(model=model, worker_extension_cls=public)
+    prepare_engine_args(args, CFG, {})
+    assert args.worker_extension_cls == WORKER_EXTENSION != public
+
+
 def test_the_names_vllm_loads_exist():
     """vLLM imports the connector and the worker extension by these names in its own
     processes: each must resolve (a moved module fails here, not in a replica)."""

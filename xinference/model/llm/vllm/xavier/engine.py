@@ -33,7 +33,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from .planning.hash_seed import user_seed
 from .planning.launch_checks import error_text
-from .planning.log_names import package_logger
+from .planning.log_names import package_logger, public_name
 from .planning.options import XavierOptions
 
 logger = package_logger(__name__)
@@ -55,6 +55,11 @@ def xavier_kv_transfer_config(options: XavierOptions) -> KVTransferConfig:
                             kv_connector_extra_config=options.to_extra_config())
 
 
+def is_xavier_worker_extension(name: str) -> bool:
+    """``name`` is Xavier's worker extension, under either of the package's names."""
+    return public_name(name) == public_name(WORKER_EXTENSION)
+
+
 def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
                         environ: Optional[Dict[str, str]] = None) -> XavierOptions:
     """Validate and apply Xavier's settings to ``engine_args`` (in place)."""
@@ -74,7 +79,8 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
                     "seed; unset, Xavier draws a secret one per launch)")
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)
-    if not getattr(engine_args, "worker_extension_cls", ""):
+    asked = getattr(engine_args, "worker_extension_cls", "")
+    if not asked or is_xavier_worker_extension(asked):
         engine_args.worker_extension_cls = WORKER_EXTENSION
     else:  # the user's extension stays; workers then attach at their next step instead
         logger.info("xavier: worker_extension_cls %r kept; init_xavier will not force the "
@@ -135,7 +141,7 @@ class XavierEngine(AsyncLLM):
     async def init_xavier(self) -> bool:
         """Attach the workers' KV caches to the rank's transfer actor now (otherwise they
         attach on their own within a second of the next step)."""
-        if self.vllm_config.parallel_config.worker_extension_cls != WORKER_EXTENSION:
+        if not is_xavier_worker_extension(self.vllm_config.parallel_config.worker_extension_cls):
             logger.info("xavier: init_xavier: a user worker extension is set; workers attach "
                         "at their next step")
             return False
