@@ -79,6 +79,9 @@ light = "xinference.model" not in sys.modules
 import xinference.model.llm.vllm.xavier.planning.hash_seed as by_public
 import xinference.model.llm.vllm.xavier as public_pkg, _xinference_xavier_fork as fork_pkg
 import xinference.model.llm.vllm.xavier.transfer
+# the other order (what Xinference does): a module first imported by the public name
+assert "_xinference_xavier_fork.planning.slot_allocator" not in sys.modules
+import xinference.model.llm.vllm.xavier.planning.slot_allocator as public_first
 print("REPORT " + json.dumps({
     "light": light,
     "same_submodule": by_fork is by_public,
@@ -86,6 +89,9 @@ print("REPORT " + json.dumps({
     "same_in_sys_modules": sys.modules["xinference.model.llm.vllm.xavier.transfer"]
         is sys.modules["_xinference_xavier_fork.transfer"],
     "spec_name": by_public.__spec__.name,
+    "public_first": [public_first.__name__, public_first.__spec__.name,
+                     sys.modules["_xinference_xavier_fork.planning.slot_allocator"] is public_first,
+                     public_pkg.planning.slot_allocator is public_first],
     "logger": _xinference_xavier_fork.transfer.logger.name,
 }))
 """
@@ -111,6 +117,8 @@ def test_public_name_is_an_alias_and_the_fork_name_skips_upstream_model_package(
         "same_package": True,
         "same_in_sys_modules": True,
         "spec_name": "_xinference_xavier_fork.planning.hash_seed",
+        "public_first": ["_xinference_xavier_fork.planning.slot_allocator",
+                         "_xinference_xavier_fork.planning.slot_allocator", True, True],
         "logger": "xinference.model.llm.vllm.xavier.transfer",
     }
 
