@@ -11,6 +11,11 @@ import pytest
 PROBE = ("import xinference.model.llm.vllm.xavier as x; "
          "print(getattr(x, 'XAVIER_FORK', False), x.__file__)")
 
+FORK_PROBE = ("import sys, _xinference_xavier_fork.planning.slot_allocator as f; "
+              "light = 'xinference.model' not in sys.modules; "
+              "import xinference.model.llm.vllm.xavier.planning.slot_allocator as p; "
+              "print(light, f is p)")
+
 
 def run(cmd, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)
@@ -37,6 +42,11 @@ def test_child_venv_imports_the_fork(child_venv):
     flag, path = out.stdout.strip().splitlines()[-1].split()
     assert flag == "True"
     assert "site-packages/xinference/" not in path
+    # vLLM's engine processes load the connector by the installed name: in the child venv
+    # (no editable finder there) the overlay finds it, and it is the public name's module
+    out = run([os.path.join(env_path, "bin", "python"), "-c", FORK_PROBE])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True"
 
 
 def test_negative_control_without_the_bootstrap_upstream_is_served(child_venv):
