@@ -138,7 +138,7 @@ class BlockDirectory:
     _tp_sizes: Dict[int, int] = field(default_factory=dict)
     #: lease ids: unique across directory incarnations (a re-created directory must not
     #: hand out an id that an old incarnation's reader may still release late)
-    _ids: itertools.count[int] = field(default_factory=lambda: fresh_lease_ids())
+    _ids: itertools.count[int] = field(default_factory=fresh_lease_ids)
     stats: DirectoryStats = field(default_factory=DirectoryStats)
 
     # ---------------------------------------------------------------- ranks
