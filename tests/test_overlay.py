@@ -201,3 +201,12 @@ def test_regular_wheel_install_leaves_upstream_untouched(tmp_path):
     path, fork = json.loads(line[-1][7:])["main"]
     assert fork is True and path.startswith(str(target / "_xinference_xavier_fork"))
     assert upstream_tree_digest() == before
+
+
+def test_the_package_s_two_names_agree_with_the_overlay_s():
+    """The package spells its two names itself (it must not import the overlay module):
+    they must be the overlay's."""
+    from xinference.model.llm.vllm.xavier.planning import log_names
+
+    assert log_names.PUBLIC_PACKAGE == overlay.TARGET
+    assert log_names.INSTALLED_PACKAGE == overlay.FORK_PACKAGE
