@@ -154,3 +154,47 @@ def test_loads_the_scheduler_could_not_express_are_reported_failed():
     assert plane.finished() == ({"r", "s"}, {5, 6})
     assert plane.finished() == (set(), set())
     plane.close()
+
+
+def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
+    """The rank's actor answers a read from another host with the row set that holds the
+    bytes (a second set once a timed-out read still ran: tests/test_remote_fetch.py): the
+    worker copies that set's rows, mapping it on first sight, and set 0 otherwise."""
+    import torch
+
+    from xinference.model.llm.vllm.xavier.mechanism.remote_fetch import StagingSets
+
+    plane = plane_of()
+    layout = plane.layout
+    sets = StagingSets(layout, 4)
+    with sets.taken(), sets.taken():  # allocate the second set
+        pass
+    for index in (0, 1):
+        for t in sets.rows(index, 0, 4):
+            t.fill_(0x10 + index)
+    answers = []
+
+    class Own:
+        async def fetch_blocks(self, rank, tier, group, slots, tp_rank):
+            return len(slots), answers.pop(0)
+
+        async def staging_handles(self, tp_rank, index):
+            return sets.handles(index)
+
+    plane.peers.opened({"staging": sets.handles(0), "host": "h", "world": []})
+    fetch = plane.peers._remote_fetch(Own(), 1, Tier.CPU)
+
+    class Transfer:
+        src_slots, group = np.array([0, 1]), 0
+
+    try:
+        for index in (0, 1, 1, 0):
+            answers.append(index)
+            rows = fetch(Transfer())
+            assert len(rows) == len(layout.groups[0].layers)
+            assert all(r.shape[0] == 2 and bool((r == 0x10 + index).all()) for r in rows)
+        assert sorted(plane.peers._staging) == [0, 1]
+        assert isinstance(rows[0], torch.Tensor)
+    finally:
+        plane.close()
+        sets.close()

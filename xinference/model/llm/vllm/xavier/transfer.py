@@ -39,7 +39,7 @@ from .mechanism.nixl_endpoint import (
     open_nixl_endpoint,
     rdma_devices,
 )
-from .mechanism.remote_fetch import StagingRows, fetch_into, serve_blocks
+from .mechanism.remote_fetch import StagingBusyError, StagingSets, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
 from .planning.log_names import package_logger
@@ -75,7 +75,7 @@ class _Shard:
     counters file it shares with this actor."""
 
     storage: SnapshotStorage
-    staging: Optional[StagingRows]
+    staging: Optional[StagingSets]
     owner: Optional[int]
     counters: Optional[SharedCounters]
 
@@ -162,9 +162,9 @@ class TransferActor(xo.StatelessActor):
         tiers = tier_configs(opts, layout, dev)
         tracker = await xo.actor_ref(opts.block_tracker_address, opts.block_tracker_uid)
         storage = SnapshotStorage(self.rank, layout, tiers)
-        staging: Optional[StagingRows] = None
+        staging: Optional[StagingSets] = None
         try:
-            staging = StagingRows(layout, opts.slab_blocks)
+            staging = StagingSets(layout, opts.slab_blocks)
             if opts.transport == XAVIER_TRANSPORT_NIXL:  # fails the launch, naming the option
                 try:
                     await self._nixl_address()
@@ -190,7 +190,7 @@ class TransferActor(xo.StatelessActor):
                     "storage %s", self.rank, tp_rank, layout.tp_size, dev,
                     layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
-        return {"host": host_id(), "tiers": storage.handles(), "staging": staging.handles,
+        return {"host": host_id(), "tiers": storage.handles(), "staging": staging.handles(0),
                 "world": list(self.world_addresses), "layout": layout}
 
     async def release_engine(self, owner: Optional[int] = None) -> bool:
@@ -390,21 +390,41 @@ class TransferActor(xo.StatelessActor):
         return peer_route(transport, False, usable)
 
     async def fetch_blocks(self, rank: int, tier: int, group: int,
-                           slots: Sequence[int], tp_rank: int = 0) -> int:
+                           slots: Sequence[int], tp_rank: int = 0) -> Tuple[int, int]:
         """For this rank's TP worker ``tp_rank``: read ``slots`` of ``rank``'s shard
-        ``tp_rank``, ``tier``/``group``, into the staging rows it maps (rows
-        ``0..len(slots)-1``).  One call at a time per worker (its completion thread).
-        Returns the bytes moved."""
+        ``tp_rank``, ``tier``/``group``, into staging rows it maps (rows
+        ``0..len(slots)-1`` of one row set).  Returns the bytes moved and which row set
+        holds them (:meth:`staging_handles` maps a set the worker has not seen).  The
+        worker makes one call at a time; a call that comes while another still runs (the
+        worker gave up on it) gets the other set, so a late write of the old call never
+        lands in the rows this one returns; with both sets held it raises
+        ``StagingBusyError`` (the load is recomputed)."""
         shard = self._shard(tp_rank)
         if shard.owner is None or shard.staging is None:
             raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
         if rank not in self._remote:
             await self.map_remote(rank)
         peer, address = self._remote[rank]
-        rows = [s[:len(slots)] for s in shard.staging.rows[group]]
-        n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
+        staging = shard.staging
+        overlaps = staging.overlaps
+        try:
+            with staging.taken() as index:
+                if staging.overlaps != overlaps:
+                    self._add_stats({"remote_fetch_overlaps": 1})
+                rows = staging.rows(index, group, len(slots))
+                n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
+        except StagingBusyError:
+            self._add_stats({"remote_fetches_refused": 1})
+            raise
         self._add_stats({"remote_fetches": 1, "remote_bytes": n})
-        return n
+        return n, index
+
+    def staging_handles(self, tp_rank: int = 0, index: int = 0) -> Dict[int, Any]:
+        """How TP worker ``tp_rank`` maps its staging row set ``index``."""
+        shard = self._shard(tp_rank)
+        if shard.staging is None:
+            raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
+        return shard.staging.handles(index)
 
     # --------------------------------------------------------------- counters
     def _add_stats(self, stats: Dict[str, int]) -> None:

@@ -8,16 +8,33 @@ layer) and calls ``xo.copy_to`` once for all layers of the transfer (:func:`serv
 address (:mod:`.nixl_endpoint`), the pools' sockets otherwise.  The staging rows live in
 shared memory that the loading worker maps too: it writes them into its KV cache once the
 fetch returned.  Transfer sizes are bounded by the slab: one call per planned transfer.
+
+A fetch whose caller gave up (the worker's call timed out) can still write: xoscar 0.12
+cancels the actor's coroutine remotely without waiting, and on sockets the blocks of a
+cancelled ``copy_to`` already sent keep arriving and are written into whatever buffer is
+registered under their refs (``doc/results/xoscar-late-write/``).  Two guards keep such a
+late write out of the rows the worker reads next:
+
+* a fetch holds its rows for its whole call (:meth:`StagingSets.taken`); one that comes
+  while another still runs (only possible after a timeout: the worker makes one call at a
+  time) takes a second set of rows, allocated then; with both in use it is refused;
+* when a fetch's call ends, its buffer refs are forgotten (:func:`forget_buffer_refs`), so
+  a block that arrives later finds no buffer and writes nothing.
+
+NIXL needs only the first: its ``copy_buffers`` waits for the WRITE before it re-raises a
+cancellation, and the loader's call ends only after the source answered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence, Set
 
 import numpy as np
 import torch
 import xoscar as xo
+from xoscar.core import BufferRef
 
 from ..planning.load_batch import Tier
 from .kv_schema import KVLayout
@@ -32,8 +49,19 @@ async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Se
     bytes moved."""
     # the rows must stay alive until copy_to has written them: they do, in this frame
     refs = [xo.buffer_ref(address, rows) for rows in staging_rows]
-    return int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
-                                         int(tp_rank)))
+    try:
+        return int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
+                                             int(tp_rank)))
+    finally:
+        forget_buffer_refs(refs)
+
+
+def forget_buffer_refs(refs: Sequence[Any]) -> None:
+    """Unregister ``refs`` (xoscar keeps buffers by ref until they are garbage collected):
+    a block of a cancelled ``copy_to`` that arrives later is refused (``KeyError`` in the
+    receiving pool) instead of written into rows that another fetch may be using."""
+    for ref in refs:
+        BufferRef._ref_to_buffers.pop(ref, None)
 
 
 async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,
@@ -78,3 +106,64 @@ class StagingRows:
             except FileNotFoundError:
                 pass
         self._files = []
+
+
+#: row sets one worker's fetches may hold at once (one running, one whose caller gave up)
+MAX_STAGING_SETS = 2
+
+
+class StagingBusyError(RuntimeError):
+    """Every staging row set of the worker is held by a running fetch (two timed out in a
+    row and still run): the load is refused (vLLM recomputes it)."""
+
+
+class StagingSets:
+    """One worker's staging rows: set 0 allocated now, a second only when a fetch comes
+    while another still holds set 0 (see the module docstring).  The worker maps set 0 from
+    :meth:`handles` at open and a later one when an answer first names it.  Lives in the
+    transfer actor (one event loop: no lock).  :meth:`close` is idempotent."""
+
+    def __init__(self, layout: KVLayout, rows: int) -> None:
+        self._layout, self._rows = layout, rows
+        self._sets: List[StagingRows] = [StagingRows(layout, rows)]
+        self._busy: Set[int] = set()
+        #: fetches that found set 0 busy (each one follows a call whose caller gave up)
+        self.overlaps = 0
+
+    @contextlib.contextmanager
+    def taken(self) -> Iterator[int]:
+        """Hold a free set for one fetch (its index); released when the fetch's call ends,
+        however it ends.  ``StagingBusyError`` when every set is held."""
+        index = self._acquire()
+        try:
+            yield index
+        finally:
+            self._busy.discard(index)
+
+    def _acquire(self) -> int:
+        free = [k for k in range(len(self._sets)) if k not in self._busy]
+        if not free and len(self._sets) < MAX_STAGING_SETS:
+            self._sets.append(StagingRows(self._layout, self._rows))
+            free = [len(self._sets) - 1]
+        if not free:
+            raise StagingBusyError(f"all {len(self._sets)} staging row sets are held by "
+                                   "fetches still running after their callers gave up")
+        if self._busy:
+            self.overlaps += 1
+        self._busy.add(free[0])
+        return free[0]
+
+    def rows(self, index: int, group: int, n: int) -> List[torch.Tensor]:
+        """Rows ``0..n-1`` of set ``index``, group ``group``, per layer."""
+        return [s[:n] for s in self._sets[index].rows[group]]
+
+    def handles(self, index: int = 0) -> ShmHandles:
+        """How the worker maps set ``index``."""
+        if not 0 <= index < len(self._sets):
+            raise IndexError(f"staging set {index}: {len(self._sets)} allocated")
+        return self._sets[index].handles
+
+    def close(self) -> None:
+        for rows in self._sets:
+            rows.close()
+        self._busy.clear()

@@ -68,7 +68,9 @@ class PeerMaps:
         self._premap_retry_at: Dict[int, float] = {}
         #: peers that hold no storage (nothing to map) until the world changes
         self._storageless: Set[int] = set()
-        self._staging: Dict[int, List[torch.Tensor]] = {}
+        #: staging row set -> group -> per-layer rows (set 0 from the descriptor at open,
+        #: a later one when a fetch's answer first names it)
+        self._staging: Dict[int, Dict[int, List[torch.Tensor]]] = {}
         self._host = ""
         #: held while the world or a mapping changes (the step's thread and the mapper)
         self._lock = threading.RLock()
@@ -82,7 +84,7 @@ class PeerMaps:
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
         world and staging rows."""
-        self._staging = {g: list(ts) for g, ts in open_shm(desc["staging"]).items()}
+        self._staging = {0: {g: list(ts) for g, ts in open_shm(desc["staging"]).items()}}
         self._host = str(desc["host"])
         self._world = list(desc.get("world") or [])
         self._world_epoch = self._counters.get("world_epoch")
@@ -304,13 +306,30 @@ class PeerMaps:
 
     def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
         """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives
-        them (NIXL or sockets) into staging rows this process maps too."""
+        them (NIXL or sockets) into staging rows this process maps too: the row set its
+        answer names (a second set exists once a fetch timed out and still ran when the
+        next one came: see :mod:`..mechanism.remote_fetch`)."""
         def fetch(transfer: Any) -> List[torch.Tensor]:
             slots = [int(s) for s in transfer.src_slots]
             group = int(transfer.group)
             tp_rank = self._tp_rank
-            self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group, slots,
-                                                       tp_rank), CALL_TIMEOUT_S)
-            return [s[:len(slots)] for s in self._staging[group]]
+            _, index = self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group,
+                                                                  slots, tp_rank),
+                                         CALL_TIMEOUT_S)
+            return [s[:len(slots)] for s in self._staging_set(own, int(index))[group]]
 
         return fetch
+
+    def _staging_set(self, own: Any, index: int) -> Dict[int, List[torch.Tensor]]:
+        """Staging row set ``index``, mapped on first use (completion thread only)."""
+        rows = self._staging.get(index)
+        if rows is None:
+            tp_rank = self._tp_rank
+            handles = self._bridge.call(lambda: own.staging_handles(tp_rank, index),
+                                        CALL_TIMEOUT_S)
+            rows = {g: list(ts) for g, ts in open_shm(handles).items()}
+            self._staging[index] = rows
+            logger.info("xavier: rank %d: staging row set %d mapped (a remote fetch timed "
+                        "out and was still running when the next one came)", self._rank,
+                        index)
+        return rows
