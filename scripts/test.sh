@@ -15,7 +15,9 @@ select=(-n 2 --dist loadgroup)
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     export XAVIER_TEST_FAST=1
-    select=(-m "not engine" -n 2)
+    # worksteal: an idle worker takes tests queued on the other (the slow ones are
+    # minutes of fresh interpreters: with plain "load" one worker ended ~1 min after the other)
+    select=(-m "not engine" -n 2 --dist worksteal)
 fi
 echo "[test] ruff"
 ruff check .

@@ -10,50 +10,59 @@ import pytest
 
 from xinference.model.llm.vllm.xavier.planning.hash_seed import new_launch_seed, user_seed
 
-# plays vLLM's EngineCore.__init__: the connector's scheduler half is built (here: the
-# seed is handed over; vLLM imports it by the package's installed name, engine.CONNECTOR_MODULE),
-# then vLLM calls init_none_hash through its core module
+# plays vLLM's EngineCore.__init__, once per step given: the connector's scheduler half is
+# built (for an "xavier:SEED" step: the seed is handed over; vLLM imports it by the
+# package's installed name, engine.CONNECTOR_MODULE), then vLLM calls init_none_hash
+# through its core module; a "plain" step is vLLM without a connector.  Several steps share
+# one process (an engine core started again in it): each interpreter costs ~13 s of imports
 HASHES = r"""
 import os, sys
-mode, seed = sys.argv[1], sys.argv[2]
-if mode == "xavier":
-    from _xinference_xavier_fork.vllm_side import none_hash
-    assert none_hash.seed_next_init(seed)
+from _xinference_xavier_fork.vllm_side import none_hash
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as k
 from vllm.v1.engine import core
 fn = get_hash_fn_by_name("sha256")
-core.init_none_hash(fn)
-parent = None
-for block in ([1, 2, 3, 4], [5, 6, 7, 8]):
-    parent = k.hash_block_tokens(fn, parent, block)
-print("HASH", bytes(parent).hex())
-if mode == "xavier":
-    print("SEEDED", none_hash.seeded_with(seed), none_hash.seeded_with(seed + "0"))
-    print("UNWRAPPED", core.init_none_hash is k.init_none_hash)
+for i, step in enumerate(sys.argv[1:]):
+    mode, _, seed = step.partition(":")
+    if mode == "xavier":
+        assert none_hash.seed_next_init(seed)
+    core.init_none_hash(fn)
+    parent = None
+    for block in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        parent = k.hash_block_tokens(fn, parent, block)
+    print(f"HASH{i}", bytes(parent).hex())
+    if mode == "xavier":
+        print(f"SEEDED{i}", none_hash.seeded_with(seed), none_hash.seeded_with(seed + "0"))
+    print(f"UNWRAPPED{i}", core.init_none_hash is k.init_none_hash)
 print("ENV", os.environ.get("PYTHONHASHSEED"), sys.flags.hash_randomization)
 """
 
 
-def run_engine_core_start(mode: str, seed: str = "") -> dict:
+def run_engine_core_starts(*steps: str) -> dict:
+    """One fresh process (no PYTHONHASHSEED) running ``steps``; what each printed."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "PYTHONPATH")}
-    proc = subprocess.run([sys.executable, "-c", HASHES, mode, seed], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", HASHES, *steps], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in proc.stdout.splitlines()
-            if ln.split(" ", 1)[0] in ("HASH", "SEEDED", "UNWRAPPED", "ENV")}
+    return dict(ln.split(" ", 1) for ln in proc.stdout.splitlines()
+                if ln.startswith(("HASH", "SEEDED", "UNWRAPPED", "ENV")))
 
 
 def test_one_launch_seed_agrees_another_differs_and_the_environment_is_untouched():
+    """Two processes stand for two replicas.  Each first starts plain (the negative
+    control: vLLM's default differs between processes), then with the launch's seed; the
+    second one then with another launch's seed."""
     seed, other = new_launch_seed(), new_launch_seed()
-    first, again = run_engine_core_start("xavier", seed), run_engine_core_start("xavier", seed)
-    assert first["HASH"] == again["HASH"]  # two replicas of one launch
-    assert run_engine_core_start("xavier", other)["HASH"] != first["HASH"]  # another launch
-    assert first["SEEDED"] == "True False" and first["UNWRAPPED"] == "True"
+    first = run_engine_core_starts("plain", f"xavier:{seed}")
+    second = run_engine_core_starts("plain", f"xavier:{seed}", f"xavier:{other}")
+    assert first["HASH1"] == second["HASH1"]  # two replicas of one launch
+    assert second["HASH2"] != second["HASH1"]  # another launch
+    assert first["HASH0"] != second["HASH0"]  # negative control: no seed, no agreement
+    assert first["HASH1"] not in (first["HASH0"], second["HASH0"])
+    assert first["SEEDED1"] == second["SEEDED1"] == second["SEEDED2"] == "True False"
+    assert all(out[f"UNWRAPPED{i}"] == "True" for out in (first, second) for i in range(2))
     # the seed never entered the environment; Python's hash randomization stays on
-    assert first["ENV"] == "None 1"
-    # negative control: vLLM's default (no seed) differs between processes
-    assert run_engine_core_start("plain")["HASH"] != run_engine_core_start("plain")["HASH"]
+    assert first["ENV"] == second["ENV"] == "None 1"
 
 
 def test_launch_seeds_are_fresh_secrets():
