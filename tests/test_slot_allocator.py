@@ -67,3 +67,16 @@ def test_random_operations_match_a_plain_model():
         assert a.free == n - len(held) and a.used == len(held)
     assert a.victims(len(held)) == [next(s for s, k in held.items() if k == key)
                                     for key in order]
+
+
+def test_generations_can_live_in_words_the_caller_gives():
+    """The storage's shared file gives each allocator a row of words: assign bumps there."""
+    import numpy as np
+
+    words = np.zeros(3, np.int64)
+    alloc = SlotAllocator(3, words)
+    assert alloc.assign(7, 1) == 1 and words.tolist() == [0, 1, 0]
+    alloc.release(1)
+    assert alloc.assign(8, 1) == 2 and alloc.lookup(8) == (1, 2) and words[1] == 2
+    with pytest.raises(ValueError, match="generations: 2 words for 3 slots"):
+        SlotAllocator(3, np.zeros(2, np.int64))

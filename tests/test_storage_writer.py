@@ -58,7 +58,7 @@ class World:
             1, self.layout, {t: self.storage.caches(t) for t in self.storage.tiers},
             LocalDirectory(self.d), torch.device(DEVICE),
             stream=torch.cuda.Stream() if cuda else None, counters=self.counters,
-            room_blocks=room, background_room=False)
+            room_blocks=room, background_room=False, generations=self.storage.generations)
 
     def export(self, rows):
         res = self.writer.export(self.views, rows)
@@ -265,3 +265,45 @@ def test_export_of_a_group_not_stored_is_refused_by_name():
     w.close()
     with pytest.raises(RuntimeError, match="export: the storage writer of rank 1 is closed"):
         w.writer.export(w.views, [(0, 1, 1)])
+
+
+def test_a_slot_s_generation_is_bumped_in_the_shared_file_before_its_bytes_are_written(
+        monkeypatch):
+    """The generations live in the storage's file, which readers map: a peer's view shows
+    every export and demotion, and a demotion's destination slots carry their new
+    generation before the copy writes them (a reader checking after its copy sees the
+    overwrite).  A demotion whose copy fails frees its slots again."""
+    from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations
+
+    w = World(3, gpu_blocks=4, cpu_blocks=8)
+    reader = SlotGenerations.open(w.storage.generations_handle())  # as a peer maps it
+    assert reader.incarnation == w.storage.generations.incarnation != 0
+    w.export([(0, 1 + i, 1 + i) for i in range(4)])
+    assert reader.row(int(Tier.GPU), 0).tolist() == [1, 1, 1, 1]
+    at_copy: List[List[int]] = []
+    copy = w.writer._copy_between
+
+    def recording_copy(src_tier, dst_tier, group, src_slots, dst_slots):
+        at_copy.append([int(reader.row(int(dst_tier), group)[s]) for s in dst_slots])
+        return copy(src_tier, dst_tier, group, src_slots, dst_slots)
+
+    monkeypatch.setattr(w.writer, "_copy_between", recording_copy)
+    assert w.writer.make_room(2) == 2
+    assert at_copy == [[1, 1]]  # bumped before the bytes went in
+    cpu = reader.row(int(Tier.CPU), 0)
+    assert sorted(cpu.tolist()) == [0] * 6 + [1, 1]
+    for key in (1, 2):  # the directory's rows carry the file's generations
+        tier, slot, gen = w.writer.lookup(0, key)
+        assert tier == Tier.CPU and gen == int(cpu[slot]) == 1
+
+    def failing_copy(*args):
+        raise RuntimeError("copy engine gone")
+
+    monkeypatch.setattr(w.writer, "_copy_between", failing_copy)
+    with pytest.raises(RuntimeError, match="copy engine gone"):
+        w.writer.make_room(4)  # 2 free already: demotes the other 2
+    assert w.writer.used(Tier.CPU) == 2  # the failed demotion's slots are free again
+    assert sorted(cpu.tolist()) == [0] * 4 + [1] * 4  # ... with their generations bumped
+    del cpu
+    reader.close()
+    w.close()

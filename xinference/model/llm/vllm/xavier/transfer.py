@@ -190,7 +190,8 @@ class TransferActor(xo.StatelessActor):
                     "storage %s", self.rank, tp_rank, layout.tp_size, dev,
                     layout.fingerprint(),
                     ", ".join(f"{t.tier.name} {t.budget_bytes} B" for t in tiers))
-        return {"host": host_id(), "tiers": storage.handles(), "staging": staging.handles(0),
+        return {"host": host_id(), "tiers": storage.handles(),
+                "generations": storage.generations_handle(), "staging": staging.handles(0),
                 "world": list(self.world_addresses), "layout": layout}
 
     async def release_engine(self, owner: Optional[int] = None) -> bool:
@@ -346,7 +347,8 @@ class TransferActor(xo.StatelessActor):
         """How peers map this rank's storage of TP worker ``tp_rank`` (same host) or read
         it (other hosts)."""
         storage = self._shard(tp_rank).storage
-        return {"host": host_id(), "layout": storage.layout, "tiers": storage.handles()}
+        return {"host": host_id(), "layout": storage.layout, "tiers": storage.handles(),
+                "generations": storage.generations_handle()}
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
                            refs: Sequence[Any], tp_rank: int = 0) -> int:

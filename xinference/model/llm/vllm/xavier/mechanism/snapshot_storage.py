@@ -29,6 +29,7 @@ from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
+from .slot_generations import GenerationsHandle, SlotGenerations
 
 logger = package_logger(__name__)
 
@@ -79,6 +80,11 @@ class SnapshotStorage:
             remove_orphaned_shm_files()
         for cfg in tiers:
             self._tiers[Tier(cfg.tier)] = self._allocate(cfg)
+        #: the incarnation and every slot's generation, mapped by the worker that writes
+        #: the slots and by the peers that read them (:mod:`.slot_generations`)
+        self.generations = SlotGenerations.create(
+            {(int(t), g.group): self._tiers[t].slots for t in self._tiers
+             for g in layout.groups})
         logger.info("rank %d: snapshot storage %s", rank, ", ".join(
             f"{t.name}: {self.slots(t)} slots/group" for t in self._tiers))
 
@@ -164,6 +170,12 @@ class SnapshotStorage:
                 out[int(tier)] = ("ipc", self.ipc_handles(tier))
         return out
 
+    def generations_handle(self) -> GenerationsHandle:
+        """How another process of this host maps the slots' generations
+        (:meth:`.SlotGenerations.open`)."""
+        self._check_open("generations_handle")
+        return self.generations.handle()
+
     def gather_rows(self, tier: Tier, group: int, slots: Sequence[int]) -> List[torch.Tensor]:
         """Per layer, the blocks in ``slots`` as CPU ``uint8`` rows ``[len(slots), bytes]``
         (what a remote loader's staging expects; see :mod:`.remote_fetch`)."""
@@ -193,6 +205,7 @@ class SnapshotStorage:
                 except FileNotFoundError:
                     pass
             t.shm_files.clear()
+        self.generations.close()
 
 
 def open_tier(kind: str, handles: Any, pin: bool = False

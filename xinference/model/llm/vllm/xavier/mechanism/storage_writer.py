@@ -52,6 +52,7 @@ from .block_copy import (
     slab_as,
 )
 from .kv_schema import KVLayout
+from .slot_generations import SlotGenerations
 from .uva import cuda_views
 
 logger = package_logger(__name__)
@@ -83,14 +84,17 @@ class _Publication:
 
 class StorageWriter:
     """See the module docstring.  ``tiers``: this rank's mapped tiers, top first, each
-    ``{group: [layer tensor [slots, *block_shape]]}``."""
+    ``{group: [layer tensor [slots, *block_shape]]}``; ``generations``: the storage's slot
+    generations as this process maps them (:mod:`.slot_generations`; readers check them),
+    private ones when None."""
 
     def __init__(self, rank: int, layout: KVLayout,
                  tiers: Dict[Tier, Dict[int, List[torch.Tensor]]],
                  directory: DirectoryLink, device: torch.device,
                  stream: Optional[torch.cuda.Stream] = None,
                  counters: Optional[CounterSink] = None, room_blocks: int = 512,
-                 background_room: bool = True) -> None:
+                 background_room: bool = True,
+                 generations: Optional[SlotGenerations] = None) -> None:
         if not tiers:
             raise ValueError("tiers: at least one storage tier is needed")
         self.rank = rank
@@ -114,7 +118,9 @@ class StorageWriter:
         self._slots = {t: min(layers[0].shape[0] for layers in groups.values())
                        for t, groups in tiers.items()}
         self._alloc: Dict[Tier, Dict[int, SlotAllocator]] = {
-            t: {g.group: SlotAllocator(self._slots[t]) for g in layout.groups} for t in tiers}
+            t: {g.group: SlotAllocator(self._slots[t], None if generations is None
+                                       else generations.row(int(t), g.group))
+                for g in layout.groups} for t in tiers}
         #: device copies of exports (step thread) and demotions (room thread)
         self._copier = block_copy_triton.FusedCopier(device)
         self._lock = threading.Lock()
@@ -361,10 +367,18 @@ class StorageWriter:
             todo = todo[:len(slots)]
         if not todo:
             return []
-        with elapsed_us(lambda us: self.sink.add("room_copy_us", us)):
-            self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
+        # the slots are assigned (their generations bumped) before the copy writes them:
+        # a peer reading what they held before sees the bump when it checks after its copy
         with self._lock:
             gens = [dst_alloc.assign(k, slot) for (k, _), slot in zip(todo, slots)]
+        try:
+            with elapsed_us(lambda us: self.sink.add("room_copy_us", us)):
+                self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
+        except BaseException:
+            with self._lock:  # never registered: the slots are free again
+                for slot in slots:
+                    dst_alloc.release(slot)
+            raise
         self.sink.add("room_demoted", len(todo))
         return [(group, k, int(dst_tier), slot, gen)
                 for (k, _), slot, gen in zip(todo, slots, gens)]

@@ -5,20 +5,38 @@ on every reuse) and the LRU order.  It does not know about leases: eviction
 candidates are proposed to the block directory (``claim``), which refuses
 leased slots; the storage then calls :meth:`SlotAllocator.assign` only for
 granted slots.
+
+The generations may live in memory that readers of other processes map (the storage's
+``SlotGenerations`` file): :meth:`SlotAllocator.assign` bumps a slot's generation, and the
+writer assigns a slot before it writes new bytes into it, so a reader that checks the
+generation after its copy sees any write that overlapped it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Container, Dict, List, Optional, Set, Tuple
+from typing import Any, Container, Dict, List, Optional, Protocol, Set, Tuple
+
+
+class GenerationWords(Protocol):
+    """One integer word per slot (a list, or a row of a shared file as numpy gives it)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, slot: int) -> Any: ...
+    def __setitem__(self, slot: int, value: Any) -> None: ...
 
 
 class SlotAllocator:
     """Slots of one storage tier and group: which key each holds, LRU order, generations;
-    free slots taken in O(1)."""
-    def __init__(self, num_slots: int) -> None:
+    free slots taken in O(1).  ``generations``: where the generations live (one word per
+    slot, e.g. a row of a shared ``SlotGenerations`` file; their values now are where they
+    start); a private list of zeros by default."""
+    def __init__(self, num_slots: int,
+                 generations: Optional[GenerationWords] = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots: must be at least 1, got {num_slots}")
+        if generations is not None and len(generations) != num_slots:
+            raise ValueError(f"generations: {len(generations)} words for {num_slots} slots")
         self.num_slots = num_slots
         # free slots: a stack (pop() gives slot 0 first) and a set; a slot assigned without
         # take_free() leaves a stale stack entry, skipped when popped (all O(1))
@@ -26,7 +44,8 @@ class SlotAllocator:
         self._free_set: Set[int] = set(self._free)
         self._lru: OrderedDict[int, int] = OrderedDict()  # key -> slot, oldest first
         self._key_of: Dict[int, int] = {}  # slot -> key
-        self._gen: List[int] = [0] * num_slots
+        self._gen: GenerationWords = (generations if generations is not None
+                                           else [0] * num_slots)
 
     def lookup(self, key: int, touch: bool = True) -> Optional[Tuple[int, int]]:
         """``(slot, generation)`` holding ``key``, or None."""
@@ -35,7 +54,7 @@ class SlotAllocator:
             return None
         if touch:
             self._lru.move_to_end(key)
-        return slot, self._gen[slot]
+        return slot, int(self._gen[slot])
 
     def take_free(self) -> Optional[int]:
         while self._free:
@@ -75,7 +94,7 @@ class SlotAllocator:
         self._gen[slot] += 1
         self._key_of[slot] = key
         self._lru[key] = slot
-        return self._gen[slot]
+        return int(self._gen[slot])
 
     def key_of(self, slot: int) -> Optional[int]:
         return self._key_of.get(slot)

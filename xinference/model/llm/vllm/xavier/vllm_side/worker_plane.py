@@ -44,6 +44,7 @@ from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.kv_schema import KVLayout, layout_of
 from ..mechanism.load_handle import LoadHandle
+from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import SharedCounters
@@ -221,12 +222,15 @@ class WorkerDataPlane:
             caches, release = open_tier(kind, handles, pin=pin)
             tiers[Tier(tier)] = caches
             self._own_releases.append(release)
+        generations = SlotGenerations.open(desc["generations"])
+        self._own_releases.append(generations.close)
         link: DirectoryLink = TrackerLink(self._bridge, self._tracker)
         if self.tp_size > 1:
             link = ShardLink(link, self.shards, self.tp_rank)
         self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
                                     stream=self.engine.stream, counters=self.counters,
-                                    room_blocks=self.options.slab_blocks)
+                                    room_blocks=self.options.slab_blocks,
+                                    generations=generations)
         self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
