@@ -177,3 +177,30 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(monkeypatch)
             assert await late.late_outcome() == "answered"
 
     asyncio.run(run())
+
+
+def test_a_fetch_whose_blocks_did_not_land_fails_instead_of_returning_other_bytes(
+        monkeypatch):
+    """A source whose blocks the loader's pool cannot write (numpy rows into torch rows:
+    a ``TypeError`` there) still answers with its byte count, because xoscar's sockets
+    ``copy_to`` drops the receiving pool's error: the loader counts the rows written and
+    fails the fetch (the load is recomputed).  Negative control: without the count, the
+    fetch returns and the worker would copy whatever the rows held before."""
+
+    async def run() -> None:
+        async with actor_pool(n_process=1) as pool:
+            main, subs = pool.external_address, sub_pool_addresses(pool)
+            source = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES,
+                                           0.0, 0.0, True, address=subs[0], uid="numpy-src")
+            rows = [torch.zeros((len(SLOTS), BLOCK_BYTES), dtype=torch.uint8)
+                    for _ in range(2)]
+            with pytest.raises(remote_fetch.IncompleteFetchError,
+                               match=r"rows written per layer \[0, 0\], expected 4 each"):
+                await remote_fetch.fetch_into(source, main, int(Tier.CPU), 0, SLOTS, rows)
+            with monkeypatch.context() as count_off:  # every address counts as NIXL's
+                count_off.setattr(remote_fetch, "NIXL_SCHEME", "")
+                n = await remote_fetch.fetch_into(source, main, int(Tier.CPU), 0, SLOTS, rows)
+            assert n == len(SLOTS) * BLOCK_BYTES * 2 and filled_with(rows, 0)  # silently
+            await xo.destroy_actor(source)
+
+    asyncio.run(run())

@@ -27,14 +27,19 @@ from __future__ import annotations
 import asyncio
 from typing import Any, List, Optional, Sequence
 
+import numpy as np
 import torch
 import xoscar as xo
 
 
 class LateWritingSource(xo.StatelessActor):
     def __init__(self, fill: int, mode: str, block_bytes: int, late_s: float = 0.5,
-                 answer_s: float = 0.0) -> None:
+                 answer_s: float = 0.0, numpy_rows: bool = False) -> None:
         super().__init__()
+        #: send numpy arrays, which the receiving pool cannot assign into the loader's
+        #: torch rows (``TypeError`` there, which xoscar 0.12's ``copy_to`` over sockets
+        #: does not report back): a source whose blocks do not land
+        self._numpy_rows = numpy_rows
         self._fill, self._mode, self._late_s, self._answer_s = fill, mode, late_s, answer_s
         self._block_bytes = block_bytes
         self._outcome: Optional[str] = None
@@ -44,7 +49,8 @@ class LateWritingSource(xo.StatelessActor):
                            refs: Sequence[Any], tp_rank: int = 0) -> int:
         """Rows of ``fill`` for ``slots`` into ``refs`` (one per layer), as ``mode`` says."""
         shape = (len(slots), self._block_bytes)  # as the real one gathers: [rows, bytes]
-        rows = [torch.full(shape, self._fill, dtype=torch.uint8) for _ in refs]
+        rows: List[Any] = [np.full(shape, self._fill, np.uint8) if self._numpy_rows
+                           else torch.full(shape, self._fill, dtype=torch.uint8) for _ in refs]
         if self._mode == "fast":
             await xo.copy_to(rows, list(refs))
             await asyncio.sleep(self._answer_s)
@@ -59,7 +65,7 @@ class LateWritingSource(xo.StatelessActor):
             raise
         return 0
 
-    async def _write_late(self, rows: List[torch.Tensor], refs: Sequence[Any]) -> None:
+    async def _write_late(self, rows: List[Any], refs: Sequence[Any]) -> None:
         await asyncio.sleep(self._late_s)
         try:
             await xo.copy_to(rows, list(refs))

@@ -39,7 +39,13 @@ from .mechanism.nixl_endpoint import (
     open_nixl_endpoint,
     rdma_devices,
 )
-from .mechanism.remote_fetch import StagingBusyError, StagingSets, fetch_into, serve_blocks
+from .mechanism.remote_fetch import (
+    IncompleteFetchError,
+    StagingBusyError,
+    StagingSets,
+    fetch_into,
+    serve_blocks,
+)
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
 from .planning.log_names import package_logger
@@ -417,6 +423,9 @@ class TransferActor(xo.StatelessActor):
                 n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
         except StagingBusyError:
             self._add_stats({"remote_fetches_refused": 1})
+            raise
+        except IncompleteFetchError:
+            self._add_stats({"remote_fetches_incomplete": 1})
             raise
         self._add_stats({"remote_fetches": 1, "remote_bytes": n})
         return n, index

@@ -21,6 +21,9 @@ late write out of the rows the worker reads next:
 * when a fetch's call ends, its buffer refs are forgotten (:func:`forget_buffer_refs`), so
   a block that arrives later finds no buffer and writes nothing.
 
+On sockets, the rows count what was written into them (:class:`CountedRows`): a fetch the
+source answered but whose blocks did not all land fails instead of returning other bytes.
+
 NIXL needs only the first: its ``copy_buffers`` waits for the WRITE before it re-raises a
 cancellation, and the loader's call ends only after the source answered.
 """
@@ -38,7 +41,33 @@ from xoscar.core import BufferRef
 
 from ..planning.load_batch import Tier
 from .kv_schema import KVLayout
+from .nixl_endpoint import NIXL_SCHEME
 from .snapshot_storage import ShmHandles, SnapshotStorage, new_shm_tensor
+
+
+class IncompleteFetchError(RuntimeError):
+    """The source answered a fetch, but not every staging row was written: the rows hold
+    other bytes (the load is recomputed)."""
+
+
+class CountedRows:
+    """Staging rows of one layer as xoscar's sockets channel writes them
+    (``rows[start:stop] = data``), counting the rows written.  xoscar 0.12's ``copy_to``
+    over sockets ignores the receiving pool's answer to each block, so a block that pool
+    could not write (an unknown ref, data it cannot assign) goes unnoticed by the source,
+    which still answers with its byte count; the count is how the loader knows."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.written = 0
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def __setitem__(self, index: slice, data: Any) -> None:
+        self.rows[index] = data
+        start, stop, _ = index.indices(len(self))
+        self.written += max(0, stop - start)
 
 
 async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
@@ -46,14 +75,23 @@ async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Se
     """Loader side: have ``source`` (an actor ref exposing ``serve_blocks``) write
     ``slots`` of its shard ``tp_rank``'s ``tier``/``group`` into ``staging_rows`` (per
     layer ``uint8`` ``[len(slots), block_bytes]``), received at ``address``.  Returns the
-    bytes moved."""
+    bytes moved; ``IncompleteFetchError`` when the sockets channel did not write every row
+    (:class:`CountedRows`; NIXL's channel reports its own failures)."""
+    counted = ([CountedRows(rows) for rows in staging_rows]
+               if not address.startswith(NIXL_SCHEME) else None)
     # the rows must stay alive until copy_to has written them: they do, in this frame
-    refs = [xo.buffer_ref(address, rows) for rows in staging_rows]
+    refs = [xo.buffer_ref(address, rows) for rows in (counted or staging_rows)]
     try:
-        return int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
-                                             int(tp_rank)))
+        n = int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
+                                          int(tp_rank)))
     finally:
         forget_buffer_refs(refs)
+    if counted is not None and any(c.written != len(c) for c in counted):
+        raise IncompleteFetchError(
+            f"fetch of {len(slots)} slots: rows written per layer "
+            f"{[c.written for c in counted]}, expected {len(slots)} each (the receiving "
+            "pool could not write every block)")
+    return n
 
 
 def forget_buffer_refs(refs: Sequence[Any]) -> None:
