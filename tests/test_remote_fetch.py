@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Dict, List, Tuple
+from typing import Any, AsyncIterator, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -35,6 +35,7 @@ from xinference.model.llm.vllm.xavier.planning.options import (
 from xinference.model.llm.vllm.xavier.transfer import TransferActor
 
 from .support.late_sources import LateWritingSource
+from .support.loop_thread import LoopThread, enter, leave
 from .support.pools import actor_pool, sub_pool_addresses
 
 LAYOUT = layout_of({0: [torch.zeros(4, 2, 16, 8), torch.zeros(4, 2, 16, 8)]})
@@ -70,29 +71,45 @@ def test_staging_sets_hold_one_set_per_running_fetch_and_refuse_a_third():
         sets.close()  # idempotent
 
 
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Tuple[LoopThread, str, List[str]]]:
+    """One main pool (this process) and two sub pools for every test of the module, on a
+    loop of their own: ``(loop, main address, sub pool addresses)``."""
+    loop = LoopThread()
+    cm = actor_pool(n_process=2)
+    pool = loop.run(enter(cm))
+    try:
+        yield loop, pool.external_address, sub_pool_addresses(pool)
+    finally:
+        loop.run(leave(cm))
+        loop.stop()
+
+
 @contextlib.asynccontextmanager
-async def loader_world(late_mode: str) -> AsyncIterator[Tuple[Any, Any, Dict[str, Any]]]:
+async def loader_world(main: str, subs: List[str], late_mode: str
+                       ) -> AsyncIterator[Tuple[Any, Any, Dict[str, Any]]]:
     """Rank 2's real transfer actor in this process; rank 1 (another host, a source that
     writes late as ``late_mode`` says) and rank 3 (another host, writes at once and
-    answers ``ANSWER_S`` later) in sub pools."""
-    async with actor_pool(n_process=2) as pool:
-        main, subs = pool.external_address, sub_pool_addresses(pool)
-        tracker = await xo.create_actor(VLLMBlockTracker, address=main,
-                                        uid=f"{VLLMBlockTracker.default_uid()}-late")
-        world = [main, subs[0], main, subs[1]]
-        loader = await xo.create_actor(TransferActor, 2, 4, main, "127.0.0.1", 0, world,
-                                       address=main, uid=transfer_actor_uid(2))
-        late = await xo.create_actor(LateWritingSource, OLD, late_mode, BLOCK_BYTES, LATE_S,
-                                     address=subs[0], uid=transfer_actor_uid(1))
-        await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, 0.0, ANSWER_S,
-                              address=subs[1], uid=transfer_actor_uid(3))
+    answers ``ANSWER_S`` later) in sub pools.  Every actor goes at the end."""
+    tracker = await xo.create_actor(VLLMBlockTracker, address=main,
+                                    uid=f"{VLLMBlockTracker.default_uid()}-late-{late_mode}")
+    world = [main, subs[0], main, subs[1]]
+    loader = await xo.create_actor(TransferActor, 2, 4, main, "127.0.0.1", 0, world,
+                                   address=main, uid=transfer_actor_uid(2))
+    late = await xo.create_actor(LateWritingSource, OLD, late_mode, BLOCK_BYTES, LATE_S,
+                                 address=subs[0], uid=transfer_actor_uid(1))
+    fast = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, 0.0, ANSWER_S,
+                                 address=subs[1], uid=transfer_actor_uid(3))
+    try:
         options = XavierOptions(rank=2, rank_address=main, block_tracker_address=main,
                                 block_tracker_uid=tracker.uid, gpu_budget_bytes=0,
                                 cpu_budget_bytes=8 * BLOCK_BYTES, transport="sockets",
                                 slab_blocks=len(SLOTS))
         desc = await loader.register_engine(LAYOUT, options, owner=1, device="cpu")
         yield loader, late, desc
-        await xo.destroy_actor(loader)
+    finally:
+        for actor in (loader, late, fast, tracker):
+            await xo.destroy_actor(actor)
 
 
 async def timed_out_then_next(loader: Any, old_call_ended: bool
@@ -124,14 +141,16 @@ def filled_with(rows: List[torch.Tensor], byte: int) -> bool:
 
 
 def test_a_block_landing_while_the_timed_out_fetch_runs_never_reaches_the_next_fetch(
-        monkeypatch):
+        pools, monkeypatch):
     """Rank 1's block of the cancelled fetch lands while that call still runs: the next
     fetch got the second row set and the worker copies rank 3's bytes; the late block
     really landed, in the first set.  Negative control: with one set for both (the guard
     off), the worker copies rank 1's bytes as rank 3's."""
 
+    loop, main, subs = pools
+
     async def run() -> None:
-        async with loader_world("while_running") as (loader, _, desc):
+        async with loader_world(main, subs, "while_running") as (loader, _, desc):
             index, rows = await timed_out_then_next(loader, old_call_ended=False)
             assert index == 1 and filled_with(rows, NEW)
             # the old call has ended (awaited above): its late block landed in set 0
@@ -147,10 +166,10 @@ def test_a_block_landing_while_the_timed_out_fetch_runs_never_reaches_the_next_f
                 index, rows = await timed_out_then_next(loader, old_call_ended=False)
             assert index == 0 and filled_with(rows, OLD)  # wrong KV, silently
 
-    asyncio.run(run())
+    loop.run(run())
 
 
-def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(monkeypatch):
+def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(pools, monkeypatch):
     """Rank 1's block of the cancelled fetch reaches the loader's pool after that call
     ended, while the next fetch (which reused the first row set) waits for its answer: the
     block was refused (the old call's buffer refs were forgotten), so the worker copies
@@ -159,8 +178,10 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(monkeypatch)
     traceback: trial 3 of doc/results/xoscar-late-write/out.txt wrote 4.7 ms after the
     call raised), the late block is written into the rows the worker copies."""
 
+    loop, main, subs = pools
+
     async def run() -> None:
-        async with loader_world("after_end") as (loader, late, _):
+        async with loader_world(main, subs, "after_end") as (loader, late, _):
             index, rows = await timed_out_then_next(loader, old_call_ended=True)
             assert index == 0 and filled_with(rows, NEW)
             assert await late.late_outcome() == "answered"  # it arrived, and changed nothing
@@ -176,22 +197,23 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(monkeypatch)
             assert index == 0 and filled_with(rows, OLD)  # wrong KV, silently
             assert await late.late_outcome() == "answered"
 
-    asyncio.run(run())
+    loop.run(run())
 
 
 def test_a_fetch_whose_blocks_did_not_land_fails_instead_of_returning_other_bytes(
-        monkeypatch):
+        pools, monkeypatch):
     """A source whose blocks the loader's pool cannot write (numpy rows into torch rows:
     a ``TypeError`` there) still answers with its byte count, because xoscar's sockets
     ``copy_to`` drops the receiving pool's error: the loader counts the rows written and
     fails the fetch (the load is recomputed).  Negative control: without the count, the
     fetch returns and the worker would copy whatever the rows held before."""
 
+    loop, main, subs = pools
+
     async def run() -> None:
-        async with actor_pool(n_process=1) as pool:
-            main, subs = pool.external_address, sub_pool_addresses(pool)
-            source = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES,
-                                           0.0, 0.0, True, address=subs[0], uid="numpy-src")
+        source = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, 0.0,
+                                       0.0, True, address=subs[0], uid="numpy-source")
+        try:
             rows = [torch.zeros((len(SLOTS), BLOCK_BYTES), dtype=torch.uint8)
                     for _ in range(2)]
             with pytest.raises(remote_fetch.IncompleteFetchError,
@@ -201,6 +223,7 @@ def test_a_fetch_whose_blocks_did_not_land_fails_instead_of_returning_other_byte
                 count_off.setattr(remote_fetch, "NIXL_SCHEME", "")
                 n = await remote_fetch.fetch_into(source, main, int(Tier.CPU), 0, SLOTS, rows)
             assert n == len(SLOTS) * BLOCK_BYTES * 2 and filled_with(rows, 0)  # silently
+        finally:
             await xo.destroy_actor(source)
 
-    asyncio.run(run())
+    loop.run(run())
