@@ -43,10 +43,6 @@ BLOCK_BYTES = LAYOUT.groups[0].layers[0].block_bytes  # per layer
 SLOTS = [0, 1, 2, 3]
 #: the worker gives up on the first fetch after this long (CALL_TIMEOUT_S, shortened)
 GIVE_UP_S = 0.5
-#: the cancelled source's block lands this long after the cancellation ...
-LATE_S = 0.5
-#: ... while the next fetch's source has written its rows and not answered yet
-ANSWER_S = 1.0
 OLD, NEW = 0x11, 0x22
 
 
@@ -89,16 +85,17 @@ def pools() -> Iterator[Tuple[LoopThread, str, List[str]]]:
 async def loader_world(main: str, subs: List[str], late_mode: str
                        ) -> AsyncIterator[Tuple[Any, Any, Dict[str, Any]]]:
     """Rank 2's real transfer actor in this process; rank 1 (another host, a source that
-    writes late as ``late_mode`` says) and rank 3 (another host, writes at once and
-    answers ``ANSWER_S`` later) in sub pools.  Every actor goes at the end."""
+    writes late as ``late_mode`` says) and rank 3 (another host: writes at once, then has
+    rank 1 write its late block, then answers) in sub pools.  Every actor goes at the
+    end."""
     tracker = await xo.create_actor(VLLMBlockTracker, address=main,
                                     uid=f"{VLLMBlockTracker.default_uid()}-late-{late_mode}")
     world = [main, subs[0], main, subs[1]]
     loader = await xo.create_actor(TransferActor, 2, 4, main, "127.0.0.1", 0, world,
                                    address=main, uid=transfer_actor_uid(2))
-    late = await xo.create_actor(LateWritingSource, OLD, late_mode, BLOCK_BYTES, LATE_S,
+    late = await xo.create_actor(LateWritingSource, OLD, late_mode, BLOCK_BYTES,
                                  address=subs[0], uid=transfer_actor_uid(1))
-    fast = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, 0.0, ANSWER_S,
+    fast = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, late,
                                  address=subs[1], uid=transfer_actor_uid(3))
     try:
         options = XavierOptions(rank=2, rank_address=main, block_tracker_address=main,
@@ -184,7 +181,7 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(pools, monke
         async with loader_world(main, subs, "after_end") as (loader, late, _):
             index, rows = await timed_out_then_next(loader, old_call_ended=True)
             assert index == 0 and filled_with(rows, NEW)
-            assert await late.late_outcome() == "answered"  # it arrived, and changed nothing
+            assert await late.outcome() == "answered"  # it arrived, and changed nothing
 
             kept: List[Any] = []
 
@@ -195,7 +192,7 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(pools, monke
                 guard_off.setattr(remote_fetch, "forget_buffer_refs", keep)
                 index, rows = await timed_out_then_next(loader, old_call_ended=True)
             assert index == 0 and filled_with(rows, OLD)  # wrong KV, silently
-            assert await late.late_outcome() == "answered"
+            assert await late.outcome() == "answered"
 
     loop.run(run())
 
@@ -211,8 +208,8 @@ def test_a_fetch_whose_blocks_did_not_land_fails_instead_of_returning_other_byte
     loop, main, subs = pools
 
     async def run() -> None:
-        source = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, 0.0,
-                                       0.0, True, address=subs[0], uid="numpy-source")
+        source = await xo.create_actor(LateWritingSource, NEW, "fast", BLOCK_BYTES, None,
+                                       True, address=subs[0], uid="numpy-source")
         try:
             rows = [torch.zeros((len(SLOTS), BLOCK_BYTES), dtype=torch.uint8)
                     for _ in range(2)]

@@ -3,20 +3,21 @@ behind the late-write guards of ``mechanism/remote_fetch.py``.
 
 A real source's blocks are late only when a fetch is slow enough to time out (a loaded
 host, a slow link; ``doc/results/xoscar-late-write/`` measured it with xoscar's own
-sockets channel, where it happened in some trials).  This actor makes it certain: it
-stands in for ``TransferActor.serve_blocks`` of a rank (same signature, same uid), fills
-every row with one byte, and where the real one is merely slow, it holds the call until
-its caller cancels and then still writes a block into the caller's buffer refs:
+sockets channel, where it happened in some trials).  This actor makes it certain, and
+puts the late block exactly where it hurts: after the next fetch's bytes landed and before
+the loader reads them.  It stands in for ``TransferActor.serve_blocks`` of a rank (same
+signature, same uid) and fills every row with one byte:
 
-* ``"fast"``: writes at once and answers ``answer_s`` later (an ordinary source whose
-  answer takes a while: it gives a late block of another call time to land before the
-  loader reads);
-* ``"while_running"``: on cancellation, waits ``late_s`` and writes before re-raising (a
-  block that lands while the loader's call still runs: trial 3 of the experiment);
-* ``"after_end"``: re-raises at once and writes ``late_s`` later from a task of its own (a
-  block that lands after the loader's call ended: 4.7 ms after it in the experiment).
+* ``"fast"``: writes at once; given ``then`` (the late source's ref), it has that source
+  write its late block (:meth:`LateWritingSource.write_late_now`) before it answers;
+* ``"while_running"``: holds the call until its caller cancels it, then keeps the
+  cancelled call running (shielded) until asked to write, writes, and re-raises (a block
+  that lands while the loader's call still runs: trial 3 of the experiment);
+* ``"after_end"``: on cancellation re-raises at once and writes later, when asked, from a
+  task of its own (a block that lands after the loader's call ended: 4.7 ms after it in
+  the experiment).
 
-:meth:`late_outcome` says whether the late block reached the loader's pool:
+:meth:`write_late_now` answers whether the late block reached the loader's pool:
 ``"answered"`` once the receiving pool answered it (xoscar 0.12's ``copy_to`` does not
 raise when that pool could not write it: whether the bytes landed shows only in the rows),
 or the error of the sending side.
@@ -25,25 +26,30 @@ or the error of the sending side.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import xoscar as xo
 
+#: longest the sources wait for each other (a test that hangs fails instead)
+WAIT_S = 60.0
+
 
 class LateWritingSource(xo.StatelessActor):
-    def __init__(self, fill: int, mode: str, block_bytes: int, late_s: float = 0.5,
-                 answer_s: float = 0.0, numpy_rows: bool = False) -> None:
+    def __init__(self, fill: int, mode: str, block_bytes: int, then: Any = None,
+                 numpy_rows: bool = False) -> None:
         super().__init__()
+        self._fill, self._mode, self._block_bytes, self._then = fill, mode, block_bytes, then
         #: send numpy arrays, which the receiving pool cannot assign into the loader's
         #: torch rows (``TypeError`` there, which xoscar 0.12's ``copy_to`` over sockets
         #: does not report back): a source whose blocks do not land
         self._numpy_rows = numpy_rows
-        self._fill, self._mode, self._late_s, self._answer_s = fill, mode, late_s, answer_s
-        self._block_bytes = block_bytes
+        #: the cancelled call's rows and buffer refs, until its late block is written
+        self._late: Optional[Tuple[List[Any], List[Any]]] = None
+        self._cancelled, self._go, self._written = (asyncio.Event(), asyncio.Event(),
+                                                    asyncio.Event())
         self._outcome: Optional[str] = None
-        self._late: Optional[asyncio.Task[None]] = None
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
                            refs: Sequence[Any], tp_rank: int = 0) -> int:
@@ -53,27 +59,43 @@ class LateWritingSource(xo.StatelessActor):
                            else torch.full(shape, self._fill, dtype=torch.uint8) for _ in refs]
         if self._mode == "fast":
             await xo.copy_to(rows, list(refs))
-            await asyncio.sleep(self._answer_s)
+            if self._then is not None:
+                await self._then.write_late_now()
             return shape[0] * shape[1] * len(refs)
         try:
             await asyncio.sleep(3600)  # held until the caller gives up
         except asyncio.CancelledError:
+            self._late = (rows, list(refs))
+            self._cancelled.set()
             if self._mode == "while_running":
-                await asyncio.shield(self._write_late(rows, refs))
+                await asyncio.shield(self._write_when_asked())
             else:
-                self._late = asyncio.create_task(self._write_late(rows, refs))
+                asyncio.create_task(self._write_when_asked())
             raise
         return 0
 
-    async def _write_late(self, rows: List[Any], refs: Sequence[Any]) -> None:
-        await asyncio.sleep(self._late_s)
+    async def _write_when_asked(self) -> None:
         try:
-            await xo.copy_to(rows, list(refs))
+            await asyncio.wait_for(self._go.wait(), WAIT_S)
+            assert self._late is not None
+            await xo.copy_to(*self._late)
             self._outcome = "answered"
         except Exception as exc:
             self._outcome = f"failed: {exc!r}"
+        finally:
+            self._late = None
+            self._written.set()
 
-    async def late_outcome(self) -> Optional[str]:
-        if self._late is not None:
-            await self._late
+    async def write_late_now(self) -> Optional[str]:
+        """Once a call was cancelled: write its late block now and return the outcome
+        (ready for the next cancelled call after)."""
+        await asyncio.wait_for(self._cancelled.wait(), WAIT_S)
+        self._go.set()
+        await asyncio.wait_for(self._written.wait(), WAIT_S)
+        for event in (self._cancelled, self._go, self._written):
+            event.clear()
+        return self._outcome
+
+    def outcome(self) -> Optional[str]:
+        """What the last late block did (see the module docstring)."""
         return self._outcome

@@ -39,13 +39,7 @@ from .mechanism.nixl_endpoint import (
     open_nixl_endpoint,
     rdma_devices,
 )
-from .mechanism.remote_fetch import (
-    IncompleteFetchError,
-    StagingBusyError,
-    StagingSets,
-    fetch_into,
-    serve_blocks,
-)
+from .mechanism.remote_fetch import RemoteFetchError, StagingSets, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
 from .planning.log_names import package_logger
@@ -402,11 +396,10 @@ class TransferActor(xo.StatelessActor):
         """For this rank's TP worker ``tp_rank``: read ``slots`` of ``rank``'s shard
         ``tp_rank``, ``tier``/``group``, into staging rows it maps (rows
         ``0..len(slots)-1`` of one row set).  Returns the bytes moved and which row set
-        holds them (:meth:`staging_handles` maps a set the worker has not seen).  The
-        worker makes one call at a time; a call that comes while another still runs (the
-        worker gave up on it) gets the other set, so a late write of the old call never
-        lands in the rows this one returns; with both sets held it raises
-        ``StagingBusyError`` (the load is recomputed)."""
+        holds them (:meth:`staging_handles` maps a set the worker has not seen).  A call
+        that comes while another still runs (the worker, one call at a time, gave up on
+        it) gets the other set, so the old call's late write never lands in its rows;
+        with both sets held it raises ``StagingBusyError`` (the load is recomputed)."""
         shard = self._shard(tp_rank)
         if shard.owner is None or shard.staging is None:
             raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
@@ -421,11 +414,8 @@ class TransferActor(xo.StatelessActor):
                     self._add_stats({"remote_fetch_overlaps": 1})
                 rows = staging.rows(index, group, len(slots))
                 n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
-        except StagingBusyError:
-            self._add_stats({"remote_fetches_refused": 1})
-            raise
-        except IncompleteFetchError:
-            self._add_stats({"remote_fetches_incomplete": 1})
+        except RemoteFetchError as exc:  # both sets held, rows missing: recomputed
+            self._add_stats({exc.counter: 1})
             raise
         self._add_stats({"remote_fetches": 1, "remote_bytes": n})
         return n, index

@@ -45,9 +45,18 @@ from .nixl_endpoint import NIXL_SCHEME
 from .snapshot_storage import ShmHandles, SnapshotStorage, new_shm_tensor
 
 
-class IncompleteFetchError(RuntimeError):
+class RemoteFetchError(RuntimeError):
+    """A fetch that must not be used (the load is recomputed); ``counter`` names the
+    transfer actor's counter of such fetches."""
+
+    counter = "remote_fetch_errors"
+
+
+class IncompleteFetchError(RemoteFetchError):
     """The source answered a fetch, but not every staging row was written: the rows hold
     other bytes (the load is recomputed)."""
+
+    counter = "remote_fetches_incomplete"
 
 
 class CountedRows:
@@ -150,9 +159,11 @@ class StagingRows:
 MAX_STAGING_SETS = 2
 
 
-class StagingBusyError(RuntimeError):
+class StagingBusyError(RemoteFetchError):
     """Every staging row set of the worker is held by a running fetch (two timed out in a
     row and still run): the load is refused (vLLM recomputes it)."""
+
+    counter = "remote_fetches_refused"
 
 
 class StagingSets:
