@@ -109,7 +109,7 @@ async def loader_world(main: str, subs: List[str], late_mode: str
             await xo.destroy_actor(actor)
 
 
-async def timed_out_then_next(loader: Any, old_call_ended: bool
+async def timed_out_then_next(loader: Any, late: Any, old_call_ended: bool
                               ) -> Tuple[int, List[torch.Tensor]]:
     """The worker's two fetches: it gives up on the first, from rank 1, after
     ``GIVE_UP_S`` and cancels it without waiting (as ``ActorBridge.call`` does:
@@ -118,8 +118,9 @@ async def timed_out_then_next(loader: Any, old_call_ended: bool
     next fetch named and, per layer, the rows the worker then copies (read when it
     returned)."""
     first = asyncio.ensure_future(loader.fetch_blocks(1, int(Tier.CPU), 0, SLOTS))
+    await late.wait_entered()  # rank 1 holds the call (its first one maps the peer first)
     done, _ = await asyncio.wait({first}, timeout=GIVE_UP_S)
-    assert not done  # rank 1 holds the call: the worker gives up
+    assert not done  # the worker gives up
     first.cancel()
     if old_call_ended:
         with contextlib.suppress(asyncio.CancelledError):
@@ -147,8 +148,8 @@ def test_a_block_landing_while_the_timed_out_fetch_runs_never_reaches_the_next_f
     loop, main, subs = pools
 
     async def run() -> None:
-        async with loader_world(main, subs, "while_running") as (loader, _, desc):
-            index, rows = await timed_out_then_next(loader, old_call_ended=False)
+        async with loader_world(main, subs, "while_running") as (loader, late, desc):
+            index, rows = await timed_out_then_next(loader, late, old_call_ended=False)
             assert index == 1 and filled_with(rows, NEW)
             # the old call has ended (awaited above): its late block landed in set 0
             first = [t[:len(SLOTS)] for t in open_shm(desc["staging"])[0]]
@@ -160,7 +161,7 @@ def test_a_block_landing_while_the_timed_out_fetch_runs_never_reaches_the_next_f
 
             with monkeypatch.context() as guard_off:
                 guard_off.setattr(StagingSets, "_acquire", lambda self: 0)
-                index, rows = await timed_out_then_next(loader, old_call_ended=False)
+                index, rows = await timed_out_then_next(loader, late, old_call_ended=False)
             assert index == 0 and filled_with(rows, OLD)  # wrong KV, silently
 
     loop.run(run())
@@ -179,7 +180,7 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(pools, monke
 
     async def run() -> None:
         async with loader_world(main, subs, "after_end") as (loader, late, _):
-            index, rows = await timed_out_then_next(loader, old_call_ended=True)
+            index, rows = await timed_out_then_next(loader, late, old_call_ended=True)
             assert index == 0 and filled_with(rows, NEW)
             assert await late.outcome() == "answered"  # it arrived, and changed nothing
 
@@ -190,7 +191,7 @@ def test_a_block_landing_after_the_timed_out_fetch_ended_is_refused(pools, monke
 
             with monkeypatch.context() as guard_off:
                 guard_off.setattr(remote_fetch, "forget_buffer_refs", keep)
-                index, rows = await timed_out_then_next(loader, old_call_ended=True)
+                index, rows = await timed_out_then_next(loader, late, old_call_ended=True)
             assert index == 0 and filled_with(rows, OLD)  # wrong KV, silently
             assert await late.outcome() == "answered"
 

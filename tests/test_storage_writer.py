@@ -303,6 +303,7 @@ def test_a_slot_s_generation_is_bumped_in_the_shared_file_before_its_bytes_are_w
     with pytest.raises(RuntimeError, match="copy engine gone"):
         w.writer.make_room(4)  # 2 free already: demotes the other 2
     assert w.writer.used(Tier.CPU) == 2  # the failed demotion's slots are free again
+    assert w.writer.free(Tier.CPU) == 6
     assert sorted(cpu.tolist()) == [0] * 4 + [1] * 4  # ... with their generations bumped
     del cpu
     reader.close()

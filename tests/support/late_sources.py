@@ -49,6 +49,8 @@ class LateWritingSource(xo.StatelessActor):
         self._late: Optional[Tuple[List[Any], List[Any]]] = None
         self._cancelled, self._go, self._written = (asyncio.Event(), asyncio.Event(),
                                                     asyncio.Event())
+        #: a held call is inside its wait (cancelling it now reaches the late path)
+        self._entered = asyncio.Event()
         self._outcome: Optional[str] = None
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
@@ -63,6 +65,7 @@ class LateWritingSource(xo.StatelessActor):
                 await self._then.write_late_now()
             return shape[0] * shape[1] * len(refs)
         try:
+            self._entered.set()
             await asyncio.sleep(3600)  # held until the caller gives up
         except asyncio.CancelledError:
             self._late = (rows, list(refs))
@@ -95,6 +98,11 @@ class LateWritingSource(xo.StatelessActor):
         for event in (self._cancelled, self._go, self._written):
             event.clear()
         return self._outcome
+
+    async def wait_entered(self) -> None:
+        """Until a call is held (then ready for the next one)."""
+        await asyncio.wait_for(self._entered.wait(), WAIT_S)
+        self._entered.clear()
 
     def outcome(self) -> Optional[str]:
         """What the last late block did (see the module docstring)."""
