@@ -60,6 +60,26 @@ def test_stale_generation_ignored():
     assert d.query(0, [10], exclude_rank=2).locations[0].generation == 5
 
 
+def test_a_restarted_storage_s_rows_replace_the_old_incarnation_s_whatever_their_generation():
+    """A source restarted under the same rank numbers its slots anew (generation 1 again)
+    without claiming them here: its rows replace the old storage's -- also a leased one,
+    whose reader's check then fails (the old incarnation's bytes are gone) -- and are not
+    taken for stale; within one incarnation an older generation still is."""
+    d = BlockDirectory()
+    old, new = 1111, 2222
+    d.register(1, [(0, 10, GPU, 0, 5), (0, 11, GPU, 1, 6)], old)
+    held = d.query(0, [11], exclude_rank=2)
+    assert d.register(1, [(0, 20, GPU, 0, 1), (0, 21, GPU, 1, 1)], new) == 2
+    assert d.stats.stale_registrations == 0
+    hit = d.query(0, [20, 21], exclude_rank=2)
+    assert [(loc.slot, loc.generation, loc.incarnation) for loc in hit.locations] == [
+        (0, 1, new), (1, 1, new)]
+    assert d.query(0, [10], exclude_rank=2).num_hits == 0  # the old names are gone
+    assert d.register(1, [(0, 22, GPU, 0, 0)], new) == 0  # older, same incarnation: stale
+    assert d.stats.stale_registrations == 1
+    assert d.release(held.lease_ids + hit.lease_ids) == 3 and d.outstanding_leases == 0
+
+
 def test_unregister_rank_purges_blocks_and_leases():
     d = BlockDirectory()
     d.register(1, [(0, 10, GPU, 0, 1), (0, 11, CPU, 0, 1)])
@@ -198,13 +218,14 @@ def test_an_answer_crosses_processes_in_its_compact_form_unchanged():
 
     d = BlockDirectory()
     names = [(1 << 191) | i for i in range(40)] + [7]  # wide names and a small one
-    d.register(1, [(0, k, GPU if i % 2 else CPU, i, 3 + i) for i, k in enumerate(names)])
+    inc = 2**63 - 5  # an incarnation takes 63 bits: it must cross whole
+    d.register(1, [(0, k, GPU if i % 2 else CPU, i, 3 + i) for i, k in enumerate(names)], inc)
     hit = d.query_prefix([0], names, exclude_rank=2)
     assert hit.num_hits == len(names)
     for back in (pickle.loads(pickle.dumps(hit)), deserialize(*serialize([hit]))[0]):
         assert back == hit
         assert all(type(loc) is Location for loc in back.locations)
-        assert back.locations[1] == Location(1, GPU, 0, 1, 4)
+        assert back.locations[1] == Location(1, GPU, 0, 1, 4, inc)
     form = hit.__reduce__()[1]
     assert isinstance(form[1], np.ndarray) and isinstance(form[2], np.ndarray)
     empty = d.query_prefix([0], [12345], exclude_rank=2)

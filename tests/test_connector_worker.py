@@ -21,5 +21,5 @@ def test_loads_without_a_data_plane_are_failed_and_finished_once():
     assert worker.take_load_errors() == {3, 6}
     assert worker.finished_loads() == (None, None) and worker.take_load_errors() == set()
     worker.start_loads(StepMeta(LoadBatch(("c",), np.zeros(2, np.int64),
-                                          np.zeros((0, 6), np.int64))))
+                                          np.zeros((0, 8), np.int64))))
     assert worker.finished_loads() == (None, {"c"})

@@ -14,12 +14,14 @@ def test_from_requests_round_trip():
     b = LoadBatch.from_requests([
         ("a", [BlockLoad(0, 11, 1, 0, 5, 7), BlockLoad(0, 12, 1, 0, 6, 8)]),
         ("b", []),
-        ("c", [BlockLoad(1, 13, 2, 1, 0, 9)]),
+        ("c", [BlockLoad(1, 13, 2, 1, 0, 9, 4, 77)]),
     ])
     assert b.table.dtype == np.int64 and b.table.shape == (3, len(COLUMNS))
     assert b.offsets.tolist() == [0, 2, 2, 3]
     assert b.row_request_index().tolist() == [0, 0, 2]
-    assert b.rows_of("c").tolist() == [[1, 13, 2, 1, 0, 9]]
+    # the identity the directory promised (generation, incarnation) travels with the row
+    assert b.rows_of("c").tolist() == [[1, 13, 2, 1, 0, 9, 4, 77]]
+    assert b.rows_of("a")[:, 6:].tolist() == [[0, 0], [0, 0]]
     assert [s.request_ids for s in b.split()] == [("a",), ("b",), ("c",)]
     again = LoadBatch.concat(b.split())
     assert again.request_ids == b.request_ids
@@ -29,7 +31,7 @@ def test_from_requests_round_trip():
 
 @pytest.mark.parametrize("col", range(len(COLUMNS)))
 def test_negative_value_named(col):
-    row = [0, 1, 1, 0, 1, 1]
+    row = [0, 1, 1, 0, 1, 1, 1, 1]
     row[col] = -1
     with pytest.raises(LoadBatchError, match=f"^{COLUMNS[col]}: negative"):
         LoadBatch(("r",), np.array([0, 1]), np.array([row]))
@@ -37,19 +39,22 @@ def test_negative_value_named(col):
 
 def test_bad_inputs_named():
     with pytest.raises(LoadBatchError, match="^tier: unknown tier 7"):
-        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1, 7, 1, 1]]))
-    with pytest.raises(LoadBatchError, match="^table: expected 6 columns"):
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1, 7, 1, 1, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^table: expected 8 columns"):
         LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1]]))
+    with pytest.raises(LoadBatchError, match="^table: expected 8 columns"):  # no identity
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 1, 1, 0, 1, 1]]))
     with pytest.raises(LoadBatchError, match="^table: expected integer dtype"):
-        LoadBatch(("r",), np.array([0, 1]), np.array([[0.0, 1, 1, 0, 1, 1]]))
+        LoadBatch(("r",), np.array([0, 1]), np.array([[0.0, 1, 1, 0, 1, 1, 1, 1]]))
     with pytest.raises(LoadBatchError, match="^offsets: expected 2 entries"):
-        LoadBatch(("r",), np.array([0, 1, 1]), np.array([[0, 1, 1, 0, 1, 1]]))
+        LoadBatch(("r",), np.array([0, 1, 1]), np.array([[0, 1, 1, 0, 1, 1, 1, 1]]))
     with pytest.raises(LoadBatchError, match="^offsets: must start at 0"):
-        LoadBatch(("r", "s"), np.array([0, 2, 1]), np.array([[0, 1, 1, 0, 1, 1]]))
+        LoadBatch(("r", "s"), np.array([0, 2, 1]), np.array([[0, 1, 1, 0, 1, 1, 1, 1]]))
     with pytest.raises(LoadBatchError, match="^request_ids: duplicate"):
-        LoadBatch(("r", "r"), np.array([0, 0, 0]), np.zeros((0, 6), np.int64))
+        LoadBatch(("r", "r"), np.array([0, 0, 0]), np.zeros((0, 8), np.int64))
     with pytest.raises(LoadBatchError, match="^table: value does not fit"):
-        LoadBatch(("r",), np.array([0, 1]), np.array([[0, 2**63, 1, 0, 1, 1]], dtype=np.uint64))
+        LoadBatch(("r",), np.array([0, 1]),
+                  np.array([[0, 2**63, 1, 0, 1, 1, 1, 1]], dtype=np.uint64))
 
 
 def test_empty():

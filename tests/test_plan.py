@@ -21,9 +21,18 @@ from xinference.model.llm.vllm.xavier.planning.plan import (
 CFG = SlabConfig(full_rows=16, small_rows=4, switch_after=2)
 
 
-def batch_of(*requests: List[Tuple[int, int, int, int, int, int]]) -> LoadBatch:
+def identity(rank: int, slot: int, restarted: bool = False) -> Tuple[int, int]:
+    """The (generation, incarnation) a source row names: a generation per slot, one
+    incarnation per rank, or two (``restarted``: the rank restarted between two lookups
+    of one step, odd slots named by the new storage)."""
+    return 3 * slot + 1, 100 + 2 * rank + (slot % 2 if restarted else 0)
+
+
+def batch_of(*requests: List[Tuple[int, int, int, int, int, int]],
+             restarted: bool = False) -> LoadBatch:
     return LoadBatch.from_requests(
-        (f"r{i}", [BlockLoad(*row) for row in rows]) for i, rows in enumerate(requests))
+        (f"r{i}", [BlockLoad(*row, *identity(row[2], row[4], restarted)) for row in rows])
+        for i, rows in enumerate(requests))
 
 
 # ---------------------------------------------------------------- reference model
@@ -31,7 +40,7 @@ def reference(batch: LoadBatch, cfg: SlabConfig, peers: Dict[int, Tuple[int, boo
     rows = [tuple(int(v) for v in r) for r in batch.table]
     live = [(i, r) for i, r in enumerate(rows) if r[5] != NULL_BLOCK_ID]
     dest_key: Dict[Tuple[int, int], int] = {}
-    for _, (g, k, _r, _t, _s, d) in live:
+    for _, (g, k, _r, _t, _s, d, _gen, _inc) in live:
         if dest_key.setdefault((g, d), k) != k:
             return None  # conflict
     source: Dict[Tuple[int, int], Tuple[Tuple[int, int], tuple]] = {}
@@ -50,7 +59,7 @@ def reference(batch: LoadBatch, cfg: SlabConfig, peers: Dict[int, Tuple[int, boo
             small = small or count >= cfg.switch_after
         nxt[rank] = (count, small)
         slab[rank] = cfg.small_rows if small else cfg.full_rows
-    buckets = Counter((r[2], r[3], r[0]) for _, r in source.values())
+    buckets = Counter((r[2], r[3], r[0], r[7]) for _, r in source.values())
     transfers = {b: math.ceil(n / slab[b[0]]) for b, n in buckets.items()}
     padded = sum(transfers[b] * slab[b[0]] - n for b, n in buckets.items())
     return dict(dest_key=dest_key, source=source, buckets=buckets, transfers=transfers,
@@ -82,7 +91,7 @@ def batches(draw):
         if d:
             other = next(x for x in keys if x != k)
             requests[-1] = requests[-1] + [(g, other, r, t, s, d)]
-    return batch_of(*requests)
+    return batch_of(*requests, restarted=True)
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,16 +112,20 @@ def test_plan_matches_reference(batch, small_ranks, start_small):
         assert t.rows <= t.slab_rows == ref["slab"][t.source_rank]
         assert t.src_slots.dtype == np.int64 and t.dst_blocks.dtype == np.int64
         assert np.all((t.dst_rows >= 0) & (t.dst_rows < t.rows))
+        # each read carries the identity its row was promised; one incarnation per transfer
+        assert t.src_generations is not None and len(t.src_generations) == t.rows
+        for slot, gen in zip(t.src_slots.tolist(), t.src_generations.tolist()):
+            assert (gen, t.incarnation) == identity(t.source_rank, slot, restarted=True)
         for d, row in zip(t.dst_blocks.tolist(), t.dst_rows.tolist()):
             assert (t.group, d) not in written
             written[(t.group, d)] = (t.source_rank, int(t.tier), int(t.src_slots[row]))
     assert set(written) == set(ref["dest_key"])
     for (g, d), k in ref["dest_key"].items():
-        _, (_, _, r, ti, s, _) = ref["source"][(g, k)]
+        _, (_, _, r, ti, s, _, _, _) = ref["source"][(g, k)]
         assert written[(g, d)] == (r, ti, s)
     # reads: each (group, key) once; transfer counts and padding exact
     assert plan.rows == len(ref["source"])
-    got = Counter((t.source_rank, int(t.tier), t.group) for t in plan.transfers)
+    got = Counter((t.source_rank, int(t.tier), t.group, t.incarnation) for t in plan.transfers)
     assert dict(got) == ref["transfers"]
     assert plan.padded_rows == ref["padded"]
     assert plan.blocks_written == len(ref["dest_key"])

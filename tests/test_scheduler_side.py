@@ -158,17 +158,19 @@ def test_multi_group_hits_are_the_common_prefix_of_all_groups():
     w = World(held_keys=keys_of(5), num_groups=2)
     w.directory.unregister_rank(1)
     w.directory.register_rank(1)
-    w.directory.register(1, [(0, k, 1, i, 1) for i, k in enumerate(keys_of(5))])
-    w.directory.register(1, [(1, k, 1, 50 + i, 1) for i, k in enumerate(keys_of(3))])
+    w.directory.register(1, [(0, k, 1, i, 1 + i) for i, k in enumerate(keys_of(5))], 55)
+    w.directory.register(1, [(1, k, 1, 50 + i, 1) for i, k in enumerate(keys_of(3))], 66)
     w.side.track("r", lambda: keys_of(5), 200)
     assert w.side.match("r", 200, 0) == 3 * BS
     assert w.leases == 6  # three per group; the two extra group-0 leases were released
     w.side.allocated("r", [[1, 2, 3, 4], [5, 6, 7, 8]], [[False] * 4, [False] * 4], 3 * BS)
     meta = w.side.build_step([("r", 3 * BS, 10)], {})
     rows: Dict[int, List[int]] = {}
-    for g, _, _, _, _, dest in meta.loads.table.tolist():
+    for g, _, _, _, _, dest, _, _ in meta.loads.table.tolist():
         rows.setdefault(g, []).append(dest)
     assert rows == {0: [1, 2, 3], 1: [5, 6, 7]}
+    # each row names what the directory promised: the slot's generation, the storage
+    assert meta.loads.table[:, 6:].tolist() == [[1, 55], [2, 55], [3, 55]] + [[1, 66]] * 3
 
 
 def test_a_failing_directory_is_a_miss():

@@ -217,9 +217,9 @@ def test_blocks_are_published_only_after_their_bytes_and_never_taken_before(monk
     w = World(5, gpu_blocks=2, directory=d)
     real = LocalDirectory.register
 
-    def slow_register(self, rank, entries):
+    def slow_register(self, rank, entries, incarnation=0):
         assert gate.wait(30)
-        return real(self, rank, entries)
+        return real(self, rank, entries, incarnation)
 
     monkeypatch.setattr(LocalDirectory, "register", slow_register)
     r = w.writer.export(w.views, [(0, 1, 1), (0, 2, 2)])

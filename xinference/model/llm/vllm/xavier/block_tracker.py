@@ -56,22 +56,24 @@ class VLLMBlockTracker(xo.StatelessActor):
                         dropped)
         return dropped
 
-    def register(self, rank: int, entries: Any) -> int:
-        """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)."""
+    def register(self, rank: int, entries: Any, incarnation: int = 0) -> int:
+        """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)
+        written by the storage ``incarnation`` of ``rank``."""
         rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
         return self._directory.register(
-            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows])
+            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
+            int(incarnation))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._directory.claim(rank, tier, group, [int(s) for s in slots])
 
     def move(self, rank: int, entries: Any, tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """A demotion: register the lower copies, then claim ``slots`` (one call)."""
         rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
         return self._directory.move(
             rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
-            tier, group, [int(s) for s in slots])
+            tier, group, [int(s) for s in slots], int(incarnation))
 
     def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
         keys = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)

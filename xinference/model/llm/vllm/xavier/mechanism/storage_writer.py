@@ -103,6 +103,8 @@ class StorageWriter:
         self.stream = stream
         self.sink: CounterSink = counters if counters is not None else Counters()
         self._directory = directory
+        #: what the directory's rows name as their storage (readers check it)
+        self.incarnation = generations.incarnation if generations is not None else 0
         self._order = sorted(tiers)
         #: page-locked host tiers of a CUDA engine, kept alive while their CUDA views are
         #: written and read in place (:mod:`.uva`)
@@ -257,7 +259,7 @@ class StorageWriter:
                 for dst, slots, host in pub.scatter:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
-                self._directory.register(self.rank, pub.entries)
+                self._directory.register(self.rank, pub.entries, self.incarnation)
                 self.sink.add("export_published", len(pub.entries))
             except Exception as exc:  # unpublished blocks are only a later miss
                 self.sink.add("export_publish_failures", len(pub.entries))
@@ -326,7 +328,8 @@ class StorageWriter:
         entries = self._demote(tier, lower[0], group, victims) if lower else []
         # one directory call: the lower copies are registered, then the victims claimed
         with elapsed_us(lambda us: self.sink.add("room_directory_us", us)):
-            granted = self._directory.move(self.rank, entries, int(tier), group, victims)
+            granted = self._directory.move(self.rank, entries, int(tier), group, victims,
+                                           self.incarnation)
         refused = set(victims) - set(granted)
         with self._lock:
             alloc = self._alloc[tier][group]

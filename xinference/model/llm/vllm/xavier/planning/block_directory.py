@@ -10,10 +10,14 @@ each one is atomic with respect to the others.
   name; one that finds only another name with the same low 63 bits (what a load row
   carries) is counted in ``identity_mismatches``: a forged or accidental collision of the
   short key is a miss, never a load.
-* A **location** is ``(rank, tier, group, slot, generation)``: the slot of a
+* A **location** is ``(rank, tier, group, slot, generation, incarnation)``: the slot of a
   rank's tier storage for that group that holds the block.  ``generation`` changes whenever the
   storage reuses a slot, so an entry for an older generation is never
-  returned or leased (a stale entry).
+  returned or leased (a stale entry); ``incarnation`` names the storage that wrote it
+  (:mod:`~..mechanism.slot_generations`: minted per storage), so that a restarted source's
+  slots are another storage's, whatever their numbers.  None of this is trusted for the
+  bytes: a loader checks the identity against the source's own generations after its copy
+  (``doc/validated-reads.md``); the directory's bookkeeping only keeps such misses rare.
 * :meth:`BlockDirectory.register` records blocks a rank has written and fenced.
 * :meth:`BlockDirectory.query` returns the longest prefix of a request's keys
   that OTHER ranks hold, choosing one source per key (GPU tier first, then the
@@ -52,13 +56,16 @@ class DirectoryError(ValueError):
 
 
 class Location(NamedTuple):
-    """Where one copy of a block lives: rank, tier, group, slot and the slot's generation
-    (a reused slot gets a new one, so a stale location is never read)."""
+    """Where one copy of a block lives: rank, tier, group, slot, the slot's generation (a
+    reused slot gets a new one) and the incarnation of the storage that wrote it (0: not
+    named, e.g. a test's rows; such a read fails a loader's check against a storage that
+    names its incarnation)."""
     rank: int
     tier: int
     group: int
     slot: int
     generation: int
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,8 @@ class BlockDirectory:
     ``VLLMBlockTracker`` actor wraps it."""
     max_leases: int = 1_000_000
     _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
-    _by_slot: Dict[SlotId, Tuple[int, int]] = field(default_factory=dict)  # -> (key, gen)
+    #: -> (key, generation, incarnation)
+    _by_slot: Dict[SlotId, Tuple[int, int, int]] = field(default_factory=dict)
     #: (group, low 63 bits of a key) -> a key registered with them (only to count
     #: ``identity_mismatches``; lookups go by the full key)
     _short: Dict[BlockId, int] = field(default_factory=dict)
@@ -162,7 +170,7 @@ class BlockDirectory:
         self._tp_sizes.pop(rank, None)
         slots = [s for s in self._by_slot if s[0] == rank]
         for s in slots:
-            key, _ = self._by_slot.pop(s)
+            key = self._by_slot.pop(s)[0]
             self._unlink((s[2], key), rank, s)
         for lease_id in [i for i, s in self._leases.items() if s[0] == rank]:
             del self._leases[lease_id]
@@ -171,13 +179,20 @@ class BlockDirectory:
         return len(slots)
 
     # -------------------------------------------------------------- blocks
-    def register(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]]) -> int:
-        """Record ``(group, key, tier, slot, generation)`` blocks written and fenced on ``rank``.
+    def register(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]],
+                 incarnation: int = 0) -> int:
+        """Record ``(group, key, tier, slot, generation)`` blocks written and fenced on
+        ``rank`` by its storage ``incarnation``.
 
-        A slot's newer generation replaces the older entry; an older one is
-        ignored (counted as stale).  Returns how many entries were recorded.
+        Within one incarnation a slot's newer generation replaces the older entry and an
+        older one is ignored (counted as stale).  An entry of another incarnation than the
+        slot's is replaced whatever its generation (the newest registration wins: a
+        restarted source numbers its slots anew, without claiming them here; if a dead
+        storage's late registration wins instead, its reads fail the loader's check and
+        miss).  Returns how many entries were recorded.
         """
         _check_int("rank", rank)
+        _check_int("incarnation", incarnation)
         self._ranks.add(rank)
         recorded = 0
         for group, key, tier, slot, gen in entries:
@@ -189,12 +204,13 @@ class BlockDirectory:
             sid = (rank, tier, group, slot)
             prev = self._by_slot.get(sid)
             if prev is not None:
-                prev_key, prev_gen = prev
-                if gen < prev_gen or (gen == prev_gen and prev_key != key):
+                prev_key, prev_gen, prev_inc = prev
+                same = prev_inc == incarnation
+                if same and (gen < prev_gen or (gen == prev_gen and prev_key != key)):
                     self.stats.stale_registrations += 1
                     continue
-                if (prev_key, prev_gen) != (key, gen):
-                    if self._lease_count.get(sid):
+                if (prev_key, prev_gen, prev_inc) != (key, gen, incarnation):
+                    if same and self._lease_count.get(sid):
                         raise DirectoryError(
                             f"slot: rank {rank} tier {tier} slot {slot} is leased; it was "
                             "reused without claim()")
@@ -204,10 +220,11 @@ class BlockDirectory:
                 # one location per (key, rank): the newest registration wins (a block
                 # demoted to the CPU tier is registered there before its GPU slot is claimed)
                 self._by_slot.pop(_sid(old), None)
-            self._by_slot[sid] = (key, gen)
+            self._by_slot[sid] = (key, gen, incarnation)
             if (group, key) not in self._by_key:
                 self._short[(group, row_key(key))] = key
-            self._by_key.setdefault((group, key), {})[rank] = Location(rank, tier, group, slot, gen)
+            self._by_key.setdefault((group, key), {})[rank] = Location(
+                rank, tier, group, slot, gen, incarnation)
             recorded += 1
         self.stats.registered += recorded
         return recorded
@@ -228,10 +245,10 @@ class BlockDirectory:
         return granted
 
     def move(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]], tier: int,
-             group: int, slots: Sequence[int]) -> List[int]:
+             group: int, slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """A demotion in one atomic step: :meth:`register` the lower copies ``entries``,
         then :meth:`claim` ``slots`` of ``tier``/``group`` (returns the granted ones)."""
-        self.register(rank, entries)
+        self.register(rank, entries, incarnation)
         return self.claim(rank, tier, group, slots)
 
     def query(self, group: int, keys: Sequence[int],

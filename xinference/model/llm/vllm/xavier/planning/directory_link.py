@@ -18,12 +18,15 @@ class DirectoryLink(Protocol):
     """What the writer needs of the block directory.  Both are called off the step thread
     and may block (the worker's link calls the ``VLLMBlockTracker`` actor)."""
 
-    def register(self, rank: int, entries: Sequence[Entry]) -> int: ...
+    def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        """Record ``entries`` written by the storage ``incarnation`` of ``rank``
+        (:mod:`~..mechanism.slot_generations`; 0: a storage that names none)."""
+        ...
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]: ...
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """``register(entries)`` then ``claim(tier, group, slots)`` in one call (a demotion:
         the lower copies become the blocks' locations, the upper slots are given up)."""
         ...
@@ -36,15 +39,15 @@ class LocalDirectory:
     def __init__(self, directory: Optional[BlockDirectory] = None) -> None:
         self.directory = directory or BlockDirectory()
 
-    def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        return self.directory.register(rank, list(entries))
+    def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        return self.directory.register(rank, list(entries), incarnation)
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self.directory.claim(rank, tier, group, list(slots))
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
-        return self.directory.move(rank, list(entries), tier, group, list(slots))
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
+        return self.directory.move(rank, list(entries), tier, group, list(slots), incarnation)
 
 
 class ShardLink:
@@ -61,12 +64,13 @@ class ShardLink:
     def _entries(self, entries: Sequence[Entry]) -> List[Entry]:
         return [(self._group(g), key, tier, slot, gen) for g, key, tier, slot, gen in entries]
 
-    def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        return self._link.register(rank, self._entries(entries))
+    def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        return self._link.register(rank, self._entries(entries), incarnation)
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._link.claim(rank, tier, self._group(group), slots)
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
-        return self._link.move(rank, self._entries(entries), tier, self._group(group), slots)
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
+        return self._link.move(rank, self._entries(entries), tier, self._group(group), slots,
+                               incarnation)

@@ -13,7 +13,13 @@ rank       source rank that holds the block
 tier       storage tier on that rank (:class:`Tier`)
 slot       slot index in that rank's tier storage
 dest       destination block id in the loading replica's KV cache
+gen        the slot's generation when the source published the block
+inc        the incarnation of the source's storage that published it
 =========  ===============================================================
+
+``gen`` and ``inc`` are the identity a loader checks after its copy against the source's
+own record of the slot (:mod:`~..mechanism.read_checks`); 0 names no storage (a row
+built without a directory entry), which fails against every storage that names one.
 
 Pure module: numpy only, no torch, no actors.
 """
@@ -26,8 +32,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-COLUMNS: Tuple[str, ...] = ("group", "key", "rank", "tier", "slot", "dest")
-GROUP, KEY, RANK, TIER, SLOT, DEST = range(len(COLUMNS))
+COLUMNS: Tuple[str, ...] = ("group", "key", "rank", "tier", "slot", "dest", "gen", "inc")
+GROUP, KEY, RANK, TIER, SLOT, DEST, GEN, INC = range(len(COLUMNS))
 
 #: vLLM's shared null block (``BlockPool.null_block``) has block id 0.
 NULL_BLOCK_ID = 0
@@ -67,16 +73,19 @@ class BlockLoad:
     tier: int
     slot: int
     dest: int
+    generation: int = 0
+    incarnation: int = 0
 
-    def as_row(self) -> Tuple[int, int, int, int, int, int]:
-        return (self.group, self.key, self.rank, self.tier, self.slot, self.dest)
+    def as_row(self) -> Tuple[int, ...]:
+        return (self.group, self.key, self.rank, self.tier, self.slot, self.dest,
+                self.generation, self.incarnation)
 
 
 @dataclass(frozen=True)
 class LoadBatch:
     """All loads of one scheduler step.
 
-    ``table`` is an int64 array of shape ``[N, 6]`` (columns :data:`COLUMNS`);
+    ``table`` is an int64 array of shape ``[N, 8]`` (columns :data:`COLUMNS`);
     rows ``offsets[i]:offsets[i+1]`` belong to ``request_ids[i]``.  The
     constructor validates everything and raises :class:`LoadBatchError` naming
     the bad field; a batch that exists is well formed.

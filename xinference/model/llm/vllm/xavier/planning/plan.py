@@ -12,9 +12,12 @@
 4. each ``(group, key)`` is read once, from one source: GPU tier before CPU
    tier, then the first offer in batch order; all its destinations are
    written from that one read;
-5. reads are grouped by ``(source rank, tier, group)`` and cut into
-   transfers of at most ``slab rows`` blocks; the slab (full or small) is
-   chosen per source rank with hysteresis (:class:`SlabState`).
+5. reads are grouped by ``(source rank, tier, group)`` (and the source's storage
+   incarnation: one per transfer) and cut into transfers of at most ``slab rows``
+   blocks; the slab (full or small) is chosen per source rank with hysteresis
+   (:class:`SlabState`).  Each transfer carries the identity its reads were promised
+   (the slots' generations, the storage's incarnation), which the loader checks after
+   the copy.
 
 No torch, no actors: numpy int64 arrays in, frozen dataclasses out.
 """
@@ -22,11 +25,23 @@ No torch, no actors: numpy int64 arrays in, frozen dataclasses out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .load_batch import DEST, GROUP, KEY, NULL_BLOCK_ID, RANK, SLOT, TIER, LoadBatch, Tier
+from .load_batch import (
+    DEST,
+    GEN,
+    GROUP,
+    INC,
+    KEY,
+    NULL_BLOCK_ID,
+    RANK,
+    SLOT,
+    TIER,
+    LoadBatch,
+    Tier,
+)
 
 
 class ConflictingWriteError(ValueError):
@@ -93,7 +108,10 @@ class SlabState:
 @dataclass(frozen=True)
 class Transfer:
     """One bounded copy: gather ``src_slots`` into slab rows ``0..rows-1``, then
-    write slab row ``dst_rows[i]`` into destination block ``dst_blocks[i]``."""
+    write slab row ``dst_rows[i]`` into destination block ``dst_blocks[i]``.
+    ``src_generations[i]`` is the generation ``src_slots[i]`` had when its block was
+    published, by the source storage ``incarnation`` (None: a transfer built without
+    them, read unchecked)."""
 
     source_rank: int
     tier: Tier
@@ -102,6 +120,8 @@ class Transfer:
     src_slots: np.ndarray
     dst_blocks: np.ndarray
     dst_rows: np.ndarray
+    src_generations: Optional[np.ndarray] = None
+    incarnation: int = 0
 
     @property
     def rows(self) -> int:
@@ -224,7 +244,7 @@ def _cut_transfers(sources: np.ndarray, writes: np.ndarray, cfg: SlabConfig,
     transfers: List[Transfer] = []
     for members in _buckets(sources):  # indices into `sources`, batch order
         head = sources[members[0]]
-        rank, tier, group = int(head[RANK]), int(head[TIER]), int(head[GROUP])
+        rank, tier, group, inc = (int(head[c]) for c in (RANK, TIER, GROUP, INC))
         slab = slab_for_rank[rank]
         for start in range(0, len(members), slab):
             chunk = members[start:start + slab]
@@ -235,7 +255,8 @@ def _cut_transfers(sources: np.ndarray, writes: np.ndarray, cfg: SlabConfig,
                 source_rank=rank, tier=Tier(tier), group=group, slab_rows=slab,
                 src_slots=sources[chunk, SLOT].astype(np.int64),
                 dst_blocks=writes[feeds, DEST].astype(np.int64),
-                dst_rows=row_of[write_src[feeds]]))
+                dst_rows=row_of[write_src[feeds]],
+                src_generations=sources[chunk, GEN].astype(np.int64), incarnation=inc))
     return transfers, next_state
 
 
@@ -252,14 +273,15 @@ def _slabs_per_rank(rows: np.ndarray, cfg: SlabConfig,
 
 
 def _buckets(rows: np.ndarray) -> List[np.ndarray]:
-    """Indices of ``rows`` per (source rank, tier, group), buckets in the order of their
-    first row, rows in their own order."""
+    """Indices of ``rows`` per (source rank, tier, group, incarnation), buckets in the order
+    of their first row, rows in their own order."""
     n = len(rows)
     if n == 0:
         return []
-    if bool(np.all(rows[:, [RANK, TIER, GROUP]] == rows[0, [RANK, TIER, GROUP]])):
+    cols = [RANK, TIER, GROUP, INC]
+    if bool(np.all(rows[:, cols] == rows[0, cols])):
         return [np.arange(n)]  # the common step: one bucket, no grouping
-    bucket_of = _dense_ids(rows[:, RANK], rows[:, TIER], rows[:, GROUP])
+    bucket_of = _dense_ids(rows[:, RANK], rows[:, TIER], rows[:, GROUP], rows[:, INC])
     first = np.full(int(bucket_of.max()) + 1, n, dtype=np.int64)
     np.minimum.at(first, bucket_of, np.arange(n, dtype=np.int64))
     return [np.flatnonzero(bucket_of == b) for b in np.argsort(first, kind="stable").tolist()]
@@ -283,14 +305,15 @@ def _plan_distinct_rows(batch: LoadBatch, cfg: SlabConfig,
     slab_for_rank, next_state = _slabs_per_rank(table, cfg, state)
     transfers = []
     for members in _buckets(table):
-        rank, tier, group = (int(x) for x in table[members[0], [RANK, TIER, GROUP]])
+        rank, tier, group, inc = (int(x) for x in table[members[0], [RANK, TIER, GROUP, INC]])
         slab = slab_for_rank[rank]
         for start in range(0, len(members), slab):
             chunk = table[members[start:start + slab]]
             transfers.append(Transfer(source_rank=rank, tier=Tier(tier), group=group,
                                       slab_rows=slab, src_slots=chunk[:, SLOT].copy(),
                                       dst_blocks=chunk[:, DEST].copy(),
-                                      dst_rows=np.arange(len(chunk), dtype=np.int64)))
+                                      dst_rows=np.arange(len(chunk), dtype=np.int64),
+                                      src_generations=chunk[:, GEN].copy(), incarnation=inc))
     groups = table[:, GROUP]
     written = {int(g): np.sort(table[groups == g, DEST]) for g in np.unique(groups).tolist()}
     plan = LoadPlan(tuple(transfers), batch.request_ids, 0, 0, 0, written)

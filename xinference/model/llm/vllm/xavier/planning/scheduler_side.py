@@ -238,7 +238,8 @@ class SchedulerSide:
                         self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
                     continue
                 rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
-                                      loc.slot, int(block_ids[group][pos])))
+                                      loc.slot, int(block_ids[group][pos]), loc.generation,
+                                      loc.incarnation))
                 names.append(hit.keys[j])
         if drop:
             self._release(drop)

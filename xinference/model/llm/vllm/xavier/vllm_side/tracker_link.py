@@ -29,13 +29,14 @@ class TrackerLink:
             self._tracker.forget()
             raise
 
-    def register(self, rank: int, entries: Sequence[Entry]) -> int:
-        return int(self._call("register", rank, [tuple(int(x) for x in e) for e in entries]))
+    def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        return int(self._call("register", rank, [tuple(int(x) for x in e) for e in entries],
+                              int(incarnation)))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return list(self._call("claim", rank, tier, group, [int(s) for s in slots]))
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return list(self._call("move", rank, [tuple(int(x) for x in e) for e in entries],
-                               tier, group, [int(s) for s in slots]))
+                               tier, group, [int(s) for s in slots], int(incarnation)))
