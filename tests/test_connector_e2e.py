@@ -93,6 +93,8 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert c.get("peer_map_us", 0) == 0 and c.get("load_launch_cpu_us", 0) > 0
     assert c["batch_calls"] == 1 == c["steps_with_loads"]
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
+    # every read was checked after its copy against A's generations file, and held
+    assert c["reads_validated"] == PREFIX // BLOCK and c["validation_failures"] == 0
     # GPU machine: A's GPU tier, read over CUDA IPC; CPU machine: A's shared-memory tier
     tier = "rows_from_gpu_tier" if DEVICE == "cuda" else "rows_from_cpu_tier"
     assert c[tier] == PREFIX // BLOCK

@@ -15,6 +15,7 @@ from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import SchemaMismatchError, layout_of
 from xinference.model.llm.vllm.xavier.mechanism.load_handle import (
     CloseError,
+    FetchedRows,
     LoadError,
     LoadRejected,
     TransferClosedError,
@@ -195,9 +196,9 @@ def _remote(world, rank, tier, gate=None, fail=False):
         if fail:
             raise ConnectionError("source host unreachable")
         idx = torch.as_tensor(t.src_slots)
-        return [block_copy.as_byte_rows(block_copy.block_view(x, BLOCK_DIM[t.group])
-                                        .index_select(0, idx.to(x.device)).cpu())
-                for x in caches[t.group]]
+        return FetchedRows([block_copy.as_byte_rows(block_copy.block_view(x, BLOCK_DIM[t.group])
+                                                    .index_select(0, idx.to(x.device)).cpu())
+                            for x in caches[t.group]])
 
     return fetch
 

@@ -125,8 +125,8 @@ async def timed_out_then_next(loader: Any, late: Any, old_call_ended: bool
     if old_call_ended:
         with contextlib.suppress(asyncio.CancelledError):
             await first
-    n, index = await loader.fetch_blocks(3, int(Tier.CPU), 0, SLOTS)
-    assert n == len(SLOTS) * BLOCK_BYTES * 2
+    served, index = await loader.fetch_blocks(3, int(Tier.CPU), 0, SLOTS)
+    assert served.bytes == len(SLOTS) * BLOCK_BYTES * 2
     handles = await loader.staging_handles(0, index)
     rows = [t[:len(SLOTS)].clone() for t in open_shm(handles)[0]]
     with contextlib.suppress(asyncio.CancelledError):
@@ -220,7 +220,7 @@ def test_a_fetch_whose_blocks_did_not_land_fails_instead_of_returning_other_byte
             with monkeypatch.context() as count_off:  # every address counts as NIXL's
                 count_off.setattr(remote_fetch, "NIXL_SCHEME", "")
                 n = await remote_fetch.fetch_into(source, main, int(Tier.CPU), 0, SLOTS, rows)
-            assert n == len(SLOTS) * BLOCK_BYTES * 2 and filled_with(rows, 0)  # silently
+            assert n.bytes == len(SLOTS) * BLOCK_BYTES * 2 and filled_with(rows, 0)  # silently
         finally:
             await xo.destroy_actor(source)
 

@@ -1,20 +1,52 @@
 """Storage, directory and loads across real processes: the tracker, the exporting rank
-and the loading rank each live in their own xoscar sub pool (spawned processes)."""
+and the loading rank each live in their own xoscar sub pool (spawned processes).  The
+tests on sockets share one pool (each with actors of its own); NIXL's needs ``nixl://``
+pools of its own.
+
+The last three are the ways issue #33 names to serve wrong KV through bookkeeping alone,
+each run with the reads checked (every row failed, vLLM recomputes) and, as the negative
+control, unchecked (the loader gets another block's bytes under the asked names)."""
 
 import asyncio
+from typing import Any, Iterator, List, Tuple
 
 import pytest
+import xoscar as xo
 
-from .support.pools import nixl_available
+from .support.loop_thread import LoopThread, enter, leave
+from .support.pools import actor_pool, nixl_available, sub_pool_addresses
 from .support.reliability import record
-from .support.replica_actors import storage_world
+from .support.replica_actors import (
+    LoaderRankActor,
+    StorageRankActor,
+    destroy,
+    storage_actors,
+    storage_world,
+    tracker_uid,
+)
 
 pytestmark = pytest.mark.slow
 
 
-def test_export_query_load_across_processes_with_eviction_and_overflow():
+@pytest.fixture(scope="module")
+def pools() -> Iterator[Tuple[LoopThread, List[str]]]:
+    """Three sub pools (tracker, exporting rank, loading rank) for every sockets test of
+    the module, on a loop of their own."""
+    loop = LoopThread()
+    cm = actor_pool(n_process=3)
+    pool = loop.run(enter(cm))
+    try:
+        yield loop, sub_pool_addresses(pool)
+    finally:
+        loop.run(leave(cm))
+        loop.stop()
+
+
+def test_export_query_load_across_processes_with_eviction_and_overflow(pools):
+    loop, subs = pools
+
     async def run():
-        pool_cm, tracker, a, b = await storage_world(gpu_blocks=2, cpu_blocks=4)
+        tracker, a, b = await storage_actors(subs, gpu_blocks=2, cpu_blocks=4, tag="-evict")
         try:
             # rank 1 fills its 2-slot GPU tier; room made ahead demotes the LRU block
             await a.export([(0, 100, 10), (0, 101, 11)])
@@ -54,25 +86,27 @@ def test_export_query_load_across_processes_with_eviction_and_overflow():
             assert stats["outstanding_leases"] == 0 and stats["blocks"] == 0
             record("tier budgets exhausted under leases (3 processes)", 2, 2, 3, 0,
                    "2 leased GPU slots refused for reuse, the export skipped, not waited")
-            await a.close()
-            await b.close()
         finally:
-            await pool_cm.__aexit__(None, None, None)
+            await destroy(tracker, a, b)
 
-    asyncio.run(run())
+    loop.run(run())
 
 
 @pytest.mark.parametrize("scheme", [
     "", pytest.param("nixl", marks=pytest.mark.skipif(
         not nixl_available(), reason="NIXL not installed (scripts/setup.sh installs it)"))],
     ids=["sockets", "nixl"])
-def test_remote_storage_through_xoscar_copy_to(scheme):
+def test_remote_storage_through_xoscar_copy_to(scheme, request):
     """The cross-host path: rank 2 does not map rank 1's memory; blocks travel through
     xoscar copy_to: plain sockets, or NIXL (UCX over loopback here) with nixl:// pools."""
 
     async def run():
-        pool_cm, tracker, a, b = await storage_world(gpu_blocks=2, cpu_blocks=4, remote=True,
-                                             scheme=scheme)
+        if scheme:
+            pool_cm, tracker, a, b = await storage_world(gpu_blocks=2, cpu_blocks=4,
+                                                         remote=True, scheme=scheme)
+        else:
+            pool_cm, (tracker, a, b) = None, await storage_actors(
+                subs, gpu_blocks=2, cpu_blocks=4, remote=True, tag="-remote")
         try:
             await a.export([(0, 100, 10), (0, 101, 11)])
             await a.make_room(2)
@@ -87,10 +121,158 @@ def test_remote_storage_through_xoscar_copy_to(scheme):
             c = await b.counters()
             assert c["transfers"] == 2 and c["batch_calls"] == 1  # one per tier
             assert c["useful_bytes"] == 5 * 3 * 2 * 16 * 8 * 2  # 5 blocks x 3 layers, bf16
+            # checked against what the source said its slots held after its gather
+            assert (c["reads_validated"], c["validation_failures"]) == (5, 0)
             assert (await tracker.stats())["outstanding_leases"] == 0
-            await a.close()
-            await b.close()
         finally:
-            await pool_cm.__aexit__(None, None, None)
+            if pool_cm is None:
+                await destroy(tracker, a, b)
+            else:
+                await a.close()
+                await b.close()
+                await pool_cm.__aexit__(None, None, None)
 
-    asyncio.run(run())
+    if scheme:
+        asyncio.run(run())
+    else:
+        loop, subs = request.getfixturevalue("pools")  # the shared pools: sockets only
+        loop.run(run())
+
+
+# ------------------------------------------------ bookkeeping slips: a miss, never wrong KV
+async def _load_both(checked: Any, unchecked: Any, answer: Any,
+                     dests: List[int]) -> Tuple[dict, dict]:
+    """``answer`` loaded by the checking loader and by the unchecked one (the same rows)."""
+    return await checked.load(answer, dests), await unchecked.load(answer, dests)
+
+
+async def _restarted(subs: List[str], tag: str, seed: int) -> Any:
+    """Rank 1 recovered under the same rank with a fresh storage (a new incarnation whose
+    slots start again at generation 1), in the exporting rank's sub pool."""
+    return await xo.create_actor(StorageRankActor, 1, subs[0], tracker_uid(tag), 2, 4, seed,
+                                 address=subs[1], uid=f"rank-1{tag}-restarted")
+
+
+def _loaders(subs: List[str], tag: str) -> Any:
+    """A second loading rank (3) whose reads are NOT checked: the negative control."""
+    return xo.create_actor(LoaderRankActor, 3, subs[0], tracker_uid(tag), "cpu", False,
+                           address=subs[2], uid=f"rank-3{tag}-unchecked")
+
+
+def test_a_held_answer_outlives_its_source_s_restart_and_every_read_fails(pools):
+    """Scenario 1: a lookup is answered (the request waits in vLLM's queue, its leases
+    held), rank 1 restarts with a fresh storage that exports other prompts into the same
+    slot numbers at the same generations, the loader maps the new storage (the world
+    update worked), then the held answer is loaded.  Checked: every row fails (the
+    incarnation differs).  Unchecked: the new prompts' bytes under the old names."""
+    loop, subs = pools
+    tag = "-restart"
+
+    async def run():
+        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
+        c = await _loaders(subs, tag)
+        fresh = None
+        try:
+            await a.export([(0, 100, 10), (0, 101, 11)])
+            held = await b.query([100, 101])
+            assert held.num_hits == 2
+            await tracker.unregister_rank(1)  # the recovery re-registers the rank
+            await a.close()
+            fresh = await _restarted(subs, tag, seed=8)
+            await fresh.export([(0, 200, 20), (0, 201, 21)])
+            new = await b.query([200, 201])
+            assert [(x.slot, x.generation) for x in new.locations] == [
+                (x.slot, x.generation) for x in held.locations]  # only the storage differs
+            for loader in (b, c):
+                await loader.unmap_peer(1)
+                await loader.map_peer(1, await fresh.handles(), await fresh.generations_handle())
+            checked, unchecked = await _load_both(b, c, held, [40, 41])
+            wrong = await fresh.block_digests([20, 21])
+            assert checked["failed"] == [40, 41] and checked["written"] == 0
+            assert unchecked["failed"] == [] and unchecked["digests"] == wrong  # wrong KV
+            counts = await b.counters()
+            assert (counts["validation_failures"], counts["reads_validated"]) == (2, 2)
+            record("held answer outlives its source's restart (3 processes)", 2, 2, 2, 0,
+                   "checked: both rows failed (other incarnation); unchecked: new bytes")
+            assert (await b.load(new, [42, 43]))["failed"] == []  # the new rows load
+        finally:
+            await destroy(tracker, *(r for r in (fresh, b) if r is not None))
+            await c.close()
+            await xo.destroy_actor(c)
+            await xo.destroy_actor(a)
+
+    loop.run(run())
+
+
+def test_a_mapping_that_missed_the_world_update_fails_every_read_and_is_named_stale(pools):
+    """Scenario 2: rank 1 restarts with a fresh storage, but the loader's world update
+    is missed (its mapping of the dead storage stays: the old bytes, still mapped); the
+    new storage publishes other prompts in the same slots and the loader loads them
+    through the old mapping.  Checked: every row fails and the mapping is handed out as
+    stale (mapped again).  Unchecked: the dead storage's bytes under the new names."""
+    loop, subs = pools
+    tag = "-missed"
+
+    async def run():
+        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
+        c = await _loaders(subs, tag)
+        await c.map_peer(1, await a.handles(), await a.generations_handle())
+        fresh = None
+        try:
+            await a.export([(0, 100, 10), (0, 101, 11)])
+            old = await a.block_digests([10, 11])
+            await tracker.unregister_rank(1)
+            await a.close()  # its files are unlinked; the loaders' mappings stay
+            fresh = await _restarted(subs, tag, seed=9)
+            await fresh.export([(0, 200, 20), (0, 201, 21)])
+            new = await b.query([200, 201])
+            checked, unchecked = await _load_both(b, c, new, [40, 41])
+            assert checked["failed"] == [40, 41] and checked["written"] == 0
+            assert unchecked["failed"] == [] and unchecked["digests"] == old  # wrong KV
+            assert await b.stale_ranks() == [1] and await c.stale_ranks() == []
+            record("a mapping that missed the world update (3 processes)", 2, 2, 2, 0,
+                   "checked: both rows failed, the mapping named stale; unchecked: old bytes")
+        finally:
+            await destroy(tracker, *(r for r in (fresh, b) if r is not None))
+            await c.close()
+            await xo.destroy_actor(c)
+            await xo.destroy_actor(a)
+
+    loop.run(run())
+
+
+def test_a_slot_reused_under_a_lease_the_directory_forgot_fails_its_read(pools):
+    """Scenario 3: a reader's leases are gone from the directory (a re-created directory
+    knows none; a late release freed them), so the source claims the slots, demotes their
+    blocks and exports others into them; the reader then loads its answer.  Checked: the
+    reused slots' rows fail (their generations moved).  Unchecked: the other prompts'
+    bytes."""
+    loop, subs = pools
+    tag = "-forgot"
+
+    async def run():
+        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
+        c = await _loaders(subs, tag)
+        await c.map_peer(1, await a.handles(), await a.generations_handle())
+        try:
+            await a.export([(0, 100, 10), (0, 101, 11)])
+            held = await b.query([100, 101])
+            assert await tracker.release(list(held.lease_ids)) == 2  # forgotten
+            assert await a.make_room(2) == 2  # demoted to the CPU tier, GPU slots claimed
+            await a.export([(0, 102, 12), (0, 103, 13)])  # into the same GPU slots
+            checked, unchecked = await _load_both(b, c, held, [40, 41])
+            assert checked["failed"] == [40, 41]
+            assert unchecked["failed"] == []
+            wrong = await a.block_digests([12, 13])
+            assert sorted(unchecked["digests"]) == sorted(wrong)  # wrong KV
+            stats = await tracker.stats()
+            assert stats["unknown_releases"] == 4  # both loads' releases find no lease
+            assert stats["outstanding_leases"] == 0
+            record("a slot reused under a forgotten lease (3 processes)", 2, 2, 2, 0,
+                   "checked: both rows failed (generations moved); unchecked: other bytes")
+        finally:
+            await destroy(tracker, a, b)
+            await c.close()
+            await xo.destroy_actor(c)
+
+    loop.run(run())

@@ -222,8 +222,11 @@ def test_a_tp_worker_reads_the_same_shard_of_a_peer_on_another_host():
                 written[k] = caches[0][0][3].clone()
                 release()
             for k in (0, 1):
-                n, index = await actors[2].fetch_blocks(1, int(Tier.CPU), 0, [3], k)
-                assert (n, index) == (bb, 0)  # one fetch at a time: always row set 0
+                served, index = await actors[2].fetch_blocks(1, int(Tier.CPU), 0, [3], k)
+                assert (served.bytes, index) == (bb, 0)  # one at a time: always row set 0
+                # the slot's identity as rank 1's shard k holds it (the loader checks it)
+                assert served.incarnation == desc[1, k]["generations"][1]
+                assert len(served.generations) == 1
                 staging = open_shm(desc[2, k]["staging"])[0][0][0]
                 assert torch.equal(staging, written[k].reshape(-1).view(torch.uint8))
                 other = written[1 - k].reshape(-1).view(torch.uint8)

@@ -79,7 +79,8 @@ def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_l
         if rank == 5:  # its CPU tier cannot be opened here (a kind this build lacks)
             tiers[int(Tier.CPU)] = ("rdma-window", tiers[int(Tier.CPU)][1])
         host = "another host" if rank == 3 else plane.peers._host
-        return {"host": host, "tiers": tiers, "layout": lay}
+        return {"host": host, "tiers": tiers, "layout": lay,
+                "generations": storage.generations_handle()}
 
     monkeypatch.setattr(plane.peers, "_describe", describe)
     assert plane.peers.premap() == {4, 5}
@@ -176,7 +177,7 @@ def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
 
     class Own:
         async def fetch_blocks(self, rank, tier, group, slots, tp_rank):
-            return len(slots), answers.pop(0)
+            return (len(slots), 77, [5] * len(slots)), answers.pop(0)
 
         async def staging_handles(self, tp_rank, index):
             return sets.handles(index)
@@ -190,7 +191,10 @@ def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
     try:
         for index in (0, 1, 1, 0):
             answers.append(index)
-            rows = fetch(Transfer())
+            fetched = fetch(Transfer())
+            assert fetched.identity.incarnation == 77  # the source's answer, for the check
+            assert fetched.identity.generations.tolist() == [5, 5]
+            rows = fetched.staging
             assert len(rows) == len(layout.groups[0].layers)
             assert all(r.shape[0] == 2 and bool((r == 0x10 + index).all()) for r in rows)
         assert sorted(plane.peers._staging) == [0, 1]

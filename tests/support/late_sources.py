@@ -54,8 +54,10 @@ class LateWritingSource(xo.StatelessActor):
         self._outcome: Optional[str] = None
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
-                           refs: Sequence[Any], tp_rank: int = 0) -> int:
-        """Rows of ``fill`` for ``slots`` into ``refs`` (one per layer), as ``mode`` says."""
+                           refs: Sequence[Any], tp_rank: int = 0) -> Tuple[int, int, List[int]]:
+        """Rows of ``fill`` for ``slots`` into ``refs`` (one per layer), as ``mode`` says;
+        answered like ``serve_blocks`` (bytes, incarnation 0 and no generations: a source
+        that keeps no identity)."""
         shape = (len(slots), self._block_bytes)  # as the real one gathers: [rows, bytes]
         rows: List[Any] = [np.full(shape, self._fill, np.uint8) if self._numpy_rows
                            else torch.full(shape, self._fill, dtype=torch.uint8) for _ in refs]
@@ -63,7 +65,7 @@ class LateWritingSource(xo.StatelessActor):
             await xo.copy_to(rows, list(refs))
             if self._then is not None:
                 await self._then.write_late_now()
-            return shape[0] * shape[1] * len(refs)
+            return shape[0] * shape[1] * len(refs), 0, []
         try:
             self._entered.set()
             await asyncio.sleep(3600)  # held until the caller gives up
@@ -75,7 +77,7 @@ class LateWritingSource(xo.StatelessActor):
             else:
                 asyncio.create_task(self._write_when_asked())
             raise
-        return 0
+        return 0, 0, []
 
     async def _write_when_asked(self) -> None:
         try:

@@ -15,6 +15,7 @@ import hashlib
 import os
 from typing import Any, Coroutine, Dict, List, Sequence, Tuple, TypeVar
 
+import numpy as np
 import torch
 import xoscar as xo
 
@@ -22,7 +23,10 @@ from _xinference_xavier_fork.block_tracker import VLLMBlockTracker
 from _xinference_xavier_fork.mechanism.block_copy import block_view
 from _xinference_xavier_fork.mechanism.gpu_transfer import GPUTransfer
 from _xinference_xavier_fork.mechanism.kv_schema import layout_of
-from _xinference_xavier_fork.mechanism.remote_fetch import fetch_into, serve_blocks
+from _xinference_xavier_fork.mechanism.load_handle import FetchedRows
+from _xinference_xavier_fork.mechanism.read_checks import SourceIdentity
+from _xinference_xavier_fork.mechanism.remote_fetch import ServedBlocks, fetch_into, serve_blocks
+from _xinference_xavier_fork.mechanism.slot_generations import SlotGenerations
 from _xinference_xavier_fork.mechanism.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
@@ -50,16 +54,17 @@ class ActorDirectory:
     def __init__(self, tracker: Any, loop: asyncio.AbstractEventLoop) -> None:
         self._tracker, self._loop = tracker, loop
 
-    def register(self, rank: int, entries: Sequence[Any]) -> int:
-        return on_loop(self._loop, self._tracker.register(rank, [list(e) for e in entries]))
+    def register(self, rank: int, entries: Sequence[Any], incarnation: int = 0) -> int:
+        return on_loop(self._loop, self._tracker.register(rank, [list(e) for e in entries],
+                                                          incarnation))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return on_loop(self._loop, self._tracker.claim(rank, tier, group, list(slots)))
 
     def move(self, rank: int, entries: Sequence[Any], tier: int, group: int,
-             slots: Sequence[int]) -> List[int]:
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return on_loop(self._loop, self._tracker.move(rank, [list(e) for e in entries], tier,
-                                                      group, list(slots)))
+                                                      group, list(slots), incarnation))
 
 
 def engine_cache(seed: int, device: str = "cpu") -> Dict[int, List[torch.Tensor]]:
@@ -129,7 +134,8 @@ class StorageRankActor(_RankActor):
             self._rank, layout, {t: self.storage.caches(t) for t in self.storage.tiers},
             ActorDirectory(tracker, asyncio.get_running_loop()), device,
             stream=torch.cuda.Stream() if device.type == "cuda" else None,
-            room_blocks=self._room, background_room=False)
+            room_blocks=self._room, background_room=False,
+            generations=self.storage.generations)
         self.views = {0: [block_view(t, 0) for t in self.cache[0]]}
 
     async def export(self, blocks: List[Tuple[int, int, int]]) -> Dict[str, int]:
@@ -151,11 +157,18 @@ class StorageRankActor(_RankActor):
         """Per tier, ``("shm", handles)`` or ``("ipc", handles)`` for a CUDA tier."""
         return self.storage.handles()
 
+    def generations_handle(self) -> Any:
+        """How a reader of this host maps the slots' generations."""
+        return self.storage.generations_handle()
+
+    def incarnation(self) -> int:
+        return self.storage.generations.incarnation
+
     def storage_layouts(self) -> Dict[int, Any]:
         return {int(t): layout_of(self.storage.caches(t)) for t in self.storage.tiers}
 
     async def serve_blocks(self, tier: int, group: int, slots: Any, refs: List[Any],
-                           tp_rank: int = 0) -> int:
+                           tp_rank: int = 0) -> ServedBlocks:
         return await serve_blocks(self.storage, tier, group, slots, refs)
 
     async def close(self) -> None:
@@ -164,10 +177,14 @@ class StorageRankActor(_RankActor):
 
 
 class LoaderRankActor(_RankActor):
+    """A loading rank: its engine cache and load engine (the worker's part) in one process.
+    ``validate_reads=False``: the negative control of the checks after each copy."""
+
     def __init__(self, rank: int, tracker_address: str, tracker_uid: str,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", validate_reads: bool = True) -> None:
         super().__init__()
         self._rank, self._device = rank, device
+        self._validate = validate_reads
         self._tracker_addr = (tracker_address, tracker_uid)
 
     async def __post_create__(self) -> None:
@@ -175,17 +192,20 @@ class LoaderRankActor(_RankActor):
         self.cache = engine_cache(1000 + self._rank, self._device)
         self._loop = asyncio.get_running_loop()
         self.engine = GPUTransfer(self._rank, SlabConfig(16, 4, 2),
-                                  release_lease=self._release)
+                                  release_lease=self._release, validate_reads=self._validate)
         self.engine.set_local_caches(self.cache)
 
     def _release(self, lease: Lease) -> None:  # the completion thread
         on_loop(self._loop, self.tracker.release([lease.lease_id]))
 
-    def map_peer(self, rank: int, handles: Dict[int, Any]) -> None:
-        """Map a same-host peer's tiers from :meth:`StorageRankActor.handles`."""
+    def map_peer(self, rank: int, handles: Dict[int, Any], generations: Any = None) -> None:
+        """Map a same-host peer's tiers from :meth:`StorageRankActor.handles` and its
+        slot generations (:meth:`StorageRankActor.generations_handle`: what reads are
+        checked against; left open with the process, as a test's mapping)."""
+        gens = SlotGenerations.open(generations) if generations is not None else None
         for tier, (kind, h) in handles.items():
             caches, release = open_tier(kind, h)
-            self.engine.map_storage(rank, Tier(tier), caches, 0, release)
+            self.engine.map_storage(rank, Tier(tier), caches, 0, release, gens)
 
     async def map_remote_peer(self, rank: int, address: str, uid: str,
                               layouts: Dict[int, Any]) -> None:
@@ -197,11 +217,12 @@ class LoaderRankActor(_RankActor):
                        for la in layout.group(0).layers]
 
             def fetch(t: Any, tier: int = tier, staging: List[torch.Tensor] = staging
-                      ) -> List[torch.Tensor]:
+                      ) -> FetchedRows:
                 rows = [s[:t.rows] for s in staging]
-                on_loop(self._loop, fetch_into(source, self.address, tier, t.group,
-                                               t.src_slots.tolist(), rows))
-                return rows
+                served = on_loop(self._loop, fetch_into(source, self.address, tier, t.group,
+                                                        t.src_slots.tolist(), rows))
+                return FetchedRows(rows, SourceIdentity(
+                    served.incarnation, np.asarray(served.generations, np.int64)))
 
             self.engine.map_remote_storage(rank, Tier(tier), layout, fetch)
 
@@ -210,6 +231,10 @@ class LoaderRankActor(_RankActor):
 
     def unmap_peer(self, rank: int) -> int:
         return self.engine.unmap_storage(rank)
+
+    def stale_ranks(self) -> List[int]:
+        """Peers whose mapping a check found to be of another incarnation (since asked)."""
+        return sorted(self.engine.take_stale_ranks())
 
     async def query(self, keys: List[int]) -> Any:
         return await self.tracker.query(0, keys, self._rank)
@@ -233,7 +258,8 @@ class LoaderRankActor(_RankActor):
 
     async def load(self, result: Any, dests: List[int]) -> Dict[str, Any]:
         """Load a query result (as the worker does) and report the destinations' bytes."""
-        loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d)
+        loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d, loc.generation,
+                           loc.incarnation)
                  for k, loc, d in zip(result.keys, result.locations, dests)]
         leases = [Lease(i, loc.rank) for i, loc in zip(result.lease_ids, result.locations)]
         try:
@@ -244,6 +270,7 @@ class LoaderRankActor(_RankActor):
         except Exception as exc:  # reported to the test, like the worker would
             res, error = None, f"{type(exc).__name__}: {exc}"
         return {"written": res.blocks_written if res else 0, "error": error,
+                "failed": sorted(res.failed) if res else [],
                 "tiers": [int(loc.tier) for loc in result.locations],
                 "digests": [digest(self.cache[0], d) for d in dests[:len(result.keys)]]}
 
@@ -258,14 +285,40 @@ async def storage_world(gpu_blocks: int, cpu_blocks: int, remote: bool = False,
     context (``await pool_cm.__aexit__(None, None, None)``)."""
     pool_cm = actor_pool(n_process=3, scheme=scheme)
     pool = await pool_cm.__aenter__()
-    t_addr, a_addr, b_addr = sub_pool_addresses(pool)
-    uid = f"{VLLMBlockTracker.default_uid()}-model"
+    tracker, a, b = await storage_actors(sub_pool_addresses(pool), gpu_blocks, cpu_blocks,
+                                         remote)
+    return pool_cm, tracker, a, b
+
+
+async def storage_actors(addresses: Sequence[str], gpu_blocks: int, cpu_blocks: int,
+                         remote: bool = False, tag: str = "", validate_reads: bool = True
+                         ) -> Tuple[Any, Any, Any]:
+    """:func:`storage_world`'s actors in three sub pools of an existing pool (``tag`` tells
+    apart the actors of several tests sharing the pools): ``(tracker, rank 1, rank 2)``;
+    rank 2 maps rank 1 as a peer of this host, or of another host (``remote``)."""
+    t_addr, a_addr, b_addr = addresses
+    uid = tracker_uid(tag)
     tracker = await xo.create_actor(VLLMBlockTracker, address=t_addr, uid=uid)
     a = await xo.create_actor(StorageRankActor, 1, t_addr, uid, gpu_blocks, cpu_blocks, 7,
-                              address=a_addr, uid="rank-1")
-    b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, address=b_addr, uid="rank-2")
+                              address=a_addr, uid=f"rank-1{tag}")
+    b = await xo.create_actor(LoaderRankActor, 2, t_addr, uid, "cpu", validate_reads,
+                              address=b_addr, uid=f"rank-2{tag}")
     if remote:
-        await b.map_remote_peer(1, a_addr, "rank-1", await a.storage_layouts())
+        await b.map_remote_peer(1, a_addr, f"rank-1{tag}", await a.storage_layouts())
     else:
-        await b.map_peer(1, await a.handles())
-    return pool_cm, tracker, a, b
+        await b.map_peer(1, await a.handles(), await a.generations_handle())
+    return tracker, a, b
+
+
+def tracker_uid(tag: str = "") -> str:
+    """The uid of :func:`storage_actors`' tracker for ``tag``."""
+    return f"{VLLMBlockTracker.default_uid()}-model{tag}"
+
+
+async def destroy(tracker: Any, *ranks: Any) -> None:
+    """Close and destroy the rank actors ``ranks``, then ``tracker``, of a test that shares
+    its pools."""
+    for rank in ranks:
+        await rank.close()
+        await xo.destroy_actor(rank)
+    await xo.destroy_actor(tracker)

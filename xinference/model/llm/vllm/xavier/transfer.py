@@ -351,12 +351,12 @@ class TransferActor(xo.StatelessActor):
                 "generations": storage.generations_handle()}
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
-                           refs: Sequence[Any], tp_rank: int = 0) -> int:
+                           refs: Sequence[Any], tp_rank: int = 0) -> Tuple[int, int, List[int]]:
         """A peer on another host reads ``slots`` of shard ``tp_rank`` (under its leases)
-        into ``refs``."""
-        n = await serve_blocks(self._shard(tp_rank).storage, tier, group, slots, refs)
-        self._add_stats({"served_blocks": len(slots), "served_bytes": n})
-        return n
+        into ``refs``; the answer: bytes sent, the slots' identity (``ServedBlocks``)."""
+        served = await serve_blocks(self._shard(tp_rank).storage, tier, group, slots, refs)
+        self._add_stats({"served_blocks": len(slots), "served_bytes": served.bytes})
+        return served
 
     async def map_remote(self, rank: int) -> str:
         """Prepare reads from ``rank`` on another host for this rank's worker; returns the
@@ -392,14 +392,14 @@ class TransferActor(xo.StatelessActor):
         return peer_route(transport, False, usable)
 
     async def fetch_blocks(self, rank: int, tier: int, group: int,
-                           slots: Sequence[int], tp_rank: int = 0) -> Tuple[int, int]:
+                           slots: Sequence[int], tp_rank: int = 0) -> Tuple[Any, int]:
         """For this rank's TP worker ``tp_rank``: read ``slots`` of ``rank``'s shard
         ``tp_rank``, ``tier``/``group``, into staging rows it maps (rows
-        ``0..len(slots)-1`` of one row set).  Returns the bytes moved and which row set
-        holds them (:meth:`staging_handles` maps a set the worker has not seen).  A call
-        that comes while another still runs (the worker, one call at a time, gave up on
-        it) gets the other set, so the old call's late write never lands in its rows;
-        with both sets held it raises ``StagingBusyError`` (the load is recomputed)."""
+        ``0..len(slots)-1`` of one row set).  Returns the source's answer (``ServedBlocks``)
+        and which row set holds the rows (:meth:`staging_handles` maps a set the worker
+        has not seen).  A call that comes while another still runs (the worker, one call
+        at a time, gave up on it) gets the other set, so the old call's late write never
+        lands in its rows; with both sets held, ``StagingBusyError`` (recomputed)."""
         shard = self._shard(tp_rank)
         if shard.owner is None or shard.staging is None:
             raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
@@ -413,12 +413,12 @@ class TransferActor(xo.StatelessActor):
                 if staging.overlaps != overlaps:
                     self._add_stats({"remote_fetch_overlaps": 1})
                 rows = staging.rows(index, group, len(slots))
-                n = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
+                served = await fetch_into(peer, address, tier, group, slots, rows, tp_rank)
         except RemoteFetchError as exc:  # both sets held, rows missing: recomputed
             self._add_stats({exc.counter: 1})
             raise
-        self._add_stats({"remote_fetches": 1, "remote_bytes": n})
-        return n, index
+        self._add_stats({"remote_fetches": 1, "remote_bytes": served.bytes})
+        return served, index
 
     def staging_handles(self, tp_rank: int = 0, index: int = 0) -> Dict[int, Any]:
         """How TP worker ``tp_rank`` maps its staging row set ``index``."""

@@ -16,8 +16,10 @@ The call
 4. hands the rest to the completion thread: copies from another host's storage
    (``map_remote_storage``), and copies that read host memory on a CUDA engine where the
    host tier has no CUDA view (:mod:`.uva`: page-locked tiers are read by the kernel);
-5. the completion thread waits for the event and the background copies, then releases
-   every lease -- on success and failure alike -- and completes the :class:`LoadHandle`.
+5. the completion thread waits for the event and the background copies, checks every
+   read against what its source holds now (:mod:`.read_checks`; a read that does not hold
+   is a failed block), then releases every lease -- on success and failure alike -- and
+   completes the :class:`LoadHandle`.
 
 A caller orders its own stream after the launched copies with :meth:`LoadHandle.order`
 (the connector does so before vLLM may run a forward that reads the blocks), so the
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -76,11 +78,12 @@ class GPUTransfer:
     def __init__(self, rank: int, slab_config: Optional[SlabConfig] = None,
                  release_lease: Optional[ReleaseLease] = None,
                  copy_kernel: Optional[str] = None,
-                 counters: Optional[CounterSink] = None) -> None:
+                 counters: Optional[CounterSink] = None, validate_reads: bool = True) -> None:
         """``copy_kernel``: ``"auto"`` (default; env ``XAVIER_COPY_KERNEL``) uses the fused
         Triton gather-scatter for same-device CUDA transfers when it applies, ``"torch"``
         always uses the slab-staged torch copy, ``"triton"`` requires the fused kernel.
-        ``counters``: where the figures go (default: in-process)."""
+        ``counters``: where the figures go (default: in-process).  ``validate_reads``:
+        off only as a test's negative control (:mod:`.read_checks`)."""
         kernel = copy_kernel or os.environ.get("XAVIER_COPY_KERNEL", "auto")
         if kernel not in ("auto", "torch", "triton"):
             raise ValueError(f"copy_kernel: expected auto, torch or triton, got {kernel!r}")
@@ -88,7 +91,10 @@ class GPUTransfer:
         self.rank = rank
         self.slab_config = slab_config or SlabConfig()
         self.sink: CounterSink = counters if counters is not None else Counters()
-        self._completion = LoadCompletion(rank, self.sink, release_lease, self._finished)
+        self._completion = LoadCompletion(rank, self.sink, release_lease, self._finished,
+                                          validate_reads)
+        #: source ranks mapped as another incarnation than a load's rows named
+        self.take_stale_ranks = self._completion.take_stale_ranks
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
@@ -179,10 +185,13 @@ class GPUTransfer:
 
     def map_storage(self, rank: int, tier: Tier, caches: Mapping[int, LayerTensors],
                     block_dim: Union[int, Mapping[int, int]] = 0,
-                    release: Optional[Callable[[], None]] = None) -> KVLayout:
+                    release: Optional[Callable[[], None]] = None,
+                    generations: Optional[Any] = None) -> KVLayout:
         """Map the snapshot storage of ``rank``'s ``tier`` (tensors already opened,
-        e.g. from CUDA IPC or shared memory).  Validated against the local layout;
-        on mismatch nothing is mapped (and ``release`` is not called).  A page-locked host
+        e.g. from CUDA IPC or shared memory) and its ``generations``
+        (:class:`~.slot_generations.SlotGenerations`, mapped by the caller: every read is
+        checked against it; without, reads are not checked).  Validated against the local
+        layout; on mismatch nothing is mapped (and ``release`` is not called).  A page-locked host
         tier of a CUDA engine is read through CUDA views (:mod:`.uva`): its copies are
         launched with the step's GPU copies instead of on the completion thread."""
         layout = layout_of(caches, block_dim)
@@ -192,7 +201,7 @@ class GPUTransfer:
         self._install_storage(MappedStorage(
             rank, Tier(tier), layout, block_views(views or caches, layout), release,
             host_layers={g: [layer_tensor(x) for x in ts] for g, ts in caches.items()}
-            if views else None),
+            if views else None, generations=generations),
             "map_storage")
         return layout
 
@@ -270,11 +279,13 @@ class GPUTransfer:
             except BaseException as exc:  # some copies may be queued: the fence waits
                 error = exc
                 event = record_event(self._stream)
-            handle = LoadHandle(plan.request_ids, plan.written, event, bool(background))
+            reads = local + background
+            handle = LoadHandle(plan.request_ids, plan.written, event,
+                                bool(background) or self._completion.checks(reads))
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)
-        self._completion.submit(LoadJob(handle, plan, event, background, leases, error))
+        self._completion.submit(LoadJob(handle, plan, event, background, leases, error, reads))
         return handle
 
     def _plan(self, batch: LoadBatch) -> LoadPlan:

@@ -2,9 +2,11 @@
 
 :class:`LoadCompletion` takes each launched load (:class:`~.load_handle.LoadJob`), waits
 for its event, runs the transfers that read host memory into a CUDA engine or arrive from
-another host, releases every lease (on success and failure alike), counts the result and
-completes the :class:`~.load_handle.LoadHandle`.  It touches only what a job captured
-and the engine parts handed to :meth:`LoadCompletion.start`.
+another host, checks every read against the identity its source holds now
+(:mod:`.read_checks`: a read that does not hold is a failed block), releases every lease
+(on success and failure alike), counts the result and completes the
+:class:`~.load_handle.LoadHandle`.  It touches only what a job captured and the engine
+parts handed to :meth:`LoadCompletion.start`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -23,7 +25,15 @@ from ..planning.log_names import package_logger
 from ..planning.plan import Transfer
 from .block_copy import copy_transfer, slab_as
 from .kv_schema import KVLayout
-from .load_handle import LoadError, LoadHandle, LoadJob, LoadResult, MappedStorage
+from .load_handle import (
+    FetchedRows,
+    LoadError,
+    LoadHandle,
+    LoadJob,
+    LoadResult,
+    MappedStorage,
+)
+from .read_checks import SourceIdentity, check_read
 from .slabs import SlabPool
 
 logger = package_logger(__name__)
@@ -62,11 +72,18 @@ class LoadCompletion:
     """The completion thread and the lease releases of one load engine."""
 
     def __init__(self, rank: int, sink: CounterSink, release_lease: Optional[ReleaseLease],
-                 finished: Callable[[LoadHandle], None]) -> None:
+                 finished: Callable[[LoadHandle], None], validate_reads: bool = True) -> None:
+        """``validate_reads``: check every read after its copy (:mod:`.read_checks`); off
+        only in tests, as the negative control that shows what the check catches."""
         self.rank = rank
         self.sink = sink
+        self.validate_reads = validate_reads
         self._release_lease = release_lease
         self._finished = finished
+        #: source ranks whose mapped storage was found to be another incarnation than the
+        #: rows named (the mapping may be stale: :meth:`take_stale_ranks`)
+        self._stale: Set[int] = set()
+        self._stale_lock = threading.Lock()
         self._parts: Optional[EngineParts] = None
         self._jobs: queue.Queue[Optional[LoadJob]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -81,6 +98,20 @@ class LoadCompletion:
 
     def submit(self, job: LoadJob) -> None:
         self._jobs.put(job)
+
+    def checks(self, reads: Sequence[Tuple[Transfer, MappedStorage]]) -> bool:
+        """Whether a load of ``reads`` waits for this thread's check before it is
+        reportable (some read can be checked)."""
+        return self.validate_reads and any(
+            t.src_generations is not None and (st.generations is not None or st.fetch)
+            for t, st in reads)
+
+    def take_stale_ranks(self) -> Set[int]:
+        """The source ranks found mapped as another incarnation since the last call (their
+        mappings should be made again)."""
+        with self._stale_lock:
+            stale, self._stale = self._stale, set()
+        return stale
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread after the jobs already submitted."""
@@ -111,15 +142,20 @@ class LoadCompletion:
                 job.event.synchronize()
         except BaseException as exc:  # a device fault: nothing of this load is trusted
             error = error or exc
+        fetched: Dict[int, SourceIdentity] = {}  # id(transfer) -> what the source sent
         if error is None:
             for t, st in job.background:
                 try:
-                    self._run_background(t, st)
+                    identity = self._run_background(t, st)
+                    if identity is not None:
+                        fetched[id(t)] = identity
                 except BaseException as exc:  # this transfer's blocks are recomputed
                     logger.warning("rank %d: load of %d blocks from rank %d %s failed: %r",
                                    self.rank, len(t.dst_blocks), t.source_rank, t.tier.name,
                                    exc)
                     failed.update(int(b) for b in t.dst_blocks)
+            if self.validate_reads:
+                failed.update(self._check_reads(job.reads, fetched, failed))
         handle.failed = failed if error is None else {
             int(b) for ids in plan.written.values() for b in ids}
         handle._background_done.set()
@@ -150,15 +186,58 @@ class LoadCompletion:
         self._finished(handle)
         handle._done.set()
 
-    def _run_background(self, t: Transfer, st: MappedStorage) -> None:
+    def _check_reads(self, reads: Sequence[Tuple[Transfer, MappedStorage]],
+                     fetched: Dict[int, SourceIdentity], failed: Set[int]) -> Set[int]:
+        """The destinations of ``reads`` whose read did not hold (copies complete): each
+        transfer's promised identity against the source's now -- read from its mapped
+        generations here, or as the source sent it with the bytes (``fetched``)."""
+        bad: Set[int] = set()
+        for t, st in reads:
+            if failed.intersection(t.dst_blocks.tolist()):
+                continue  # already failed: recomputed whatever it holds
+            try:
+                if st.fetch is not None:
+                    now = fetched.get(id(t))
+                elif st.generations is not None:
+                    now = SourceIdentity(st.generations.incarnation, st.generations.row(
+                        int(t.tier), t.group)[t.src_slots].copy())
+                else:
+                    now = None
+                result = check_read(t, now)
+            except Exception as exc:  # the identity cannot be read: nothing is trusted
+                logger.warning("rank %d: checking a read of rank %d failed: %r", self.rank,
+                               t.source_rank, exc)
+                self.sink.add("validation_failures", t.rows)
+                bad.update(t.dst_blocks.tolist())
+                continue
+            if result is None:
+                continue
+            self.sink.add("reads_validated", t.rows)
+            if result.ok:
+                continue
+            self.sink.add("validation_failures", result.failed_rows)
+            bad.update(result.failed_blocks.tolist())
+            if result.stale_mapping:
+                with self._stale_lock:
+                    self._stale.add(t.source_rank)
+            logger.warning("rank %d: %d of %d blocks read from rank %d %s no longer held what "
+                           "they were named for%s: recomputed", self.rank, result.failed_rows,
+                           t.rows, t.source_rank, t.tier.name,
+                           " (another incarnation of its storage)" if result.stale_mapping
+                           else "")
+        return bad
+
+    def _run_background(self, t: Transfer, st: MappedStorage) -> Optional[SourceIdentity]:
         """A transfer from host memory (a CPU tier) into a CUDA engine, or from another
-        host; returns when its writes are complete."""
+        host; returns when its writes are complete, with what the source said it held
+        (another host's answer; None for a mapped storage)."""
         parts = self._parts
         assert parts is not None
         dst = parts.layers[t.group]
         if st.fetch is not None:
-            self._write_staged(t, st.fetch(t))
-            return
+            rows: FetchedRows = st.fetch(t)
+            self._write_staged(t, rows.staging)
+            return rows.identity
         with on_stream(parts.stream):
             dev = parts.device
             copy_transfer(st.layers[t.group], dst, parts.slabs.get(t.group, t.slab_rows),
@@ -168,6 +247,7 @@ class LoadCompletion:
         if event is not None:
             event.synchronize()
         self.sink.add("loads_in_background")
+        return None
 
     def _write_staged(self, t: Transfer, staging: Sequence[torch.Tensor]) -> None:
         parts = self._parts

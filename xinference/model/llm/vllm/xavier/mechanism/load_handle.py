@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ import torch
 from ..planning.load_batch import Lease, Tier
 from ..planning.plan import LoadPlan, Transfer
 from .kv_schema import KVLayout
+from .read_checks import SourceIdentity
 
 
 class TransferClosedError(RuntimeError):
@@ -36,10 +37,19 @@ class CloseError(RuntimeError):
     """Some resources could not be released; ``close()`` may be called again."""
 
 
-#: Returns per-layer ``uint8`` staging rows ``[transfer.rows, block_bytes]`` (CPU) holding
-#: the blocks ``transfer.src_slots`` of a storage that is not mapped into this process
-#: (another host); runs on the completion thread.  See :mod:`.remote_fetch`.
-RemoteFetch = Callable[[Transfer], List[torch.Tensor]]
+@dataclass(frozen=True)
+class FetchedRows:
+    """What a read from another host returned: per-layer ``uint8`` staging rows
+    ``[transfer.rows, block_bytes]`` (CPU) and what the source said its slots held once it
+    had gathered them (None: a source that keeps no identity)."""
+
+    staging: List[torch.Tensor]
+    identity: Optional[SourceIdentity] = None
+
+
+#: Returns the blocks ``transfer.src_slots`` of a storage that is not mapped into this
+#: process (another host); runs on the completion thread.  See :mod:`.remote_fetch`.
+RemoteFetch = Callable[[Transfer], FetchedRows]
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,9 @@ class MappedStorage:
     #: page-locked host layers that ``layers`` view through CUDA (:mod:`.uva`): kept alive
     #: as long as the views are
     host_layers: Optional[Dict[int, List[torch.Tensor]]] = None
+    #: the storage's slot generations as this process maps them
+    #: (:class:`~.slot_generations.SlotGenerations`): what a read is checked against
+    generations: Optional[Any] = None
 
 
 @dataclass
@@ -85,6 +98,8 @@ class LoadJob:
     background: List[Tuple[Transfer, MappedStorage]]
     leases: Sequence[Lease]
     launch_error: Optional[BaseException] = None
+    #: every transfer of the plan with its storage (the reads the thread checks)
+    reads: Sequence[Tuple[Transfer, MappedStorage]] = ()
 
 
 class LoadHandle:
@@ -93,6 +108,8 @@ class LoadHandle:
     * :attr:`reportable`: every destination is written (or known failed: :attr:`failed`) as
       far as the caller's stream is concerned once it called :meth:`order`: copies still
       running on the engine's stream are ordered before anything the caller queues next;
+      a load whose reads are checked (:mod:`.read_checks`) is reportable only once the
+      completion thread checked them, after its copies completed;
     * :meth:`wait`: everything finished and every lease released; the result, or the
       error of a load that failed after it started (:class:`LoadError`).
     """

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, List, Sequence, Set
+from typing import Any, Dict, Iterator, List, NamedTuple, Sequence, Set
 
 import numpy as np
 import torch
@@ -79,20 +79,31 @@ class CountedRows:
         self.written += max(0, stop - start)
 
 
+class ServedBlocks(NamedTuple):
+    """The source's answer to a fetch: the bytes it sent, and what its slots held once it
+    had gathered them (its storage's incarnation, each slot's generation, in the fetch's
+    order; 0 and empty for a storage that keeps none): the loader checks them against
+    what its rows were promised (:mod:`.read_checks`)."""
+
+    bytes: int
+    incarnation: int
+    generations: List[int]
+
+
 async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Sequence[int],
-                     staging_rows: List[torch.Tensor], tp_rank: int = 0) -> int:
+                     staging_rows: List[torch.Tensor], tp_rank: int = 0) -> ServedBlocks:
     """Loader side: have ``source`` (an actor ref exposing ``serve_blocks``) write
     ``slots`` of its shard ``tp_rank``'s ``tier``/``group`` into ``staging_rows`` (per
     layer ``uint8`` ``[len(slots), block_bytes]``), received at ``address``.  Returns the
-    bytes moved; ``IncompleteFetchError`` when the sockets channel did not write every row
-    (:class:`CountedRows`; NIXL's channel reports its own failures)."""
+    source's answer; ``IncompleteFetchError`` when the sockets channel did not write every
+    row (:class:`CountedRows`; NIXL's channel reports its own failures)."""
     counted = ([CountedRows(rows) for rows in staging_rows]
                if not address.startswith(NIXL_SCHEME) else None)
     # the rows must stay alive until copy_to has written them: they do, in this frame
     refs = [xo.buffer_ref(address, rows) for rows in (counted or staging_rows)]
     try:
-        n = int(await source.serve_blocks(int(tier), int(group), list(slots), refs,
-                                          int(tp_rank)))
+        served = ServedBlocks(*await source.serve_blocks(int(tier), int(group), list(slots),
+                                                         refs, int(tp_rank)))
     finally:
         forget_buffer_refs(refs)
     if counted is not None and any(c.written != len(c) for c in counted):
@@ -100,7 +111,7 @@ async def fetch_into(source: Any, address: str, tier: int, group: int, slots: Se
             f"fetch of {len(slots)} slots: rows written per layer "
             f"{[c.written for c in counted]}, expected {len(slots)} each (the receiving "
             "pool could not write every block)")
-    return n
+    return served
 
 
 def forget_buffer_refs(refs: Sequence[Any]) -> None:
@@ -112,15 +123,18 @@ def forget_buffer_refs(refs: Sequence[Any]) -> None:
 
 
 async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,
-                       slots: Sequence[int], refs: Sequence[Any]) -> int:
+                       slots: Sequence[int], refs: Sequence[Any]) -> ServedBlocks:
     """Source side: send ``slots`` of ``tier``/``group`` into the loader's buffer refs.
-    Returns the bytes sent."""
+    Returns the bytes sent and the slots' identity, read after the gather completed (a
+    write that overlapped it bumped a generation first: the loader sees the change)."""
     slot_list = slots.tolist() if isinstance(slots, np.ndarray) else list(slots)
     rows = storage.gather_rows(Tier(tier), group, slot_list)
     if len(rows) != len(refs):
         raise ValueError(f"refs: expected one buffer per layer ({len(rows)}), got {len(refs)}")
+    gens = storage.generations
+    identity = (gens.incarnation, gens.row(int(tier), group)[slot_list].tolist())
     await xo.copy_to(rows, list(refs))
-    return sum(r.numel() for r in rows)
+    return ServedBlocks(sum(r.numel() for r in rows), *identity)
 
 
 class StagingRows:

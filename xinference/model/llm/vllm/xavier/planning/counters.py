@@ -28,6 +28,10 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "logical_requests", "batch_calls", "transfers", "fused_transfers", "useful_bytes",
     "padded_bytes", "blocks_written", "load_failures", "rejected_batches",
     "lease_release_failures",
+    # every read checked after its copy (source rows), those that no longer held the block
+    # they were named for (recomputed), and mappings of a source found to be another
+    # incarnation than its published rows (dropped, mapped again)
+    "reads_validated", "validation_failures", "stale_mappings_dropped",
     # the worker's loads
     "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
     "loads_in_background", "load_launch_us", "load_background_us",
@@ -169,7 +173,10 @@ class TransferCounters:
     * ``blocks_written``: destination blocks written (one read may feed several);
     * ``load_failures``: calls whose copies failed after they started;
     * ``rejected_batches``: calls rejected before any copy (conflicts, bad input);
-    * ``lease_release_failures``: leases whose release raised.
+    * ``lease_release_failures``: leases whose release raised;
+    * ``reads_validated``: source rows checked after their copy (``doc/validated-reads.md``);
+    * ``validation_failures``: of those, rows whose slot no longer held the block (their
+      destinations were reported failed: vLLM recomputes them).
     """
 
     logical_requests: int = 0
@@ -182,6 +189,8 @@ class TransferCounters:
     load_failures: int = 0
     rejected_batches: int = 0
     lease_release_failures: int = 0
+    reads_validated: int = 0
+    validation_failures: int = 0
 
     @classmethod
     def of(cls, sink: CounterSink) -> TransferCounters:

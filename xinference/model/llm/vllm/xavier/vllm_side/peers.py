@@ -21,10 +21,14 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set
 
+import numpy as np
 import torch
 
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.kv_schema import KVLayout
+from ..mechanism.load_handle import FetchedRows
+from ..mechanism.read_checks import SourceIdentity
+from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_shm, open_tier
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
@@ -117,6 +121,11 @@ class PeerMaps:
             if self._stop.is_set():
                 return set()
             self.follow_world()
+            for rank in self._engine.take_stale_ranks():  # mapped again below
+                self._counters.add("stale_mappings_dropped")
+                logger.info("xavier: rank %d: rank %d's mapping is of another incarnation "
+                            "than its published blocks: mapping it again", self._rank, rank)
+                self._engine.unmap_storage(rank)
             mapped = {r for r, _ in self._engine.mapped()}
             now = _monotonic()
             due = {r: a for r, a in enumerate(self._world)
@@ -281,12 +290,18 @@ class PeerMaps:
             raise LookupError(f"rank {rank}: {exc}") from None
         if route == ROUTE_IPC:
             self._in_progress.add(rank)  # one tier mapped is not the peer mapped
+            gens: Optional[SlotGenerations] = None
             try:
-                for tier, (kind, handles) in sorted(desc["tiers"].items()):
+                tiers = sorted(desc["tiers"].items())
+                gens = SlotGenerations.open(desc["generations"])  # what reads are checked on
+                releases = _closing_after_all(gens, len(tiers))
+                for (tier, (kind, handles)), done in zip(tiers, releases):
                     caches, release = open_tier(kind, handles, pin=self._pin)
-                    self._engine.map_storage(rank, Tier(tier), caches, 0, release)
+                    self._engine.map_storage(rank, Tier(tier), caches, 0, done(release), gens)
             except BaseException:
                 self._engine.unmap_storage(rank)  # whole or not at all
+                if gens is not None:
+                    gens.close()
                 raise
             finally:
                 self._in_progress.discard(rank)
@@ -309,14 +324,16 @@ class PeerMaps:
         them (NIXL or sockets) into staging rows this process maps too: the row set its
         answer names (a second set exists once a fetch timed out and still ran when the
         next one came: see :mod:`..mechanism.remote_fetch`)."""
-        def fetch(transfer: Any) -> List[torch.Tensor]:
+        def fetch(transfer: Any) -> FetchedRows:
             slots = [int(s) for s in transfer.src_slots]
             group = int(transfer.group)
             tp_rank = self._tp_rank
-            _, index = self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group,
-                                                                  slots, tp_rank),
-                                         CALL_TIMEOUT_S)
-            return [s[:len(slots)] for s in self._staging_set(own, int(index))[group]]
+            served, index = self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group,
+                                                                       slots, tp_rank),
+                                              CALL_TIMEOUT_S)
+            _, incarnation, generations = served
+            return FetchedRows([s[:len(slots)] for s in self._staging_set(own, int(index))[group]],
+                               SourceIdentity(int(incarnation), np.asarray(generations, np.int64)))
 
         return fetch
 
@@ -333,3 +350,22 @@ class PeerMaps:
                         "out and was still running when the next one came)", self._rank,
                         index)
         return rows
+
+
+def _closing_after_all(gens: SlotGenerations, tiers: int) -> List[Any]:
+    """Per tier, a wrapper of its release that also unmaps ``gens`` once every tier of the
+    peer was released (the tiers share one generations file)."""
+    left = [tiers]
+
+    def wrap(release: Optional[Any]) -> Any:
+        def done() -> None:
+            try:
+                if release is not None:
+                    release()
+            finally:
+                left[0] -= 1
+                if left[0] == 0:
+                    gens.close()
+        return done
+
+    return [wrap] * tiers
