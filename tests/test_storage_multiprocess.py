@@ -8,7 +8,9 @@ each run with the reads checked (every row failed, vLLM recomputes) and, as the 
 control, unchecked (the loader gets another block's bytes under the asked names)."""
 
 import asyncio
-from typing import Any, Iterator, List, Tuple
+import contextlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, List, Tuple
 
 import pytest
 import xoscar as xo
@@ -140,23 +142,47 @@ def test_remote_storage_through_xoscar_copy_to(scheme, request):
 
 
 # ------------------------------------------------ bookkeeping slips: a miss, never wrong KV
-async def _load_both(checked: Any, unchecked: Any, answer: Any,
-                     dests: List[int]) -> Tuple[dict, dict]:
-    """``answer`` loaded by the checking loader and by the unchecked one (the same rows)."""
-    return await checked.load(answer, dests), await unchecked.load(answer, dests)
+@dataclass
+class Slip:
+    """A scenario's actors: the tracker, rank 1 (``a``; ``fresh`` once restarted), the
+    loader whose reads are checked (``b``) and one whose reads are not (``c``: the negative
+    control), both mapping rank 1 as peers of this host."""
+
+    subs: List[str]
+    tag: str
+    tracker: Any
+    a: Any
+    b: Any
+    c: Any
+    fresh: Any = None
+
+    async def load_both(self, answer: Any, dests: List[int]) -> Tuple[dict, dict]:
+        """``answer`` loaded by the checked and by the unchecked loader (the same rows)."""
+        return await self.b.load(answer, dests), await self.c.load(answer, dests)
+
+    async def restart(self, seed: int) -> Any:
+        """Rank 1 recovered under the same rank with a fresh storage (a new incarnation
+        whose slots start again at generation 1): the old one unregistered and closed (its
+        files unlinked; the loaders' mappings of them stay), the new one in its sub pool."""
+        await self.tracker.unregister_rank(1)
+        await self.a.close()
+        self.fresh = await xo.create_actor(
+            StorageRankActor, 1, self.subs[0], tracker_uid(self.tag), 2, 4, seed,
+            address=self.subs[1], uid=f"rank-1{self.tag}-restarted")
+        return self.fresh
 
 
-async def _restarted(subs: List[str], tag: str, seed: int) -> Any:
-    """Rank 1 recovered under the same rank with a fresh storage (a new incarnation whose
-    slots start again at generation 1), in the exporting rank's sub pool."""
-    return await xo.create_actor(StorageRankActor, 1, subs[0], tracker_uid(tag), 2, 4, seed,
-                                 address=subs[1], uid=f"rank-1{tag}-restarted")
-
-
-def _loaders(subs: List[str], tag: str) -> Any:
-    """A second loading rank (3) whose reads are NOT checked: the negative control."""
-    return xo.create_actor(LoaderRankActor, 3, subs[0], tracker_uid(tag), "cpu", False,
-                           address=subs[2], uid=f"rank-3{tag}-unchecked")
+@contextlib.asynccontextmanager
+async def slip(subs: List[str], tag: str) -> AsyncIterator[Slip]:
+    tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
+    c = await xo.create_actor(LoaderRankActor, 3, subs[0], tracker_uid(tag), "cpu", False,
+                              address=subs[2], uid=f"rank-3{tag}-unchecked")
+    await c.map_peer(1, await a.handles(), await a.generations_handle())
+    w = Slip(subs, tag, tracker, a, b, c)
+    try:
+        yield w
+    finally:
+        await destroy(tracker, *(r for r in (w.fresh, a, b, c) if r is not None))
 
 
 def test_a_held_answer_outlives_its_source_s_restart_and_every_read_fails(pools):
@@ -166,40 +192,29 @@ def test_a_held_answer_outlives_its_source_s_restart_and_every_read_fails(pools)
     update worked), then the held answer is loaded.  Checked: every row fails (the
     incarnation differs).  Unchecked: the new prompts' bytes under the old names."""
     loop, subs = pools
-    tag = "-restart"
 
     async def run():
-        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
-        c = await _loaders(subs, tag)
-        fresh = None
-        try:
-            await a.export([(0, 100, 10), (0, 101, 11)])
-            held = await b.query([100, 101])
+        async with slip(subs, "-restart") as w:
+            await w.a.export([(0, 100, 10), (0, 101, 11)])
+            held = await w.b.query([100, 101])
             assert held.num_hits == 2
-            await tracker.unregister_rank(1)  # the recovery re-registers the rank
-            await a.close()
-            fresh = await _restarted(subs, tag, seed=8)
+            fresh = await w.restart(seed=8)
             await fresh.export([(0, 200, 20), (0, 201, 21)])
-            new = await b.query([200, 201])
+            new = await w.b.query([200, 201])
             assert [(x.slot, x.generation) for x in new.locations] == [
                 (x.slot, x.generation) for x in held.locations]  # only the storage differs
-            for loader in (b, c):
+            for loader in (w.b, w.c):
                 await loader.unmap_peer(1)
                 await loader.map_peer(1, await fresh.handles(), await fresh.generations_handle())
-            checked, unchecked = await _load_both(b, c, held, [40, 41])
-            wrong = await fresh.block_digests([20, 21])
+            checked, unchecked = await w.load_both(held, [40, 41])
             assert checked["failed"] == [40, 41] and checked["written"] == 0
+            wrong = await fresh.block_digests([20, 21])
             assert unchecked["failed"] == [] and unchecked["digests"] == wrong  # wrong KV
-            counts = await b.counters()
+            counts = await w.b.counters()
             assert (counts["validation_failures"], counts["reads_validated"]) == (2, 2)
             record("held answer outlives its source's restart (3 processes)", 2, 2, 2, 0,
                    "checked: both rows failed (other incarnation); unchecked: new bytes")
-            assert (await b.load(new, [42, 43]))["failed"] == []  # the new rows load
-        finally:
-            await destroy(tracker, *(r for r in (fresh, b) if r is not None))
-            await c.close()
-            await xo.destroy_actor(c)
-            await xo.destroy_actor(a)
+            assert (await w.b.load(new, [42, 43]))["failed"] == []  # the new rows load
 
     loop.run(run())
 
@@ -211,32 +226,19 @@ def test_a_mapping_that_missed_the_world_update_fails_every_read_and_is_named_st
     through the old mapping.  Checked: every row fails and the mapping is handed out as
     stale (mapped again).  Unchecked: the dead storage's bytes under the new names."""
     loop, subs = pools
-    tag = "-missed"
 
     async def run():
-        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
-        c = await _loaders(subs, tag)
-        await c.map_peer(1, await a.handles(), await a.generations_handle())
-        fresh = None
-        try:
-            await a.export([(0, 100, 10), (0, 101, 11)])
-            old = await a.block_digests([10, 11])
-            await tracker.unregister_rank(1)
-            await a.close()  # its files are unlinked; the loaders' mappings stay
-            fresh = await _restarted(subs, tag, seed=9)
+        async with slip(subs, "-missed") as w:
+            await w.a.export([(0, 100, 10), (0, 101, 11)])
+            old = await w.a.block_digests([10, 11])
+            fresh = await w.restart(seed=9)
             await fresh.export([(0, 200, 20), (0, 201, 21)])
-            new = await b.query([200, 201])
-            checked, unchecked = await _load_both(b, c, new, [40, 41])
+            checked, unchecked = await w.load_both(await w.b.query([200, 201]), [40, 41])
             assert checked["failed"] == [40, 41] and checked["written"] == 0
             assert unchecked["failed"] == [] and unchecked["digests"] == old  # wrong KV
-            assert await b.stale_ranks() == [1] and await c.stale_ranks() == []
+            assert await w.b.stale_ranks() == [1] and await w.c.stale_ranks() == []
             record("a mapping that missed the world update (3 processes)", 2, 2, 2, 0,
                    "checked: both rows failed, the mapping named stale; unchecked: old bytes")
-        finally:
-            await destroy(tracker, *(r for r in (fresh, b) if r is not None))
-            await c.close()
-            await xo.destroy_actor(c)
-            await xo.destroy_actor(a)
 
     loop.run(run())
 
@@ -248,19 +250,16 @@ def test_a_slot_reused_under_a_lease_the_directory_forgot_fails_its_read(pools):
     reused slots' rows fail (their generations moved).  Unchecked: the other prompts'
     bytes."""
     loop, subs = pools
-    tag = "-forgot"
 
     async def run():
-        tracker, a, b = await storage_actors(subs, 2, 4, tag=tag)
-        c = await _loaders(subs, tag)
-        await c.map_peer(1, await a.handles(), await a.generations_handle())
-        try:
+        async with slip(subs, "-forgot") as w:
+            tracker, a = w.tracker, w.a
             await a.export([(0, 100, 10), (0, 101, 11)])
-            held = await b.query([100, 101])
+            held = await w.b.query([100, 101])
             assert await tracker.release(list(held.lease_ids)) == 2  # forgotten
             assert await a.make_room(2) == 2  # demoted to the CPU tier, GPU slots claimed
             await a.export([(0, 102, 12), (0, 103, 13)])  # into the same GPU slots
-            checked, unchecked = await _load_both(b, c, held, [40, 41])
+            checked, unchecked = await w.load_both(held, [40, 41])
             assert checked["failed"] == [40, 41]
             assert unchecked["failed"] == []
             wrong = await a.block_digests([12, 13])
@@ -270,9 +269,5 @@ def test_a_slot_reused_under_a_lease_the_directory_forgot_fails_its_read(pools):
             assert stats["outstanding_leases"] == 0
             record("a slot reused under a forgotten lease (3 processes)", 2, 2, 2, 0,
                    "checked: both rows failed (generations moved); unchecked: other bytes")
-        finally:
-            await destroy(tracker, a, b)
-            await c.close()
-            await xo.destroy_actor(c)
 
     loop.run(run())

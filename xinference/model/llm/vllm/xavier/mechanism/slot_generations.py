@@ -22,14 +22,12 @@ storage's (``xavier-<pid>-<hex>``), so that the sweep of orphaned files removes 
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 import secrets
-import uuid
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
+
+from ..planning.shm_words import ShmWords
 
 #: first word of the file: what it is (and its format's version)
 FORMAT = 0x5841564745_4E0001  # "XAVGEN", 1
@@ -42,13 +40,10 @@ GenerationsHandle = Tuple[str, int, List[Tuple[int, int, int, int]]]
 class SlotGenerations:
     """The incarnation and the slot generations of one storage (module docstring)."""
 
-    def __init__(self, path: str, mapping: mmap.mmap, words: np.ndarray,
-                 rows: Dict[Tuple[int, int], Tuple[int, int]], owner: bool) -> None:
-        self.path = path
-        self._mmap = mapping
-        self._words = words
+    def __init__(self, shm: ShmWords, rows: Dict[Tuple[int, int], Tuple[int, int]]) -> None:
+        self.path = shm.path
+        self._shm = shm
         self._rows = dict(rows)
-        self._owner = owner
 
     @classmethod
     def create(cls, slots: Dict[Tuple[int, int], int],
@@ -57,19 +52,14 @@ class SlotGenerations:
         fresh incarnation."""
         if not slots or any(n < 1 for n in slots.values()):
             raise ValueError(f"slots: every (tier, group) needs at least one slot, got {slots}")
-        from .snapshot_storage import shm_dir
-
         rows: Dict[Tuple[int, int], Tuple[int, int]] = {}
         offset = _HEADER_WORDS
         for key in sorted(slots):
             rows[key] = (offset, int(slots[key]))
             offset += int(slots[key])
-        path = os.path.join(directory or shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
-        with open(path, "wb") as f:
-            f.truncate(8 * offset)
-        gens = cls._map(path, rows, owner=True)
-        gens._words[1] = secrets.randbits(63) or 1
-        gens._words[0] = FORMAT
+        gens = cls(ShmWords.create(offset, directory), rows)
+        gens._shm.words[1] = secrets.randbits(63) or 1
+        gens._shm.words[0] = FORMAT
         return gens
 
     @classmethod
@@ -78,26 +68,19 @@ class SlotGenerations:
         leaves the file).  A file of another format or incarnation is an error naming it."""
         path, incarnation, layout = handle
         rows = {(int(t), int(g)): (int(first), int(n)) for t, g, first, n in layout}
-        gens = cls._map(path, rows, owner=False)
-        if int(gens._words[0]) != FORMAT or gens.incarnation != int(incarnation):
-            found = (int(gens._words[0]), gens.incarnation)
+        words = _HEADER_WORDS + sum(n for _, n in rows.values())
+        gens = cls(ShmWords.open(path, words), rows)
+        if int(gens._shm.words[0]) != FORMAT or gens.incarnation != int(incarnation):
+            found = (int(gens._shm.words[0]), gens.incarnation)
             gens.close()
             raise ValueError(f"generations: {path} holds format/incarnation {found}, "
                              f"expected {(FORMAT, int(incarnation))}")
         return gens
 
-    @classmethod
-    def _map(cls, path: str, rows: Dict[Tuple[int, int], Tuple[int, int]],
-             owner: bool) -> SlotGenerations:
-        words = _HEADER_WORDS + sum(n for _, n in rows.values())
-        with open(path, "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), 8 * words)
-        return cls(path, mapping, np.frombuffer(mapping, dtype=np.int64, count=words), rows,
-                   owner)
-
     @property
     def incarnation(self) -> int:
-        return int(self._words[1])
+        """The storage's incarnation (0 once closed: nothing matches it)."""
+        return int(self._shm.words[1])
 
     def handle(self) -> GenerationsHandle:
         return (self.path, self.incarnation,
@@ -106,16 +89,9 @@ class SlotGenerations:
     def row(self, tier: int, group: int) -> np.ndarray:
         """The generations of ``tier``/``group``'s slots: a writable view of the file."""
         first, n = self._rows[(int(tier), int(group))]
-        return self._words[first:first + n]
+        return self._shm.words[first:first + n]
 
     def close(self) -> None:
         """Unmap (and, for the owner, remove the file).  Views from :meth:`row` must be
         gone first; a mapping still viewed stays until they are.  Idempotent."""
-        words, self._words = self._words, np.zeros(_HEADER_WORDS, np.int64)
-        del words
-        with contextlib.suppress(BufferError, ValueError):
-            self._mmap.close()
-        if self._owner:
-            self._owner = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self._shm.close()

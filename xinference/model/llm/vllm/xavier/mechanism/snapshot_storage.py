@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,6 +26,7 @@ from ..planning.budget import validate_budget
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
+from ..planning.shm_words import shm_dir
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
@@ -291,10 +291,6 @@ def new_shm_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> Tuple[str, tor
     path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
     tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
     return path, tensor.view(shape)
-
-
-def shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 #: ``cudaHostRegisterPortable | cudaHostRegisterMapped``: every CUDA context of the process

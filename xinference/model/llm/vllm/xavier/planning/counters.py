@@ -11,16 +11,14 @@ pushed per step, and a read costs the actor a copy of a few hundred bytes.
 from __future__ import annotations
 
 import contextlib
-import mmap
-import os
-import tempfile
 import threading
 import time
-import uuid
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
 import numpy as np
+
+from .shm_words import ShmWords
 
 #: every counter the worker's data plane and the scheduler side keep, in file order
 COUNTER_NAMES: Tuple[str, ...] = (
@@ -110,43 +108,24 @@ class SharedCounters(Counters):
     files when its owner died): :meth:`create` in the writing process, :meth:`open` in a
     reader of the same host.  Aligned int64 words: a reader never sees a torn value."""
 
-    def __init__(self, path: str, values: np.ndarray, mapping: mmap.mmap, owner: bool) -> None:
-        self.path = path
-        self._values = values
-        self._mmap = mapping
+    def __init__(self, shm: ShmWords) -> None:
+        self.path = shm.path
+        self._shm = shm
+        self._values = shm.words
         self._lock = threading.Lock()
-        self._owner = owner
 
     @classmethod
     def create(cls, directory: Optional[str] = None) -> SharedCounters:
-        directory = directory or _shm_dir()
-        path = os.path.join(directory, f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
-        size = 8 * len(ALL_NAMES)
-        with open(path, "wb") as f:
-            f.truncate(size)
-        return cls._map(path, owner=True)
+        return cls(ShmWords.create(len(ALL_NAMES), directory))
 
     @classmethod
     def open(cls, path: str) -> SharedCounters:
-        return cls._map(path, owner=False)
-
-    @classmethod
-    def _map(cls, path: str, owner: bool) -> SharedCounters:
-        with open(path, "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), 8 * len(ALL_NAMES))
-        values = np.frombuffer(mapping, dtype=np.int64, count=len(ALL_NAMES))
-        return cls(path, values, mapping, owner)
+        return cls(ShmWords.open(path, len(ALL_NAMES)))
 
     def close(self) -> None:
         """Unmap (and, in the creating process, remove the file).  Idempotent."""
-        values, self._values = self._values, np.zeros(len(ALL_NAMES), np.int64)
-        del values
-        with contextlib.suppress(BufferError, ValueError):
-            self._mmap.close()
-        if self._owner:
-            self._owner = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self._values = np.zeros(len(ALL_NAMES), np.int64)
+        self._shm.close()
 
 
 def sum_snapshots(*snapshots: Mapping[str, int]) -> Dict[str, int]:
@@ -248,10 +227,6 @@ def elapsed_us(add: Callable[[int], None]) -> Iterator[None]:
         yield
     finally:
         add(int(1e6 * (time.perf_counter() - t0)))
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def activity_line(rank: int, now: Mapping[str, int], before: Mapping[str, int]
