@@ -54,7 +54,8 @@ if has tests || has units; then
   XAVIER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/test_gpu_transfer.py tests/test_gpu_transfer_cuda.py tests/test_storage_writer.py \
     tests/test_snapshot_storage.py tests/test_plan.py tests/test_load_batch.py \
-    tests/test_lookups.py tests/test_block_directory.py 2>&1 | tee "$out/pytest-cuda.log"
+    tests/test_lookups.py tests/test_block_directory.py tests/test_read_checks.py \
+    tests/test_slot_generations.py 2>&1 | tee "$out/pytest-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has tests || only e2e; then

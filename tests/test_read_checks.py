@@ -4,6 +4,8 @@ then the load engine reading real storages whose identity lives in a real genera
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,9 @@ from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig, Transfer
 from .kvfixtures import BLOCK_DIM, GROUP_SHAPES, block, make_caches
 
 INC = 4242
+#: where the loading engine's KV caches live (the sources stay in host memory: a CUDA
+#: engine reads them through CUDA views, its check waits for the copy's event)
+DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
 
 
 def transfer(gens, dst_rows=None, inc=INC) -> Transfer:
@@ -77,8 +82,8 @@ class Source:
 def engine(source: Source, validate: bool = True) -> GPUTransfer:
     eng = GPUTransfer(0, SlabConfig(8, 2, 2), release_lease=lambda lease: None,
                       validate_reads=validate)
-    eng.set_local_caches(make_caches(N_BLOCKS, torch.float16, torch.Generator().manual_seed(9)),
-                         BLOCK_DIM)
+    eng.set_local_caches(make_caches(N_BLOCKS, torch.float16, torch.Generator().manual_seed(9),
+                                     DEVICE), BLOCK_DIM)
     eng.map_storage(1, Tier.GPU, source.caches, BLOCK_DIM, generations=source.reader)
     return eng
 
@@ -98,7 +103,7 @@ def dest(group: int, slot: int) -> int:
 
 
 def loaded_equals_source(eng: GPUTransfer, source: Source, group: int, slot: int) -> bool:
-    dst = eng.local_block_views[group]
+    dst = [t.cpu() for t in eng.local_block_views[group]]
     src = [t.movedim(BLOCK_DIM[group], 0) for t in source.caches[group]]
     return all(torch.equal(as_bytes(d[dest(group, slot)]), as_bytes(s[slot]))
                for d, s in zip(dst, src))
