@@ -92,6 +92,40 @@ def test_unregister_rank_purges_blocks_and_leases():
     assert d.outstanding_leases == 1
 
 
+def test_a_dead_loader_s_leases_go_with_it_and_free_the_source_s_slots():
+    """A loader that died between its lookup and its load (killed replica) pinned the
+    source's slots for the life of the launch: now unregistering it drops the leases it
+    holds, so the source can claim the slots; a late release of one is counted unknown."""
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1)])
+    dead = d.query(0, [10, 11], exclude_rank=2)
+    alive = d.query(0, [11], exclude_rank=3)
+    assert d.claim(1, GPU, 0, [0, 1]) == []  # both leased
+    assert d.unregister_rank(2) == 0  # it held blocks of its own: none
+    assert d.stats.leases_of_gone_holders == 2 and d.outstanding_leases == 1
+    assert d.claim(1, GPU, 0, [0, 1]) == [0]  # rank 3 still holds slot 1
+    assert d.release(dead.lease_ids) == 0 and d.stats.unknown_releases == 2
+    assert d.release(alive.lease_ids) == 1 and d.outstanding_leases == 0
+
+
+def test_leases_expire_so_a_lost_release_pins_a_slot_only_for_a_while():
+    """A lease whose release never comes (a lost message, a holder stuck) expires after
+    ``lease_ttl_s``: the next claim drops it first and may take the slot (the holder's
+    late load then fails its check after the copy); a younger lease still holds, and a
+    query past ``max_leases`` drops expired leases before it refuses."""
+    now = [1000.0]
+    d = BlockDirectory(max_leases=3, lease_ttl_s=60.0, clock=lambda: now[0])
+    d.register(1, [(0, k, GPU, k, 1) for k in range(4)])
+    old = d.query(0, [0, 1], exclude_rank=2)
+    now[0] += 30
+    young = d.query(0, [2], exclude_rank=2)
+    now[0] += 31  # the first two are 61 s old, the third 31 s
+    assert d.query(0, [3], exclude_rank=2).num_hits == 1  # past max_leases: expired go first
+    assert d.stats.leases_expired == 2 and d.outstanding_leases == 2
+    assert d.claim(1, GPU, 0, [0, 1, 2]) == [0, 1]  # slot 2 still held
+    assert d.release(old.lease_ids) == 0 and d.release(young.lease_ids) == 1
+
+
 def test_one_location_per_key_and_rank_newest_wins():
     d = BlockDirectory()
     d.register(1, [(0, 10, GPU, 0, 1)])
@@ -126,7 +160,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.d = BlockDirectory()
         self.gen = {}  # (rank, tier, slot) -> generation of the storage
         self.content = {}  # (rank, tier, slot) -> key the storage holds there
-        self.leases = {}  # lease id -> (rank, tier, slot, generation)
+        self.leases = {}  # lease id -> (rank, tier, slot, generation, holder)
 
     @rule(rank=st.integers(1, 3), tier=st.integers(0, 1), slot=st.integers(0, SLOTS - 1),
           key=st.integers(1, 8))
@@ -148,7 +182,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             sid = (loc.rank, loc.tier, loc.slot)
             assert loc.rank != asking
             assert self.content.get(sid) == key and self.gen[sid] == loc.generation
-            self.leases[lease] = (*sid, loc.generation)
+            self.leases[lease] = (*sid, loc.generation, asking)
 
     @precondition(lambda self: self.leases)
     @rule(data=st.data())
@@ -162,7 +196,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.d.unregister_rank(rank)
         for sid in [s for s in self.content if s[0] == rank]:
             del self.content[sid]
-        self.leases = {k: v for k, v in self.leases.items() if v[0] != rank}
+        # the leases on its slots and those it holds go with it
+        self.leases = {k: v for k, v in self.leases.items() if rank not in (v[0], v[4])}
 
     @invariant()
     def balanced(self):

@@ -26,8 +26,13 @@ each one is atomic with respect to the others.
   reuse, the directory removes the unleased ones (so they can no longer be
   returned) and refuses the leased ones.  So a slot under lease is never
   reused, and a query never returns a slot being reused.
-* :meth:`BlockDirectory.unregister_rank` purges a rank (its leases die too:
-  a load from a dead rank fails and vLLM recomputes).
+* :meth:`BlockDirectory.unregister_rank` purges a rank: the leases on its slots die (a
+  load from a dead rank fails and vLLM recomputes), and so do the leases it holds on other
+  ranks' slots (a dead loader no longer pins them).
+* A lease records its holder (the querying rank) and expires after ``lease_ttl_s``: a
+  claim or a query near ``max_leases`` first drops the expired ones (``leases_expired``).
+  A holder that loads after its lease expired may find the slot reused; its check after
+  the copy (``doc/validated-reads.md``) then fails the read: a miss, never wrong KV.
 * Lease ids are unique across directory incarnations (:func:`fresh_lease_ids`): a late
   release from before a directory was re-created frees nothing of the new one's.
 
@@ -39,8 +44,20 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 
@@ -49,6 +66,18 @@ from .load_batch import Tier
 
 SlotId = Tuple[int, int, int, int]  # (rank, tier, group, slot)
 BlockId = Tuple[int, int]  # (group, key)
+#: no holder named (a query without ``exclude_rank``)
+NO_HOLDER = -1
+#: how long a lease holds a slot unless released: longer than a request waits in vLLM's
+#: queue between its lookup and its load in any run measured here (seconds at C32)
+LEASE_TTL_S = 120.0
+
+
+class LeaseRecord(NamedTuple):
+    """One outstanding lease: the slot it holds, who holds it, since when (the clock's)."""
+    slot: SlotId
+    holder: int
+    granted_at: float
 
 
 class DirectoryError(ValueError):
@@ -120,6 +149,9 @@ class DirectoryStats:
     leases_granted: int = 0
     leases_released: int = 0
     unknown_releases: int = 0
+    #: leases dropped because they outlived ``lease_ttl_s``, or their holder went
+    leases_expired: int = 0
+    leases_of_gone_holders: int = 0
     claims_refused: int = 0
     stale_registrations: int = 0
     #: lookups that found another block name with the same low 63 bits (a miss)
@@ -133,13 +165,16 @@ class BlockDirectory:
     ``release``; a rank's leases go with the rank).  Pure; the supervisor's
     ``VLLMBlockTracker`` actor wraps it."""
     max_leases: int = 1_000_000
+    lease_ttl_s: float = LEASE_TTL_S
+    clock: Callable[[], float] = time.monotonic
     _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
     #: -> (key, generation, incarnation)
     _by_slot: Dict[SlotId, Tuple[int, int, int]] = field(default_factory=dict)
     #: (group, low 63 bits of a key) -> a key registered with them (only to count
     #: ``identity_mismatches``; lookups go by the full key)
     _short: Dict[BlockId, int] = field(default_factory=dict)
-    _leases: Dict[int, SlotId] = field(default_factory=dict)
+    #: lease id -> its record, in the order granted (ids grow): the oldest come first
+    _leases: Dict[int, LeaseRecord] = field(default_factory=dict)
     _lease_count: Dict[SlotId, int] = field(default_factory=dict)
     _ranks: Set[int] = field(default_factory=set)
     #: rank -> its engine's tensor-parallel degree (given at register_rank)
@@ -172,10 +207,13 @@ class BlockDirectory:
         for s in slots:
             key = self._by_slot.pop(s)[0]
             self._unlink((s[2], key), rank, s)
-        for lease_id in [i for i, s in self._leases.items() if s[0] == rank]:
+        for lease_id in [i for i, s in self._leases.items() if s.slot[0] == rank]:
             del self._leases[lease_id]
         for s in [s for s in self._lease_count if s[0] == rank]:
             del self._lease_count[s]
+        held = [i for i, s in self._leases.items() if s.holder == rank]
+        self._drop_leases(held)
+        self.stats.leases_of_gone_holders += len(held)
         return len(slots)
 
     # -------------------------------------------------------------- blocks
@@ -231,7 +269,9 @@ class BlockDirectory:
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         """The storage of ``rank``/``tier``/``group`` wants to reuse ``slots``: returns those
-        it may reuse (now unregistered); leased slots are refused and stay registered."""
+        it may reuse (now unregistered); leased slots are refused and stay registered
+        (expired leases are dropped first)."""
+        self.expire_leases()
         granted = []
         for slot in slots:
             sid = (rank, tier, group, slot)
@@ -273,14 +313,18 @@ class BlockDirectory:
                 break
             hit_keys.append(key)
             locs.append(best)
+        if locs and len(self._leases) + len(locs) > self.max_leases:
+            self.expire_leases()
         if len(self._leases) + len(locs) > self.max_leases:
             # refuse rather than grow without bound: a miss is always safe
             hit_keys, locs = [], []
         lease_ids = []
+        holder = NO_HOLDER if exclude_rank is None else exclude_rank
+        now = self.clock() if locs else 0.0
         for loc in locs:
             lease_id = next(self._ids)
             sid = _sid(loc)
-            self._leases[lease_id] = sid
+            self._leases[lease_id] = LeaseRecord(sid, holder, now)
             self._lease_count[sid] = self._lease_count.get(sid, 0) + 1
             lease_ids.append(lease_id)
         if not locs:
@@ -319,18 +363,33 @@ class BlockDirectory:
         Returns how many were released."""
         released = 0
         for lease_id in lease_ids:
-            sid = self._leases.pop(lease_id, None)
-            if sid is None:
+            if lease_id not in self._leases:
                 self.stats.unknown_releases += 1
                 continue
+            self._drop_leases([lease_id])
+            released += 1
+        self.stats.leases_released += released
+        return released
+
+    def expire_leases(self) -> int:
+        """Drop the leases older than ``lease_ttl_s`` (oldest first; stops at the first
+        younger one); returns how many went."""
+        deadline = self.clock() - self.lease_ttl_s
+        old = list(itertools.takewhile(lambda i: self._leases[i].granted_at < deadline,
+                                       self._leases))
+        self._drop_leases(old)
+        self.stats.leases_expired += len(old)
+        return len(old)
+
+    def _drop_leases(self, lease_ids: Iterable[int]) -> None:
+        """Forget these (outstanding) leases and their holds on their slots."""
+        for lease_id in lease_ids:
+            sid = self._leases.pop(lease_id).slot
             left = self._lease_count[sid] - 1
             if left:
                 self._lease_count[sid] = left
             else:
                 del self._lease_count[sid]
-            released += 1
-        self.stats.leases_released += released
-        return released
 
     # --------------------------------------------------------------- views
     @property
