@@ -107,3 +107,71 @@ def test_actors_left_by_a_failed_termination_are_dropped_before_a_new_launch():
                                   uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
 
     asyncio.run(run())
+
+
+class StuckWorldRank(Rank0TransferActor):
+    """A rank that answers its liveness checks but whose world updates do not come back
+    (a host whose link drops the replies), until :meth:`unstick`."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank=rank)
+        self._stuck = True
+
+    async def update_world(self, world_addresses):
+        while self._stuck:
+            await asyncio.sleep(0.05)
+        self.world_addresses = list(world_addresses)
+
+    def unstick(self) -> None:
+        self._stuck = False
+
+
+def test_a_rank_whose_world_update_hangs_holds_no_one_up_and_gets_the_world_later():
+    """A recovery's world update to a rank that never answers it is bounded by the
+    liveness timeout: the registration returns, the other ranks have the new world, and the
+    hung rank gets it once it answers again.  Negative control: with the bound far away
+    (30 s) the same registration is still waiting after 3 s -- the hang is real."""
+    async def run():
+        async with actor_pool(n_process=0) as pool:
+            addr = pool.external_address
+            ranks = {1: await xo.create_actor(Rank0TransferActor, rank=1, address=addr,
+                                              uid=transfer_actor_uid(1)),
+                     2: await xo.create_actor(StuckWorldRank, 2, address=addr,
+                                              uid=transfer_actor_uid(2)),
+                     3: await xo.create_actor(Rank0TransferActor, rank=3, address=addr,
+                                              uid=transfer_actor_uid(3))}
+            slow = await xo.create_actor(CollectiveManager, "hung-slow", liveness_interval_s=60,
+                                         liveness_timeout_s=30, address=addr,
+                                         uid=f"{CollectiveManager.default_uid()}-hung-slow")
+            for rank in (1, 2):
+                await slow.register_rank(rank, addr)
+            try:
+                await asyncio.wait_for(slow.register_rank(3, addr, update=True), 3)
+                raise AssertionError("the update returned although rank 2 never answered")
+            except asyncio.TimeoutError:
+                pass  # the negative control: without a near bound, the recovery hangs
+
+            manager = await xo.create_actor(CollectiveManager, "hung", liveness_interval_s=0.5,
+                                            liveness_timeout_s=1.0, address=addr,
+                                            uid=f"{CollectiveManager.default_uid()}-hung")
+            for rank in (1, 2):
+                await manager.register_rank(rank, addr)
+            t0 = time.monotonic()
+            await manager.register_rank(3, addr, update=True)
+            assert time.monotonic() - t0 < 10  # one timeout (1 s), not the hang
+            world = await manager.world()
+            assert world == ["", addr, addr, addr]
+            assert await ranks[1].world() == world and await ranks[3].world() == world
+            live = await manager.liveness()
+            assert live["behind"] == [2] and live["ranks"] == [1, 2, 3]
+            await ranks[2].unstick()
+            t0 = time.monotonic()
+            while (await manager.liveness())["behind"]:
+                assert time.monotonic() - t0 < 20, await manager.liveness()
+                await asyncio.sleep(0.1)
+            assert await ranks[2].world() == world
+            assert (await manager.liveness())["world_updates_retried"] >= 1
+            for m in (manager, slow):
+                await xo.destroy_actor(m)
+
+    asyncio.run(run())

@@ -19,7 +19,7 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import xoscar as xo
 
@@ -137,6 +137,10 @@ class CollectiveManager(xo.StatelessActor):
         self._watch: Optional[asyncio.Task] = None
         self.world_updates = 0
         self.ranks_dropped_unreachable = 0
+        #: rank -> its registration generation, for ranks whose last world update failed
+        #: or timed out: sent the world again once they answer a liveness check
+        self._behind: Dict[int, int] = {}
+        self.world_updates_retried = 0
 
     async def __post_create__(self) -> None:
         from .block_tracker import VLLMBlockTracker
@@ -215,15 +219,20 @@ class CollectiveManager(xo.StatelessActor):
         current = {(rank, generation) for rank, generation, _ in checked}
         for stale in [key for key in misses if key not in current]:
             del misses[stale]  # unregistered or registered again meanwhile
-        for (rank, generation, _), result in zip(checked, results):
+        retry = []
+        for (rank, generation, ref), result in zip(checked, results):
             key = (rank, generation)
             if not isinstance(result, Exception):
                 misses.pop(key, None)
+                if self._behind.get(rank) == generation:
+                    retry.append((rank, generation, ref))
                 continue
             misses[key] = misses.get(key, 0) + 1
             if misses[key] >= self.LIVENESS_MISSES:
                 misses.pop(key, None)
                 await self._drop_unreachable(rank, generation, result)
+        if retry:
+            await self._send_world(retry, retried=True)
 
     async def _drop_unreachable(self, rank: int, generation: int, error: Exception) -> None:
         address = self._addresses.get(rank, "")
@@ -233,9 +242,12 @@ class CollectiveManager(xo.StatelessActor):
                            self.LIVENESS_MISSES, error)
 
     def liveness(self) -> Dict[str, Any]:
-        """The ranks watched now and how many were dropped as unreachable."""
+        """The ranks watched now, how many were dropped as unreachable, the ranks whose last
+        world update failed (``behind``) and how many updates were sent again."""
         return {"ranks": sorted(self._refs), "dropped_unreachable":
-                self.ranks_dropped_unreachable, "interval_s": self._interval}
+                self.ranks_dropped_unreachable, "interval_s": self._interval,
+                "behind": sorted(self._behind), "world_updates_retried":
+                self.world_updates_retried}
 
     def world(self) -> List[str]:
         """Rank addresses by rank ("" where a rank is missing)."""
@@ -244,16 +256,34 @@ class CollectiveManager(xo.StatelessActor):
         return [self._addresses.get(r, "") for r in range(max(self._addresses) + 1)]
 
     async def _update_world(self) -> None:
+        """Send the world to every rank, each allowed the liveness timeout: a rank that does
+        not answer in time (a dark host) neither holds the others' update nor the
+        registrations behind this lock for longer; it gets the world again once it answers a
+        liveness check (:attr:`world_updates_retried`)."""
+        async with self._lock:
+            ranks = [(rank, self._generation.get(rank, 0), ref)
+                     for rank, ref in self._refs.items()]
+        await self._send_world(ranks)
+
+    async def _send_world(self, ranks: List[Tuple[int, int, Any]], retried: bool = False
+                          ) -> None:
         async with self._lock:  # two recoveries at once must not interleave their updates
             world = self.world()
-            refs = dict(self._refs)
-            results = await asyncio.gather(*(ref.update_world(world) for ref in refs.values()),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(asyncio.wait_for(ref.update_world(world), self._timeout)
+                  for _, _, ref in ranks), return_exceptions=True)
             self.world_updates += 1
-        for rank, res in zip(refs, results):
-            if isinstance(res, BaseException):
-                logger.warning("xavier %s: world update to rank %d failed: %s",
-                               self._model_uid, rank, res)
+            self.world_updates_retried += len(ranks) if retried else 0
+            for (rank, generation, _), res in zip(ranks, results):
+                if not isinstance(res, BaseException):
+                    if self._behind.get(rank) == generation:
+                        del self._behind[rank]
+                    continue
+                if self._generation.get(rank) == generation:
+                    self._behind[rank] = generation
+                logger.warning("xavier %s: world update to rank %d failed (%s): sent again "
+                               "once it answers a liveness check", self._model_uid, rank,
+                               res if str(res) else type(res).__name__)
 
 
 async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:
