@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -26,7 +24,7 @@ from ..planning.budget import validate_budget
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
-from ..planning.shm_words import shm_dir
+from ..planning.shm_words import DATA_NAME, OWNER_NAME, owned_name, owner_alive, shm_dir
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
@@ -245,23 +243,30 @@ def open_ipc(handles: Dict[int, List[Any]]) -> Dict[int, List[torch.Tensor]]:
     return {g: [rebuild(*args) for rebuild, args in layers] for g, layers in handles.items()}
 
 
-_SHM_NAME = re.compile(r"^xavier-(\d+)-[0-9a-f]{32}$")
-
-
 def remove_orphaned_shm_files(directory: Optional[str] = None) -> List[str]:
-    """Unlink shared-memory tier files left by dead processes (a replica killed before its
-    storage was closed).  A file is named after its owner's pid; it is removed only when no
-    process of that pid exists here.  Peers that mapped it keep their mapping; new peers can
-    no longer open it (a miss, never wrong KV).  Returns the removed paths."""
+    """Unlink shared-memory files left by dead processes (a replica killed before its
+    storage was closed).  A file belongs to the owner lock its name names
+    (:mod:`~..planning.shm_words`): it is removed only when that lock is free -- whatever
+    pids this process can see (another container's live files stay) -- or, for a file
+    without an owner lock (an older version's), when no process of its pid exists here.
+    Peers that mapped it keep their mapping; new peers can no longer open it (a miss, never
+    wrong KV).  Returns the removed paths."""
     directory = directory or shm_dir()
     removed: List[str] = []
     try:
-        names = os.listdir(directory)
+        names = sorted(os.listdir(directory))
     except OSError:
         return removed
+    verdicts: Dict[Tuple[int, str], Optional[bool]] = {}
     for name in names:
-        m = _SHM_NAME.match(name)
-        if m is None or _pid_alive(int(m.group(1))):
+        m = DATA_NAME.match(name)
+        if m is None:
+            continue
+        pid, token = int(m.group(1)), m.group(2)
+        if (pid, token) not in verdicts:
+            verdicts[(pid, token)] = owner_alive(directory, pid, token)
+        alive = verdicts[(pid, token)]
+        if alive or (alive is None and _pid_alive(pid)):
             continue
         path = os.path.join(directory, name)
         try:
@@ -269,6 +274,10 @@ def remove_orphaned_shm_files(directory: Optional[str] = None) -> List[str]:
             removed.append(path)
         except OSError:
             continue
+    for name in names:  # the owner locks of dead processes that left no data file
+        m = OWNER_NAME.match(name)
+        if m is not None and (int(m.group(1)), m.group(2)) not in verdicts:
+            owner_alive(directory, int(m.group(1)), m.group(2))  # removes a free one
     if removed:
         logger.info("removed %d shared-memory tier files of dead processes", len(removed))
     return removed
@@ -288,7 +297,7 @@ def new_shm_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> Tuple[str, tor
     """A new tensor backed by a file in :func:`shm_dir` (this process's name on it), and the
     file's path: other processes of the host map it with :func:`open_shm`; the caller
     unlinks it."""
-    path = os.path.join(shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+    path = owned_name()
     tensor = torch.from_file(path, shared=True, size=math.prod(shape), dtype=dtype)
     return path, tensor.view(shape)
 

@@ -1,27 +1,92 @@
-"""A file of ``int64`` words in shared memory: one process owns it, others of the host map it.
+"""Xavier's shared-memory files: their names, their owners, and a file of ``int64`` words.
 
-What :class:`~.counters.SharedCounters` (the worker's counters) and
+Every file a process creates in :func:`shm_dir` is named by :func:`owned_name`:
+``xavier-<pid>-<token><random>``, where ``token`` (16 hex digits) names the process's
+*owner lock*, ``xavier-<pid>-<token>.owner``, a file the process holds a shared ``flock``
+on for its whole life (taken before the lock file appears under its name).  The sweep of
+orphaned files (``snapshot_storage.remove_orphaned_shm_files``) decides by that lock, not
+by the pid: a file whose owner lock it can take exclusively belongs to a dead process.  A
+pid says nothing across PID namespaces -- containers sharing ``/dev/shm`` (``docker
+--ipc=host``, vLLM's recommended flag) see each other's files but not each other's
+processes -- and nothing once the pid was reused.  (Files of older versions have no owner
+lock; the sweep falls back to the pid for them.)
+
+:class:`ShmWords` is what :class:`~.counters.SharedCounters` (the worker's counters) and
 :class:`~..mechanism.slot_generations.SlotGenerations` (a storage's slot identities) are
-made of.  Aligned 8-byte words, so a reader never sees a torn value.  The file is named
-``xavier-<pid>-<hex>`` in :func:`shm_dir`, so that the sweep of orphaned files removes it
-when its owner died.
+made of.  Aligned 8-byte words, so a reader never sees a torn value.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
+import re
+import secrets
 import tempfile
-import uuid
-from typing import Optional
+import threading
+from typing import Dict, Optional, Tuple
 
 import numpy as np
+
+#: a data file: ``xavier-<pid>-<token><random>`` (32 hex digits after the pid)
+DATA_NAME = re.compile(r"^xavier-(\d+)-([0-9a-f]{16})[0-9a-f]{16}$")
+#: an owner lock: ``xavier-<pid>-<token>.owner``
+OWNER_NAME = re.compile(r"^xavier-(\d+)-([0-9a-f]{16})\.owner$")
+
+_owner_lock = threading.Lock()
+#: (pid, directory) -> (token, open descriptor holding the shared flock)
+_owners: Dict[Tuple[int, str], Tuple[str, int]] = {}
 
 
 def shm_dir() -> str:
     """Where Xavier's shared-memory files go: ``/dev/shm``, else the temporary directory."""
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def owned_name(directory: Optional[str] = None) -> str:
+    """A fresh path for a file this process creates in ``directory`` (default
+    :func:`shm_dir`), tied to its owner lock (made on first use, per process: a forked
+    child gets its own)."""
+    directory = directory or shm_dir()
+    return os.path.join(directory, f"xavier-{os.getpid()}-{_owner_token(directory)}"
+                                   f"{secrets.token_hex(8)}")
+
+
+def _owner_token(directory: str) -> str:
+    key = (os.getpid(), directory)
+    with _owner_lock:
+        if key not in _owners:
+            token = secrets.token_hex(8)
+            final = os.path.join(directory, f"xavier-{key[0]}-{token}.owner")
+            part = final + ".part"  # locked before it can be seen under its name
+            fd = os.open(part, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.rename(part, final)
+            _owners[key] = (token, fd)
+        return _owners[key][0]
+
+
+def owner_alive(directory: str, pid: int, token: str) -> Optional[bool]:
+    """Whether the owner of token ``token`` still holds its lock: True (alive), False (dead:
+    its lock is free, and is removed here), None (no owner lock: a file of an older
+    version)."""
+    path = os.path.join(directory, f"xavier-{pid}-{token}.owner")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
 
 
 class ShmWords:
@@ -36,7 +101,7 @@ class ShmWords:
     @classmethod
     def create(cls, count: int, directory: Optional[str] = None) -> ShmWords:
         """A new file of ``count`` zero words, owned here (:meth:`close` removes it)."""
-        path = os.path.join(directory or shm_dir(), f"xavier-{os.getpid()}-{uuid.uuid4().hex}")
+        path = owned_name(directory)
         with open(path, "wb") as f:
             f.truncate(8 * count)
         return cls._map(path, count, owner=True)
