@@ -72,3 +72,31 @@ def test_activity_line_says_what_a_rank_did_since_the_last_one():
         "tokens); loaded 32 blocks in 1 calls, 0 failed, 0 blocks unreachable (recomputed); "
         "exported 40 blocks, 4 skipped (no free slot); storage blocks used GPU 40/100")
     assert activity_line(2, now, now) is None  # nothing happened: no line
+
+
+def test_a_counters_path_named_by_another_process_must_be_a_xavier_counters_file(tmp_path):
+    """What a worker names to its rank's actor (``register_engine(counters_path=...)``):
+    the actor maps and writes that file, so anything but a regular Xavier counters file in
+    the shared-memory directory is refused, naming the field (negative control: the real
+    one opens)."""
+    real = SharedCounters.create()
+    outside = tmp_path / os.path.basename(real.path)
+    outside.write_bytes(b"\0" * 8 * len(ALL_NAMES))
+    link = os.path.join(os.path.dirname(real.path), os.path.basename(real.path)[:-4] + "beef")
+    os.symlink(str(outside), link)
+    small = SharedCounters.create()
+    os.truncate(small.path, 8)
+    try:
+        for path, why in [(str(outside), "not in"), (link, "not a regular file"),
+                          ("/etc/passwd", "not in"), (small.path, "8 bytes, expected"),
+                          (real.path + "x", "no such file")]:
+            with pytest.raises(ValueError, match=f"^counters_path: .* refused \\({why}"):
+                SharedCounters.open_checked(path)
+        opened = SharedCounters.open_checked(real.path)
+        real.add("queries", 3)
+        assert opened.get("queries") == 3
+        opened.close()
+    finally:
+        os.unlink(link)
+        real.close()
+        small.close()

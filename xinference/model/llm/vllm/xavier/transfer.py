@@ -179,7 +179,7 @@ class TransferActor(xo.StatelessActor):
             if staging is not None:
                 staging.close()
             raise
-        counters = SharedCounters.open(counters_path) if counters_path else None
+        counters = SharedCounters.open_checked(counters_path) if counters_path else None
         if counters is not None:
             counters.set("world_epoch", self._world_epoch)
         self._shards[tp_rank] = _Shard(storage, staging, owner, counters)

@@ -11,6 +11,8 @@ pushed per step, and a read costs the actor a copy of a few hundred bytes.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, fields
@@ -18,7 +20,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, 
 
 import numpy as np
 
-from .shm_words import ShmWords
+from .shm_words import DATA_NAME, ShmWords, shm_dir
 
 #: every counter the worker's data plane and the scheduler side keep, in file order
 COUNTER_NAMES: Tuple[str, ...] = (
@@ -121,6 +123,24 @@ class SharedCounters(Counters):
     @classmethod
     def open(cls, path: str) -> SharedCounters:
         return cls(ShmWords.open(path, len(ALL_NAMES)))
+
+    @classmethod
+    def open_checked(cls, path: str) -> SharedCounters:
+        """:meth:`open` for a path another process named (a worker registering with its
+        rank's actor): only a regular Xavier file of the counters' size in
+        :func:`~.shm_words.shm_dir`, so that a caller cannot have the actor map and write
+        any file it can reach.  Anything else is refused, naming ``counters_path``."""
+        real = os.path.realpath(path)
+        st = os.lstat(path) if os.path.lexists(path) else None
+        why = ("no such file" if st is None else
+               "not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"not in {shm_dir()}" if os.path.dirname(real) != os.path.realpath(shm_dir())
+               else "not a Xavier file name" if DATA_NAME.match(os.path.basename(real)) is None
+               else f"{st.st_size} bytes, expected {8 * len(ALL_NAMES)}"
+               if st.st_size != 8 * len(ALL_NAMES) else "")
+        if why:
+            raise ValueError(f"counters_path: {path!r} refused ({why})")
+        return cls.open(real)
 
     def close(self) -> None:
         """Unmap (and, in the creating process, remove the file).  Idempotent."""
