@@ -124,9 +124,7 @@ def test_a_slot_overwritten_after_publication_is_a_failed_block_and_switched_off
         try:
             batch = rows_of(source, [1, 2, 3])
             source.overwrite(0, 2)
-            handle = eng.load_gpu_requests_v1(batch, [Lease(1, 1)])
-            res = handle.wait(30)
-            assert handle.reportable
+            res = eng.load_gpu_requests_v1(batch, [Lease(1, 1)]).wait(30)
             c = eng.counters
             if validate:
                 assert res.failed == frozenset({3}) and res.blocks_written == 5
@@ -141,29 +139,34 @@ def test_a_slot_overwritten_after_publication_is_a_failed_block_and_switched_off
             source.close()
 
 
-def test_rows_of_another_incarnation_fail_whole_and_name_the_mapping_stale():
-    """Rows published by another storage than the one mapped (a restarted source, or a
-    mapping that outlived one): every read fails, though the slot numbers and generations
-    match, and the rank is handed out once as stale (its peer maps it again)."""
+def test_rows_of_another_incarnation_fail_whole_and_only_a_gone_storage_is_named_stale():
+    """Rows published by another storage than the one mapped: every read fails, though the
+    slot numbers and generations match.  While the mapped storage lives (the rows are the
+    old ones: an answer older than the source's restart) its mapping is fine and is not
+    named stale; once its owner closed it (the file is gone: the mapping outlived its
+    storage) the rank is handed out once as stale, for its peer to map it again."""
     source = Source(2)
     eng = engine(source)
     try:
-        res = eng.load_gpu_requests_v1(rows_of(source, [1, 2], inc=source.owner.incarnation + 1),
-                                       []).wait(30)
+        old_rows = rows_of(source, [1, 2], inc=source.owner.incarnation + 1)
+        res = eng.load_gpu_requests_v1(old_rows, []).wait(30)
         assert res.failed == frozenset({2, 3, 12, 13}) and res.blocks_written == 0
-        assert eng.counters.validation_failures == 4
-        assert eng.take_stale_ranks() == {1} and eng.take_stale_ranks() == set()
-        # the right incarnation loads, checked
+        assert eng.counters.validation_failures == 4 and eng.take_stale_ranks() == set()
         res = eng.load_gpu_requests_v1(rows_of(source, [1, 2]), []).wait(30)
         assert res.failed == frozenset() and eng.counters.reads_validated == 8
+        newer = rows_of(source, [1], inc=source.owner.incarnation + 7)
+        source.owner.close()  # the source went: its generations file is removed
+        assert eng.load_gpu_requests_v1(newer, []).wait(30).failed == frozenset({2, 12})
+        assert eng.take_stale_ranks() == {1} and eng.take_stale_ranks() == set()
     finally:
         eng.close()
         source.close()
 
 
-def test_a_storage_whose_identity_cannot_be_read_fails_its_reads():
-    """A mapping whose generations file was closed under it (its identity reads as
-    incarnation 0) or that lacks the read's row: nothing read from it is trusted."""
+def test_a_storage_whose_identity_cannot_be_read_fails_its_reads_and_one_without_is_counted():
+    """A mapping whose generations were closed under it (its identity reads as incarnation
+    0), or that has no row for a read's group: nothing read from it is trusted.  A storage
+    mapped without generations (tests of the copy path) is read unchecked, and counted."""
     source = Source(3)
     eng = engine(source)
     try:
@@ -173,4 +176,24 @@ def test_a_storage_whose_identity_cannot_be_read_fails_its_reads():
         assert res.failed == frozenset({5, 15}) and eng.counters.validation_failures == 2
     finally:
         eng.close()
+        source.close()
+    source = Source(4)
+    only_group_0 = SlotGenerations.create({(int(Tier.GPU), 0): N_SLOTS})
+    eng = GPUTransfer(0, SlabConfig(8, 2, 2))
+    eng.set_local_caches(make_caches(N_BLOCKS, torch.float16, torch.Generator().manual_seed(9),
+                                     DEVICE), BLOCK_DIM)
+    eng.map_storage(1, Tier.GPU, source.caches, BLOCK_DIM, generations=only_group_0)
+    eng.map_storage(2, Tier.GPU, source.caches, BLOCK_DIM)  # no generations at all
+    try:
+        only_group_0.row(int(Tier.GPU), 0)[:] = 1
+        res = eng.load_gpu_requests_v1(rows_of(source, [4], inc=only_group_0.incarnation),
+                                       []).wait(30)
+        assert res.failed == frozenset({15})  # group 1 has no row: that read fails
+        unchecked = LoadBatch.from_requests([("u", [BlockLoad(0, 9, 2, 0, 6, 20, 1, 5)])])
+        assert eng.load_gpu_requests_v1(unchecked, []).wait(30).failed == frozenset()
+        snap = eng.sink.snapshot()
+        assert (snap["reads_validated"], snap["reads_unchecked"]) == (1, 1)
+    finally:
+        eng.close()
+        only_group_0.close()
         source.close()

@@ -79,10 +79,12 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     dest = n_blocks - 1  # a block B's vLLM has not handed out in this short run
     src_digest = lt.run(a.stored_block_digests([(0, ks[0])]))[(0, ks[0])]
     assert lt.run(b.engine_block_digests(0, [dest]))[0] != src_digest  # a write would show
-    good = [0, row_key(ks[0]), loc.rank, loc.tier, loc.slot, dest]  # a load row's key
+    # a load row: its key, and the identity the directory promised (generation, storage)
+    good = [0, row_key(ks[0]), loc.rank, loc.tier, loc.slot, dest, loc.generation,
+            loc.incarnation]
 
     def row(key, slot, to):
-        return [0, row_key(key), loc.rank, loc.tier, slot, to]
+        return [0, row_key(key), loc.rank, loc.tier, slot, to, loc.generation, loc.incarnation]
 
     def meta(table, offsets=None, ids=("r",)):
         q = lt.run(r.tracker.query(0, ks[:1], 2))  # a fresh lease per attempt
@@ -251,7 +253,8 @@ def test_source_rank_killed_during_a_load(world, qwen_pair):
     base = exported_on_a(lt, r, prefix, asked)
     a_pid = lt.run(a.transfer_pid())
     a_children = psutil.Process(a_pid).children(recursive=True)
-    shm_before = [f for f in os.listdir("/dev/shm") if f.startswith(f"xavier-{a_pid}-")]
+    shm_before = [f for f in os.listdir("/dev/shm") if f.startswith(f"xavier-{a_pid}-")
+                  and not f.endswith(".owner")]  # A's files, not its owner lock
     assert shm_before  # A's storage tier lives there
     before = lt.run(b.counters())
     lt.run(b.inject_fault("stall_load", 1))
@@ -278,6 +281,7 @@ def test_source_rank_killed_during_a_load(world, qwen_pair):
     gone = psutil.wait_procs(a_children, timeout=60)[1]
     leaks += len(gone)
     removed = remove_orphaned_shm_files()
+    # its files and its owner lock (the lock free once A died: planning/shm_words.py)
     leaks += len([f for f in os.listdir("/dev/shm") if f.startswith(f"xavier-{a_pid}-")])
     assert leaks == 0, (leaks, gone)
     assert len([p for p in removed if f"xavier-{a_pid}-" in p]) == len(shm_before)

@@ -212,6 +212,7 @@ def test_a_held_answer_outlives_its_source_s_restart_and_every_read_fails(pools)
             assert unchecked["failed"] == [] and unchecked["digests"] == wrong  # wrong KV
             counts = await w.b.counters()
             assert (counts["validation_failures"], counts["reads_validated"]) == (2, 2)
+            assert await w.b.stale_ranks() == []  # the rows were old, not the mapping
             record("held answer outlives its source's restart (3 processes)", 2, 2, 2, 0,
                    "checked: both rows failed (other incarnation); unchecked: new bytes")
             assert (await w.b.load(new, [42, 43]))["failed"] == []  # the new rows load

@@ -181,6 +181,7 @@ class CollectiveManager(xo.StatelessActor):
                 return False
             self._refs.pop(rank, None)
             self._addresses.pop(rank, None)
+            self._behind.pop(rank, None)
             if generation is not None:
                 # counted with the removal, so that liveness() never shows the rank gone
                 # and the count not yet raised (it answers while the directory is told)
@@ -260,15 +261,16 @@ class CollectiveManager(xo.StatelessActor):
         not answer in time (a dark host) neither holds the others' update nor the
         registrations behind this lock for longer; it gets the world again once it answers a
         liveness check (:attr:`world_updates_retried`)."""
-        async with self._lock:
-            ranks = [(rank, self._generation.get(rank, 0), ref)
-                     for rank, ref in self._refs.items()]
-        await self._send_world(ranks)
+        await self._send_world(None)
 
-    async def _send_world(self, ranks: List[Tuple[int, int, Any]], retried: bool = False
-                          ) -> None:
+    async def _send_world(self, ranks: Optional[List[Tuple[int, int, Any]]],
+                          retried: bool = False) -> None:
+        """The world to ``ranks`` (``(rank, generation, ref)``; None: every rank now)."""
         async with self._lock:  # two recoveries at once must not interleave their updates
             world = self.world()
+            if ranks is None:
+                ranks = [(rank, self._generation.get(rank, 0), ref)
+                         for rank, ref in self._refs.items()]
             results = await asyncio.gather(
                 *(asyncio.wait_for(ref.update_world(world), self._timeout)
                   for _, _, ref in ranks), return_exceptions=True)

@@ -28,7 +28,7 @@ waits for loads in flight and refuses new loads and mappings.
 
 Thread model: ``load_gpu_requests_v1``, the mapping methods and ``close`` are called by
 the worker's step thread; the completion thread only touches what a launched load
-captured.  Mappings are guarded by a lock all the same.
+captured.  Mappings are guarded by a lock all the same (the peer-mapping thread uses them).
 """
 
 from __future__ import annotations
@@ -93,8 +93,6 @@ class GPUTransfer:
         self.sink: CounterSink = counters if counters is not None else Counters()
         self._completion = LoadCompletion(rank, self.sink, release_lease, self._finished,
                                           validate_reads)
-        #: source ranks mapped as another incarnation than a load's rows named
-        self.take_stale_ranks = self._completion.take_stale_ranks
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
@@ -121,9 +119,7 @@ class GPUTransfer:
     def local_layout(self) -> Optional[KVLayout]:
         return self._local_layout
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    closed = property(lambda self: self._closed)
 
     @property
     def device(self) -> Optional[torch.device]:
@@ -245,15 +241,19 @@ class GPUTransfer:
 
     def _let_go(self, storages: Sequence[MappedStorage]) -> None:
         """Release unmapped ``storages`` (never under the lock: the completion thread takes
-        it before completing a load).  A page-locked host tier read through CUDA views is
-        unregistered by its release while a launched kernel may still read it, so loads in
-        flight finish first (a world update that coincides with a load: rare, and as long
-        as one step's copies)."""
+        it).  A page-locked host tier read through CUDA views is unregistered by its release
+        while a kernel may still read it: loads in flight finish first (rare, one step)."""
         if any(st.host_layers is not None for st in storages):
             self.drain()
         for st in storages:
             if st.release is not None:
                 st.release()
+
+    def take_stale_ranks(self) -> Set[int]:
+        """Ranks still mapped as a storage a load found gone: to be mapped again."""
+        stale = self._completion.take_stale()
+        with self._lock:
+            return {st.rank for st in stale if self._storages.get((st.rank, st.tier)) is st}
 
     def mapped(self) -> List[Tuple[int, Tier]]:
         with self._lock:

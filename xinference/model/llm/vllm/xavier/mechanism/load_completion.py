@@ -12,6 +12,7 @@ parts handed to :meth:`LoadCompletion.start`.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -80,9 +81,9 @@ class LoadCompletion:
         self.validate_reads = validate_reads
         self._release_lease = release_lease
         self._finished = finished
-        #: source ranks whose mapped storage was found to be another incarnation than the
-        #: rows named (the mapping may be stale: :meth:`take_stale_ranks`)
-        self._stale: Set[int] = set()
+        #: mapped storages found to be of a storage that is gone (their owner removed the
+        #: generations file) while a load's rows named another: :meth:`take_stale`
+        self._stale: List[MappedStorage] = []
         self._stale_lock = threading.Lock()
         self._parts: Optional[EngineParts] = None
         self._jobs: queue.Queue[Optional[LoadJob]] = queue.Queue()
@@ -106,11 +107,10 @@ class LoadCompletion:
             t.src_generations is not None and (st.generations is not None or st.fetch)
             for t, st in reads)
 
-    def take_stale_ranks(self) -> Set[int]:
-        """The source ranks found mapped as another incarnation since the last call (their
-        mappings should be made again)."""
+    def take_stale(self) -> List[MappedStorage]:
+        """The mapped storages found stale since the last call (see :meth:`_check_reads`)."""
         with self._stale_lock:
-            stale, self._stale = self._stale, set()
+            stale, self._stale = self._stale, []
         return stale
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -129,6 +129,7 @@ class LoadCompletion:
                 self._complete(job)
             except BaseException as exc:  # never let the thread die: the handle fails
                 logger.exception("rank %d: completing a load failed", self.rank)
+                job.handle.failed = {int(b) for ids in job.plan.written.values() for b in ids}
                 job.handle._error = exc
                 job.handle._background_done.set()
                 job.handle._done.set()
@@ -211,20 +212,25 @@ class LoadCompletion:
                 bad.update(t.dst_blocks.tolist())
                 continue
             if result is None:
+                self.sink.add("reads_unchecked", t.rows)
                 continue
             self.sink.add("reads_validated", t.rows)
             if result.ok:
                 continue
             self.sink.add("validation_failures", result.failed_rows)
             bad.update(result.failed_blocks.tolist())
-            if result.stale_mapping:
+            # rows of another incarnation: stale rows (an answer older than a restart), or
+            # a stale mapping -- only then is the mapped storage's file gone (its owner
+            # closed it), and mapping the peer again helps
+            gone = (result.stale_mapping and st.generations is not None
+                    and not os.path.exists(st.generations.path))
+            if gone:
                 with self._stale_lock:
-                    self._stale.add(t.source_rank)
+                    self._stale.append(st)
             logger.warning("rank %d: %d of %d blocks read from rank %d %s no longer held what "
                            "they were named for%s: recomputed", self.rank, result.failed_rows,
                            t.rows, t.source_rank, t.tier.name,
-                           " (another incarnation of its storage)" if result.stale_mapping
-                           else "")
+                           " (the mapped storage is gone)" if gone else "")
         return bad
 
     def _run_background(self, t: Transfer, st: MappedStorage) -> Optional[SourceIdentity]:

@@ -32,6 +32,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # they were named for (recomputed), and mappings of a source found to be another
     # incarnation than its published rows (dropped, mapped again)
     "reads_validated", "validation_failures", "stale_mappings_dropped",
+    # reads that could not be checked (a storage mapped without its generations: tests only)
+    "reads_unchecked",
     # the worker's loads
     "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
     "loads_in_background", "load_launch_us", "load_background_us",
@@ -129,18 +131,26 @@ class SharedCounters(Counters):
         """:meth:`open` for a path another process named (a worker registering with its
         rank's actor): only a regular Xavier file of the counters' size in
         :func:`~.shm_words.shm_dir`, so that a caller cannot have the actor map and write
-        any file it can reach.  Anything else is refused, naming ``counters_path``."""
-        real = os.path.realpath(path)
-        st = os.lstat(path) if os.path.lexists(path) else None
-        why = ("no such file" if st is None else
-               "not a regular file" if not stat.S_ISREG(st.st_mode) else
-               f"not in {shm_dir()}" if os.path.dirname(real) != os.path.realpath(shm_dir())
-               else "not a Xavier file name" if DATA_NAME.match(os.path.basename(real)) is None
-               else f"{st.st_size} bytes, expected {8 * len(ALL_NAMES)}"
-               if st.st_size != 8 * len(ALL_NAMES) else "")
+        any file it can reach (a symlink is refused, and the file checked is the one
+        opened).  Anything else is refused, naming ``counters_path``."""
+        size = 8 * len(ALL_NAMES)
+        why = ("not in " + shm_dir() if os.path.realpath(os.path.dirname(os.path.abspath(path)))
+               != os.path.realpath(shm_dir()) else "not a Xavier file name"
+               if DATA_NAME.match(os.path.basename(path)) is None else "")
+
+        def check(st: os.stat_result) -> None:
+            bad = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"{st.st_size} bytes, expected {size}" if st.st_size != size else "")
+            if bad:
+                raise ValueError(f"counters_path: {path!r} refused ({bad})")
+
         if why:
             raise ValueError(f"counters_path: {path!r} refused ({why})")
-        return cls.open(real)
+        try:
+            return cls(ShmWords.open(path, len(ALL_NAMES), check))
+        except OSError as exc:  # missing, a symlink (ELOOP), not ours
+            raise ValueError(f"counters_path: {path!r} refused ({exc.strerror or exc})"
+                             ) from None
 
     def close(self) -> None:
         """Unmap (and, in the creating process, remove the file).  Idempotent."""

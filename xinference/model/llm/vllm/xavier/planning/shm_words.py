@@ -26,7 +26,7 @@ import re
 import secrets
 import tempfile
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -38,6 +38,16 @@ OWNER_NAME = re.compile(r"^xavier-(\d+)-([0-9a-f]{16})\.owner$")
 _owner_lock = threading.Lock()
 #: (pid, directory) -> (token, open descriptor holding the shared flock)
 _owners: Dict[Tuple[int, str], Tuple[str, int]] = {}
+
+
+def _after_fork_in_child() -> None:
+    """A forked child makes its own owner lock (its pid differs); the lock guarding the
+    table may have been held by another thread at the fork."""
+    global _owner_lock
+    _owner_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shm_dir() -> str:
@@ -74,9 +84,11 @@ def owner_alive(directory: str, pid: int, token: str) -> Optional[bool]:
     version)."""
     path = os.path.join(directory, f"xavier-{pid}-{token}.owner")
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDONLY)  # flock needs no write access
     except FileNotFoundError:
         return None
+    except OSError:  # not ours to judge (another user's, say): taken for alive
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -107,14 +119,22 @@ class ShmWords:
         return cls._map(path, count, owner=True)
 
     @classmethod
-    def open(cls, path: str, count: int) -> ShmWords:
-        """Map another process's file (closing it leaves the file)."""
-        return cls._map(path, count, owner=False)
+    def open(cls, path: str, count: int,
+             check: Optional[Callable[[os.stat_result], None]] = None) -> ShmWords:
+        """Map another process's file (closing it leaves the file).  ``check``: called with
+        the opened file's status (a symlink is then refused, not followed), may raise."""
+        return cls._map(path, count, owner=False, check=check)
 
     @classmethod
-    def _map(cls, path: str, count: int, owner: bool) -> ShmWords:
-        with open(path, "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), 8 * count)
+    def _map(cls, path: str, count: int, owner: bool,
+             check: Optional[Callable[[os.stat_result], None]] = None) -> ShmWords:
+        fd = os.open(path, os.O_RDWR | (os.O_NOFOLLOW if check is not None else 0))
+        try:
+            if check is not None:
+                check(os.fstat(fd))
+            mapping = mmap.mmap(fd, 8 * count)
+        finally:
+            os.close(fd)
         return cls(path, mapping, count, owner)
 
     def close(self) -> None:

@@ -117,15 +117,15 @@ class PeerMaps:
         the rank's actor: nothing to gain here, and a dead host would be retried).  A
         peer's descriptor is asked for without holding the lock that loads take, so a
         slow or dead peer never holds a step up."""
+        for rank in self._engine.take_stale_ranks():  # mapped again below
+            self._counters.add("stale_mappings_dropped")
+            logger.info("xavier: rank %d: rank %d's mapped storage is gone (a load found "
+                        "it): mapping it again", self._rank, rank)
+            self._engine.unmap_storage(rank)  # not under the lock: it may wait for loads
         with self._lock:
             if self._stop.is_set():
                 return set()
             self.follow_world()
-            for rank in self._engine.take_stale_ranks():  # mapped again below
-                self._counters.add("stale_mappings_dropped")
-                logger.info("xavier: rank %d: rank %d's mapping is of another incarnation "
-                            "than its published blocks: mapping it again", self._rank, rank)
-                self._engine.unmap_storage(rank)
             mapped = {r for r, _ in self._engine.mapped()}
             now = _monotonic()
             due = {r: a for r, a in enumerate(self._world)
@@ -356,6 +356,7 @@ def _closing_after_all(gens: SlotGenerations, tiers: int) -> List[Any]:
     """Per tier, a wrapper of its release that also unmaps ``gens`` once every tier of the
     peer was released (the tiers share one generations file)."""
     left = [tiers]
+    lock = threading.Lock()  # two tiers may be let go on two threads
 
     def wrap(release: Optional[Any]) -> Any:
         def done() -> None:
@@ -363,8 +364,10 @@ def _closing_after_all(gens: SlotGenerations, tiers: int) -> List[Any]:
                 if release is not None:
                     release()
             finally:
-                left[0] -= 1
-                if left[0] == 0:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
                     gens.close()
         return done
 
