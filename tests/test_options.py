@@ -76,7 +76,7 @@ def test_batched_loads_switch():
 @pytest.mark.parametrize("name, hint", [
     ("XAVIER_CPU_BUGDET", "did you mean XAVIER_CPU_BUDGET?"),
     ("XAVIER_GPU_BUDGE", "did you mean XAVIER_GPU_BUDGET?"),
-    ("XAVIER_FROBNICATE", "known: XAVIER_GPU_BUDGET, XAVIER_CPU_BUDGET")])
+    ("XAVIER_QUUXQUUXQUUX", "known: XAVIER_GPU_BUDGET, XAVIER_CPU_BUDGET")])
 def test_a_misspelled_setting_fails_naming_the_closest_known_one(name, hint):
     base = {"rank": 1, "rank_address": "a", "block_tracker_address": "b",
             "block_tracker_uid": "t"}

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.rank_shard import RankShard
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     SnapshotStorage,
     TierConfig,
     tier_configs,
 )
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
-from xinference.model.llm.vllm.xavier.transfer import TransferActor, TransferClosedError, _Shard
+from xinference.model.llm.vllm.xavier.transfer import TransferActor, TransferClosedError
 
 from .kvfixtures import engine_cache, opts
 
@@ -47,7 +48,7 @@ def test_release_engine_names_its_owner_and_keeps_the_storage():
     async def run():
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
         storage = SnapshotStorage(1, layout, [TierConfig(Tier.CPU, 8 * bb, shared_memory=True)])
-        actor._shards = {0: _Shard(storage, None, 7, None)}
+        actor._shards = {0: RankShard(storage, None, 7, None)}
         assert not await actor.release_engine(8)  # another worker's late shutdown
         assert actor.is_ready()
         assert await actor.release_engine(7)
@@ -70,11 +71,11 @@ def test_a_tensor_parallel_engine_is_ready_with_every_shard_and_each_is_describe
         actor = TransferActor(1, 2, "a", "127.0.0.1", 0, [])
         tiers = [TierConfig(Tier.CPU, 8 * bb, shared_memory=True)]
         actor._tp_size = 2
-        actor._shards = {0: _Shard(SnapshotStorage(1, layout, tiers), None, 7, None)}
+        actor._shards = {0: RankShard(SnapshotStorage(1, layout, tiers), None, 7, None)}
         assert not actor.is_ready()  # worker 1 not registered yet
         with pytest.raises(TransferClosedError, match="no storage of TP worker 1"):
             actor.storage_descriptor(1)
-        actor._shards[1] = _Shard(SnapshotStorage(1, layout, tiers), None, 9, None)
+        actor._shards[1] = RankShard(SnapshotStorage(1, layout, tiers), None, 9, None)
         assert actor.is_ready()
         names = {k: actor.storage_descriptor(k)["tiers"][int(Tier.CPU)][1] for k in (0, 1)}
         assert names[0] != names[1]  # two storages, one per shard

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import xoscar as xo
 
 from .block_tracker import VLLMBlockTracker
+from .mechanism.in_place import CacheHandles
 from .mechanism.kv_schema import KVLayout
 from .mechanism.nixl_endpoint import (
     NixlEndpoint,
@@ -39,6 +39,7 @@ from .mechanism.nixl_endpoint import (
     open_nixl_endpoint,
     rdma_devices,
 )
+from .mechanism.rank_shard import RankShard
 from .mechanism.remote_fetch import RemoteFetchError, StagingSets, fetch_into, serve_blocks
 from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
@@ -68,25 +69,6 @@ class TransferClosedError(RuntimeError):
     """No engine registered (or it was released): nothing to serve."""
 
 
-@dataclass
-class _Shard:
-    """What one worker of the engine registered (TP worker ``tp_rank``): its storage, its
-    staging rows for reads from other hosts, its pid (``None`` once released) and the
-    counters file it shares with this actor."""
-
-    storage: SnapshotStorage
-    staging: Optional[StagingSets]
-    owner: Optional[int]
-    counters: Optional[SharedCounters]
-
-    def close(self) -> None:
-        self.storage.close()
-        if self.staging is not None:
-            self.staging.close()
-        if self.counters is not None:
-            self.counters.close()
-
-
 class TransferActor(xo.StatelessActor):
     """A replica's transfer runtime (see the module docstring)."""
 
@@ -102,7 +84,7 @@ class TransferActor(xo.StatelessActor):
         self.rank_address = rank_address
         self.world_addresses = list(world_addresses or [])
         #: TP rank -> what that worker registered (one entry without tensor parallelism)
-        self._shards: Dict[int, _Shard] = {}
+        self._shards: Dict[int, RankShard] = {}
         #: the engine's tensor-parallel degree (from its workers' layouts)
         self._tp_size = 1
         #: the workers of a TP engine register at the same moment: one at a time, so that
@@ -130,17 +112,21 @@ class TransferActor(xo.StatelessActor):
     async def register_engine(self, layout: KVLayout, options: XavierOptions,
                               owner: Optional[int] = None, device: str = "cpu",
                               counters_path: Optional[str] = None,
-                              tp_rank: int = 0) -> Dict[str, Any]:
+                              tp_rank: int = 0,
+                              in_place: Optional[CacheHandles] = None) -> Dict[str, Any]:
         """A worker of this rank's engine registers (``owner``: its pid, which
         :meth:`release_engine` must name; ``tp_rank``: which TP worker it is, of
         ``layout.tp_size``): allocate its storage for ``layout`` on ``device`` (the
         worker's) and, for the engine's first worker, join the block directory.  Returns how
         the worker maps it (tiers, staging rows), this host's id and the world.  A worker
         registering again (its engine restarted) replaces everything of the previous
-        engine, every shard.  A budget that holds no block fails, naming the option."""
+        engine, every shard.  A budget that holds no block fails, naming the option.
+        ``in_place``: how peers map the worker's own vLLM cache (read in place)."""
         async with self._registering:
-            return await self._register_engine(layout, options, owner, device, counters_path,
+            desc = await self._register_engine(layout, options, owner, device, counters_path,
                                                tp_rank)
+            self._shards[tp_rank].in_place = in_place
+            return desc
 
     async def _register_engine(self, layout: KVLayout, options: XavierOptions,
                                owner: Optional[int], device: str,
@@ -182,7 +168,7 @@ class TransferActor(xo.StatelessActor):
         counters = SharedCounters.open_checked(counters_path) if counters_path else None
         if counters is not None:
             counters.set("world_epoch", self._world_epoch)
-        self._shards[tp_rank] = _Shard(storage, staging, owner, counters)
+        self._shards[tp_rank] = RankShard(storage, staging, owner, counters)
         self._tracker, self._options, self._tp_size = tracker, opts, layout.tp_size
         if self._activity is None:
             self._activity = asyncio.create_task(self._activity_loop())
@@ -336,7 +322,7 @@ class TransferActor(xo.StatelessActor):
                                endpoint.address, exc)
 
     # -------------------------------------------------------------- peer view
-    def _shard(self, tp_rank: int) -> _Shard:
+    def _shard(self, tp_rank: int) -> RankShard:
         shard = self._shards.get(int(tp_rank))
         if shard is None:
             raise TransferClosedError(f"rank {self.rank}: no storage of TP worker {tp_rank} "
@@ -346,15 +332,22 @@ class TransferActor(xo.StatelessActor):
     def storage_descriptor(self, tp_rank: int = 0) -> Dict[str, Any]:
         """How peers map this rank's storage of TP worker ``tp_rank`` (same host) or read
         it (other hosts)."""
-        storage = self._shard(tp_rank).storage
-        return {"host": host_id(), "layout": storage.layout, "tiers": storage.handles(),
-                "generations": storage.generations_handle()}
+        return self._shard(tp_rank).descriptor(host_id())
+
+    def in_place_generations(self) -> List[Any]:
+        """The block generations of every TP worker's vLLM cache (the scheduler bumps them
+        all), once each worker shared its cache in place; else empty."""
+        shards = [self._shards.get(k) for k in range(self._tp_size)]
+        if any(sh is None or sh.in_place is None for sh in shards):
+            return []
+        return [sh.in_place.generations for sh in shards if sh is not None and sh.in_place]
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
                            refs: Sequence[Any], tp_rank: int = 0) -> Tuple[int, int, List[int]]:
         """A peer on another host reads ``slots`` of shard ``tp_rank`` (under its leases)
         into ``refs``; the answer: bytes sent, the slots' identity (``ServedBlocks``)."""
-        served = await serve_blocks(self._shard(tp_rank).storage, tier, group, slots, refs)
+        served = await serve_blocks(self._shard(tp_rank).source(tier), tier, group, slots,
+                                    refs)
         self._add_stats({"served_blocks": len(slots), "served_bytes": served.bytes})
         return served
 

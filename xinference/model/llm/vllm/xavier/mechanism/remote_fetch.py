@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, List, NamedTuple, Sequence, Set
+from typing import Any, Dict, Iterator, List, NamedTuple, Protocol, Sequence, Set
 
 import numpy as np
 import torch
@@ -42,7 +42,8 @@ from xoscar.core import BufferRef
 from ..planning.load_batch import Tier
 from .kv_schema import KVLayout
 from .nixl_endpoint import NIXL_SCHEME
-from .snapshot_storage import ShmHandles, SnapshotStorage, new_shm_tensor
+from .slot_generations import SlotGenerations
+from .snapshot_storage import ShmHandles, new_shm_tensor
 
 
 class RemoteFetchError(RuntimeError):
@@ -122,7 +123,17 @@ def forget_buffer_refs(refs: Sequence[Any]) -> None:
         BufferRef._ref_to_buffers.pop(ref, None)
 
 
-async def serve_blocks(storage: SnapshotStorage, tier: int, group: int,
+class ServedSource(Protocol):
+    """What serves a fetch: a snapshot storage, or a worker's vLLM cache read in place
+    (:class:`~.in_place.InPlaceSource`)."""
+
+    generations: SlotGenerations
+
+    def gather_rows(self, tier: Tier, group: int,
+                    slots: Sequence[int]) -> List[torch.Tensor]: ...
+
+
+async def serve_blocks(storage: ServedSource, tier: int, group: int,
                        slots: Sequence[int], refs: Sequence[Any]) -> ServedBlocks:
     """Source side: send ``slots`` of ``tier``/``group`` into the loader's buffer refs.
     Returns the bytes sent and the slots' identity, read after the gather completed (a

@@ -23,7 +23,7 @@ storage's (``xavier-<pid>-<hex>``), so that the sweep of orphaned files removes 
 from __future__ import annotations
 
 import secrets
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -63,12 +63,28 @@ class SlotGenerations:
         return gens
 
     @classmethod
+    def create_shared(cls, tier: int, groups: Sequence[int], slots: int,
+                      directory: Optional[str] = None) -> SlotGenerations:
+        """A new file of ONE row of ``slots`` generations that every group of ``groups``
+        reads (``row(tier, g)`` is the same words for each): vLLM's KV cache read in place,
+        whose block ids are one space for every KV-cache group (one ``BlockPool``), so a
+        block handed out in one group is a new generation in all of them."""
+        if slots < 1 or not groups:
+            raise ValueError(f"slots: need at least one slot and one group, got {slots}, "
+                             f"{list(groups)}")
+        rows = {(int(tier), int(g)): (_HEADER_WORDS, int(slots)) for g in groups}
+        gens = cls(ShmWords.create(_HEADER_WORDS + int(slots), directory), rows)
+        gens._shm.words[1] = secrets.randbits(63) or 1
+        gens._shm.words[0] = FORMAT
+        return gens
+
+    @classmethod
     def open(cls, handle: GenerationsHandle) -> SlotGenerations:
         """Map another process's file from its :meth:`handle` (not the owner: closing it
         leaves the file).  A file of another format or incarnation is an error naming it."""
         path, incarnation, layout = handle
         rows = {(int(t), int(g)): (int(first), int(n)) for t, g, first, n in layout}
-        words = _HEADER_WORDS + sum(n for _, n in rows.values())
+        words = max(first + n for first, n in rows.values())  # rows may share words
         gens = cls(ShmWords.open(path, words), rows)
         if int(gens._shm.words[0]) != FORMAT or gens.incarnation != int(incarnation):
             found = (int(gens._shm.words[0]), gens.incarnation)

@@ -31,10 +31,9 @@ they are a device gather and a copy into page-locked rows, scattered on the host
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -52,6 +51,7 @@ from .block_copy import (
     slab_as,
 )
 from .kv_schema import KVLayout
+from .publisher import Publication, Publisher
 from .slot_generations import SlotGenerations
 from .uva import cuda_views
 
@@ -70,16 +70,6 @@ class ExportResult:
     exported: int = 0
     already_stored: int = 0
     skipped_no_slot: int = 0
-
-
-@dataclass
-class _Publication:
-    entries: List[Entry]
-    keys: List[Tuple[int, int]]  # (group, key) pending until published
-    event: Optional[torch.cuda.Event] = None
-    #: CPU top tier of a CUDA engine: (tier views, slots, page-locked rows) to scatter
-    scatter: List[Tuple[List[torch.Tensor], torch.Tensor, List[torch.Tensor]]] = field(
-        default_factory=list)
 
 
 class StorageWriter:
@@ -132,15 +122,13 @@ class StorageWriter:
         self._wake = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
-        self._publications: queue.Queue[Optional[_Publication]] = queue.Queue()
         self._unpublished = 0
         self._closed = False
         self._room_stream: Optional[torch.cuda.Stream] = None
         if device.type == "cuda":
             self._room_stream = torch.cuda.Stream(device=device)
-        self._publisher = threading.Thread(target=self._publish_loop, daemon=True,
-                                           name=f"xavier-publish-{rank}")
-        self._publisher.start()
+        self._publisher = Publisher(rank, directory, self.incarnation, self.sink,
+                                    self._published)
         self._room: Optional[threading.Thread] = None
         if background_room and self._room_target > 0:
             self._room = threading.Thread(target=self._room_loop, daemon=True,
@@ -207,11 +195,11 @@ class StorageWriter:
                     entries.append((group, key, int(top), slot, gen))
                     self._pending.add((group, key))
             if entries:
-                pub = _Publication(entries, [(g, k) for g, k, _, _, _ in entries])
+                pub = Publication(entries, [(g, k) for g, k, _, _, _ in entries])
                 self._copy_out(engine_views, top, placed, pub)
                 with self._lock:
                     self._unpublished += 1
-                self._publications.put(pub)
+                self._publisher.put(pub)
         res.exported = len(entries)
         self.sink.add("export_calls")
         self.sink.add("export_exported", res.exported)
@@ -223,7 +211,7 @@ class StorageWriter:
         return res
 
     def _copy_out(self, engine_views: Dict[int, List[torch.Tensor]], tier: Tier,
-                  placed: Dict[int, Tuple[List[int], List[int]]], pub: _Publication) -> None:
+                  placed: Dict[int, Tuple[List[int], List[int]]], pub: Publication) -> None:
         """Queue the copies engine blocks -> ``tier`` slots (see the module docstring)."""
         if self.stream is None:  # CPU engine: copy now
             for group, (blocks, slots) in placed.items():
@@ -248,27 +236,21 @@ class StorageWriter:
         self._last_event = event
 
     # ------------------------------------------------------------ publication
-    def _publish_loop(self) -> None:
-        while True:
-            pub = self._publications.get()
-            if pub is None:
-                return
-            try:
-                if pub.event is not None:
-                    pub.event.synchronize()
-                for dst, slots, host in pub.scatter:
-                    for d, h in zip(dst, host):
-                        d.index_copy_(0, slots, slab_as(h, len(slots), d))
-                self._directory.register(self.rank, pub.entries, self.incarnation)
-                self.sink.add("export_published", len(pub.entries))
-            except Exception as exc:  # unpublished blocks are only a later miss
-                self.sink.add("export_publish_failures", len(pub.entries))
-                logger.warning("rank %d: publishing %d exported blocks failed: %r", self.rank,
-                               len(pub.entries), exc)
-            finally:
-                with self._lock:
-                    self._pending.difference_update(pub.keys)
-                    self._unpublished -= 1
+    def publish_after(self, entries: List[Entry], incarnation: int,
+                      event: Optional[torch.cuda.Event] = None) -> None:
+        """Register ``entries`` of the storage ``incarnation`` (vLLM's own cache, read in
+        place) once ``event`` completed (the forward that wrote them), in order with the
+        exports; never waits."""
+        if self._closed:
+            raise RuntimeError(f"publish: the storage writer of rank {self.rank} is closed")
+        with self._lock:
+            self._unpublished += 1
+        self._publisher.put(Publication(list(entries), [], event, incarnation=incarnation))
+
+    def _published(self, pub: Publication) -> None:
+        with self._lock:
+            self._pending.difference_update(pub.keys)
+            self._unpublished -= 1
 
     # ------------------------------------------------------------------- room
     def _room_loop(self) -> None:
@@ -440,8 +422,7 @@ class StorageWriter:
         self.flush(timeout)
         self._closed = True
         self._wake.set()
-        self._publications.put(None)
-        self._publisher.join(timeout)
+        self._publisher.close(timeout)
         if self._room is not None:
             self._room.join(timeout)
         self._views.clear()

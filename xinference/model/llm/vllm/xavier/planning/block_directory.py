@@ -20,8 +20,13 @@ each one is atomic with respect to the others.
   (``doc/validated-reads.md``); the directory's bookkeeping only keeps such misses rare.
 * :meth:`BlockDirectory.register` records blocks a rank has written and fenced.
 * :meth:`BlockDirectory.query` returns the longest prefix of a request's keys
-  that OTHER ranks hold, choosing one source per key (GPU tier first, then the
-  least-leased), and takes a lease on every returned slot.
+  that OTHER ranks hold, choosing one source per key (device memory first, then the
+  least-leased), and takes a lease on every returned slot of Xavier's own tiers.  A
+  location in a rank's own vLLM cache (``Tier.VLLM``, read in place) gets none
+  (:data:`~.load_batch.NO_LEASE`): vLLM reuses its blocks without asking anyone, and the
+  reader's check after its copy is what makes such a read safe.
+* :meth:`BlockDirectory.forget` drops locations a rank no longer holds (vLLM handed those
+  blocks out to be overwritten), whatever their generation.
 * :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to
   reuse, the directory removes the unleased ones (so they can no longer be
   returned) and refuses the leased ones.  So a slot under lease is never
@@ -47,24 +52,21 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import (
-    Any,
     Callable,
     Dict,
     Iterable,
     List,
-    NamedTuple,
+    Mapping,
     Optional,
     Sequence,
     Set,
     Tuple,
 )
 
-import numpy as np
-
 from .block_names import row_key
-from .load_batch import Tier
+from .directory_types import LeaseRecord, Location, QueryResult, SlotId
+from .load_batch import NO_LEASE, Tier, read_preference
 
-SlotId = Tuple[int, int, int, int]  # (rank, tier, group, slot)
 BlockId = Tuple[int, int]  # (group, key)
 #: no holder named (a query without ``exclude_rank``)
 NO_HOLDER = -1
@@ -73,58 +75,8 @@ NO_HOLDER = -1
 LEASE_TTL_S = 120.0
 
 
-class LeaseRecord(NamedTuple):
-    """One outstanding lease: the slot it holds, who holds it, since when (the clock's)."""
-    slot: SlotId
-    holder: int
-    granted_at: float
-
-
 class DirectoryError(ValueError):
     """Bad input to the directory; the message names the field."""
-
-
-class Location(NamedTuple):
-    """Where one copy of a block lives: rank, tier, group, slot, the slot's generation (a
-    reused slot gets a new one) and the incarnation of the storage that wrote it (0: not
-    named, e.g. a test's rows; such a read fails a loader's check against a storage that
-    names its incarnation)."""
-    rank: int
-    tier: int
-    group: int
-    slot: int
-    generation: int
-    incarnation: int = 0
-
-
-@dataclass(frozen=True)
-class QueryResult:
-    """Hits of one query, in key order (a prefix of the asked keys), and their leases."""
-
-    keys: Tuple[int, ...]
-    locations: Tuple[Location, ...]
-    lease_ids: Tuple[int, ...]
-
-    @property
-    def num_hits(self) -> int:
-        return len(self.keys)
-
-    def __reduce__(self) -> Tuple[Any, Tuple[Tuple[int, ...], np.ndarray, np.ndarray]]:
-        """A compact wire form (each lookup's answer crosses from the directory to a
-        scheduler): locations and leases as int64 arrays.  Pickled object by object, 512
-        hits took ~2.2 ms (dumps + loads) on the CPU machine, on every hit's path to its
-        first token."""
-        flat = itertools.chain.from_iterable(self.locations)
-        locations = np.fromiter(flat, np.int64, len(self.locations) * len(Location._fields))
-        return _query_result, (self.keys, locations,
-                               np.fromiter(self.lease_ids, np.int64, len(self.lease_ids)))
-
-
-def _query_result(keys: Tuple[int, ...], locations: np.ndarray,
-                  lease_ids: np.ndarray) -> QueryResult:
-    """:class:`QueryResult` from its wire form (:meth:`QueryResult.__reduce__`)."""
-    rows = locations.reshape(-1, len(Location._fields)).tolist()
-    return QueryResult(keys, tuple(map(Location._make, rows)), tuple(lease_ids.tolist()))
 
 
 #: lease ids of one directory incarnation start at a random offset below this bound, so
@@ -153,6 +105,8 @@ class DirectoryStats:
     leases_expired: int = 0
     leases_of_gone_holders: int = 0
     claims_refused: int = 0
+    #: entries dropped because their rank no longer held the block (:meth:`forget`)
+    forgotten: int = 0
     stale_registrations: int = 0
     #: lookups that found another block name with the same low 63 bits (a miss)
     identity_mismatches: int = 0
@@ -284,6 +238,21 @@ class BlockDirectory:
             granted.append(slot)
         return granted
 
+    def forget(self, rank: int, tier: int, slots: Mapping[int, Sequence[int]]) -> int:
+        """``rank`` no longer holds ``slots`` (group -> slots) of ``tier``: their entries go,
+        leased or not (for vLLM's cache read in place: a lease never stopped vLLM).
+        Returns the entries dropped."""
+        dropped = 0
+        for group, group_slots in slots.items():
+            for slot in group_slots:
+                sid = (rank, int(tier), int(group), int(slot))
+                prev = self._by_slot.pop(sid, None)
+                if prev is not None:
+                    self._unlink((int(group), prev[0]), rank, sid)
+                    dropped += 1
+        self.stats.forgotten += dropped
+        return dropped
+
     def move(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]], tier: int,
              group: int, slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """A demotion in one atomic step: :meth:`register` the lower copies ``entries``,
@@ -303,8 +272,8 @@ class BlockDirectory:
             for loc in self._by_key.get((group, key), {}).values():
                 if loc.rank == exclude_rank or loc.rank not in self._ranks:
                     continue
-                if best is None or (loc.tier, self._lease_count.get(_sid(loc), 0)) < (
-                        best.tier, self._lease_count.get(_sid(best), 0)):
+                if best is None or _preference(loc, self._lease_count) < _preference(
+                        best, self._lease_count):
                     best = loc
             if best is None:
                 if (group, key) not in self._by_key and self._short.get(
@@ -313,15 +282,19 @@ class BlockDirectory:
                 break
             hit_keys.append(key)
             locs.append(best)
-        if locs and len(self._leases) + len(locs) > self.max_leases:
+        leased = sum(1 for loc in locs if loc.tier != Tier.VLLM)
+        if leased and len(self._leases) + leased > self.max_leases:
             self.expire_leases()
-        if len(self._leases) + len(locs) > self.max_leases:
+        if leased and len(self._leases) + leased > self.max_leases:
             # refuse rather than grow without bound: a miss is always safe
             hit_keys, locs = [], []
         lease_ids = []
         holder = NO_HOLDER if exclude_rank is None else exclude_rank
         now = self.clock() if locs else 0.0
         for loc in locs:
+            if loc.tier == Tier.VLLM:  # read in place: checked after the copy, no lease
+                lease_ids.append(NO_LEASE)
+                continue
             lease_id = next(self._ids)
             sid = _sid(loc)
             self._leases[lease_id] = LeaseRecord(sid, holder, now)
@@ -330,7 +303,7 @@ class BlockDirectory:
         if not locs:
             self.stats.missed_queries += 1
         self.stats.hit_blocks += len(locs)
-        self.stats.leases_granted += len(locs)
+        self.stats.leases_granted += sum(1 for i in lease_ids if i != NO_LEASE)
         return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
 
     def query_prefix(self, groups: Sequence[int], keys: Sequence[int],
@@ -363,6 +336,8 @@ class BlockDirectory:
         Returns how many were released."""
         released = 0
         for lease_id in lease_ids:
+            if lease_id == NO_LEASE:  # a location read in place: nothing was leased
+                continue
             if lease_id not in self._leases:
                 self.stats.unknown_releases += 1
                 continue
@@ -420,6 +395,12 @@ class BlockDirectory:
                 short = (key[0], row_key(key[1]))
                 if self._short.get(short) == key[1]:
                     del self._short[short]
+
+
+def _preference(loc: Location, lease_count: Dict[SlotId, int]) -> Tuple[int, int]:
+    """Which of a block's copies a query offers (lower first): device memory before host
+    memory (:func:`~.load_batch.read_preference`), then the less leased one."""
+    return read_preference(loc.tier), lease_count.get(_sid(loc), 0)
 
 
 def _sid(loc: Location) -> SlotId:

@@ -35,7 +35,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # reads that could not be checked (a storage mapped without its generations: tests only)
     "reads_unchecked",
     # the worker's loads
-    "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_unreachable", "rejected_metadata",
+    "rows_from_gpu_tier", "rows_from_cpu_tier", "rows_from_vllm_cache", "rows_unreachable",
+    "rejected_metadata",
     "loads_in_background", "load_launch_us", "load_background_us",
     # the launches' CPU time on the step's thread (wall minus this: waiting for the GIL,
     # a lock or the driver), the time spent mapping peers and compiling the copy kernel
@@ -45,6 +46,11 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
     "lookup_wait_us", "scheduler_steps", "scheduler_us", "identity_clashes",
     "hits_started", "hit_lookup_us", "hit_load_wait_us", "null_blocks_skipped",
+    # vLLM's cache read in place: blocks published (scheduler), published blocks vLLM
+    # handed out again and those of them saved into Xavier's tier; the worker's
+    # registrations of published blocks (after their forward) and their failures
+    "in_place_published", "in_place_reused", "in_place_victims", "in_place_registered",
+    "in_place_register_failures",
     # exports
     "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
     "export_launch_us", "export_published", "export_publish_failures",

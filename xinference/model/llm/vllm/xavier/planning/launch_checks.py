@@ -17,8 +17,10 @@ from typing import Any, Dict, Mapping, MutableMapping, Optional
 
 from .budget import parse_bytes
 from .options import (
+    ENV_BATCHED,
     ENV_CPU_BUDGET,
     ENV_GPU_BUDGET,
+    ENV_IN_PLACE,
     ENV_SWITCH_INTERVAL,
     check_env_names,
     parse_switch,
@@ -76,6 +78,9 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             parse_bytes(option, env[name])
     if ENV_SWITCH_INTERVAL in env:
         parse_switch_interval(env[ENV_SWITCH_INTERVAL])
+    for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads")):
+        if name in env:
+            parse_switch(option, env[name])
 
 
 def asks_for_xavier(kwargs: Mapping[str, Any]) -> bool:

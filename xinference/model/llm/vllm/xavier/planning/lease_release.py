@@ -17,6 +17,7 @@ import concurrent.futures
 import threading
 from typing import Any, Awaitable, Callable, List, Optional, Sequence
 
+from .load_batch import NO_LEASE
 from .log_names import package_logger
 
 logger = package_logger(__name__)
@@ -46,10 +47,13 @@ class BatchingReleaser:
         self.release_many((lease_id,))
 
     def release_many(self, lease_ids: Sequence[int]) -> None:
-        if not lease_ids:
+        """Queue ``lease_ids`` for the next call (:data:`~.load_batch.NO_LEASE`, a location
+        that needed none, is dropped here)."""
+        ids = [int(x) for x in lease_ids if int(x) != NO_LEASE]
+        if not ids:
             return
         with self._lock:
-            self._ids.extend(int(x) for x in lease_ids)
+            self._ids.extend(ids)
             if self._scheduled:
                 return
             self._scheduled = True

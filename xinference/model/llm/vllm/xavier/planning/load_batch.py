@@ -40,10 +40,25 @@ NULL_BLOCK_ID = 0
 
 
 class Tier(enum.IntEnum):
-    """Where a block lives on its source rank."""
+    """Where a block lives on its source rank: Xavier's snapshot tiers (``GPU``, ``CPU``),
+    or ``VLLM``: the source replica's own vLLM KV cache, read in place (the slot is vLLM's
+    block id; its generation is bumped whenever vLLM hands the block out to be written:
+    :mod:`~.in_place`)."""
 
     GPU = 0
     CPU = 1
+    VLLM = 2
+
+
+def read_preference(tier: int) -> int:
+    """Which copy of a block a reader prefers (lower first): device memory (a GPU tier,
+    or vLLM's own cache read in place) before host memory."""
+    return 1 if tier == Tier.CPU else 0
+
+
+#: the lease id of a location that needs none (vLLM's cache read in place: its reads are
+#: checked after the copy, nothing of Xavier's is reused under them)
+NO_LEASE = 0
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,12 @@ ENV_GPU_BUDGET = "XAVIER_GPU_BUDGET"
 ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 ENV_SWITCH_INTERVAL = "XAVIER_SWITCH_INTERVAL_US"
+ENV_IN_PLACE = "XAVIER_IN_PLACE"
 #: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
-KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, "XAVIER_LOG_LEVEL",
+KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
+             "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
@@ -67,6 +69,11 @@ class XavierOptions:
     #: / ``XAVIER_SWITCH_INTERVAL_US``; 0 keeps Python's): Xavier's threads (demotions,
     #: publications, lookups) there must not hold the engine loop for Python's 5 ms
     switch_interval_us: int = DEFAULT_SWITCH_INTERVAL_US
+    #: share straight from vLLM's own KV cache (``xavier_in_place`` / ``XAVIER_IN_PLACE``,
+    #: default true): a computed block is published in place, no copy; Xavier's tiers hold
+    #: only the published blocks vLLM hands out again.  False: every computed block is
+    #: copied into Xavier's tiers (the design before 2026-12; a benchmark row)
+    in_place: bool = True
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -101,6 +108,8 @@ class XavierOptions:
                               cfg.get("xavier_batched_loads", env.get(ENV_BATCHED, True)))
         switch_us = parse_switch_interval(cfg.get(
             "xavier_switch_interval_us", env.get(ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_US)))
+        in_place = parse_switch("xavier_in_place",
+                                cfg.get("xavier_in_place", env.get(ENV_IN_PLACE, True)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -110,7 +119,7 @@ class XavierOptions:
                    cpu_budget_bytes=cpu_bytes, transport=transport,
                    switch_interval_us=switch_us,
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
-                   slab_blocks=slab)
+                   slab_blocks=slab, in_place=in_place)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}

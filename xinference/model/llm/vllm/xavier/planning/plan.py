@@ -213,10 +213,11 @@ def _unique_writes(table: np.ndarray) -> Tuple[np.ndarray, int]:
 
 
 def _one_source_per_block(table: np.ndarray) -> Tuple[np.ndarray, int]:
-    """Step 4: one row per ``(group, key)`` to read from (GPU tier before CPU tier, then the
-    first offer in batch order), in the order of their first appearance in the batch; and
-    how many offers were not needed."""
-    order = np.lexsort((np.arange(len(table)), table[:, TIER], table[:, KEY], table[:, GROUP]))
+    """Step 4: one row per ``(group, key)`` to read from (device memory -- a GPU tier or
+    vLLM's cache in place -- before the CPU tier, then the first offer in batch order), in
+    the order of their first appearance in the batch; and how many offers were not needed."""
+    preference = (table[:, TIER] == Tier.CPU).astype(np.int64)  # read_preference
+    order = np.lexsort((np.arange(len(table)), preference, table[:, KEY], table[:, GROUP]))
     rows = table[order]
     first = np.ones(len(rows), dtype=bool)
     if len(rows) > 1:

@@ -18,6 +18,8 @@ from .load_batch import Lease, LoadBatch, empty_batch
 
 #: (group, block name, block_id) of a newly computed full block
 ExportRow = Tuple[int, int, int]
+#: (group, block name, block_id, generation): a block published in place (vLLM's cache)
+InPlaceRow = Tuple[int, int, int, int]
 
 
 @dataclass
@@ -50,6 +52,11 @@ class StepStats:
     #: hit blocks whose destination was vLLM's null block (a sliding-window block outside
     #: the window): nothing loaded there
     null_blocks_skipped: int = 0
+    #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
+    #: again (their entries forgotten), and those of them saved into Xavier's tier
+    in_place_published: int = 0
+    in_place_reused: int = 0
+    in_place_victims: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -64,7 +71,12 @@ class StepMeta:
 
     ``failed_dests``: destinations of loads the scheduler could not express as a valid
     batch (a defect, logged there): the worker reports them failed so that vLLM recomputes
-    them; their requests are in ``loads`` with no rows."""
+    them; their requests are in ``loads`` with no rows.
+
+    With vLLM's cache read in place (:mod:`.in_place`): ``in_place``, the newly full blocks
+    to publish once the step's forward completed (no copy; ``exports`` is then empty), and
+    ``saves``, published blocks vLLM handed out this step, to be copied into Xavier's tier
+    before anything of the step writes them."""
 
     loads: LoadBatch = field(default_factory=empty_batch)
     leases: Tuple[Lease, ...] = ()
@@ -72,6 +84,8 @@ class StepMeta:
     exports: Tuple[ExportRow, ...] = ()
     stats: StepStats = field(default_factory=StepStats)
     failed_dests: Tuple[int, ...] = ()
+    in_place: Tuple[InPlaceRow, ...] = ()
+    saves: Tuple[ExportRow, ...] = ()
 
     @property
     def has_loads(self) -> bool:
@@ -80,9 +94,9 @@ class StepMeta:
     def for_shard(self, tp_rank: int, tp_size: int) -> StepMeta:
         """What TP worker ``tp_rank`` does of this step: the rows of its shard
         (:meth:`~.load_batch.LoadBatch.for_shard`) and their leases; every request, the
-        exports and ``failed_dests`` stay (each worker exports its shard of every block and
-        reports the failed blocks; vLLM recomputes a block any worker failed on all of
-        them).  ``tp_size == 1``: this step."""
+        exports and ``failed_dests`` stay (each worker exports, publishes and saves its
+        shard of every block and reports the failed blocks; vLLM recomputes a block any
+        worker failed on all of them).  ``tp_size == 1``: this step."""
         if tp_size == 1:
             return self
         keep = [lease.shard == tp_rank for lease in self.leases]
@@ -90,7 +104,7 @@ class StepMeta:
         return StepMeta(self.loads.for_shard(tp_rank, tp_size),
                         tuple(lease for lease, k in zip(self.leases, keep) if k),
                         tuple(int(x) for x in np.cumsum([0] + counts)), self.exports,
-                        self.stats, self.failed_dests)
+                        self.stats, self.failed_dests, self.in_place, self.saves)
 
     def per_request(self, loads: Optional[LoadBatch] = None
                     ) -> List[Tuple[LoadBatch, Tuple[Lease, ...]]]:

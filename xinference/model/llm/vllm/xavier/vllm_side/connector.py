@@ -281,6 +281,16 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
             return XavierConnectorMetadata(StepMeta())
         return XavierConnectorMetadata(self.scheduler.build_step(scheduler_output))
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool, once the scheduler's KV-cache manager exists.
+
+        With ``xavier_in_place`` (the default) Xavier watches where the pool hands blocks
+        out to be written (:mod:`.pool_watch`): each such block's generation is bumped
+        before vLLM sees it, so that a peer reading the block in place detects the
+        overwrite after its copy.  Changes no block, no count and no order of vLLM's."""
+        if self.scheduler is not None and not self.disabled:
+            self.scheduler.bind_pool(gpu_block_pool)
+
     def request_finished(self, request: Request,
                          block_ids: List[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request is done or aborted: its tracking and any lease it still holds (a
@@ -320,7 +330,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.step if isinstance(meta, XavierConnectorMetadata) else None
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Launch the step's loads (one batched call) on the data plane's stream.
+        """Save the published blocks vLLM handed out this step into Xavier's tier (queued
+        before anything of the step can write them), then launch the step's loads (one
+        batched call) on the data plane's stream.
 
         Must not wait for them: the requests they serve are not in this step's forward
         (vLLM keeps them in ``WAITING_FOR_REMOTE_KVS``).  Without a data plane every load
@@ -343,12 +355,13 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        """After the forward: export the step's newly full blocks.
+        """After the forward: publish the step's newly full blocks.
 
-        Queued after the forward on the copy stream, vLLM's stream made to wait for the
-        copies (no block is reused before it was read); never waits on the host (a full
-        storage tier skips the export).  Publication in the block directory follows once
-        the bytes landed."""
+        In place (the default): no copy; the blocks are registered in the block directory
+        as this engine's own once the forward's event completed.  Otherwise exported:
+        queued after the forward on the copy stream, vLLM's stream made to wait for the
+        copies (no block is reused before it was read), published once the bytes landed.
+        Never waits on the host (a full storage tier skips the export)."""
         if self.worker is None or self.disabled:
             return
         self.worker.export(self._step())

@@ -16,7 +16,9 @@ from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
 from ..planning.hash_seed import user_seed
+from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
+from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
@@ -24,6 +26,7 @@ from ..planning.scheduler_side import SchedulerSide
 from ..planning.step_meta import StepMeta
 from . import none_hash
 from .actor_bridge import ActorBridge, LazyActor
+from .pool_watch import watch_block_pool
 
 if TYPE_CHECKING:  # pragma: no cover
     import concurrent.futures
@@ -76,6 +79,11 @@ class XavierConnectorScheduler:
         lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
                                   releaser.release_many, tp_size=tp_size)
+        #: vLLM's cache read in place (``options.in_place``): the book of published blocks
+        #: once the workers' block generations are known (:meth:`_open_in_place`)
+        self._book: Optional[InPlaceBook] = None
+        self._generations: List[Any] = []
+        self._next_book_check = 0.0
         #: the launch's seed, until the first request checked that vLLM hashes with it
         self._unchecked_seed: Optional[str] = None
         if user_seed() is None:  # else vLLM seeds every replica from the user's value
@@ -170,6 +178,70 @@ class XavierConnectorScheduler:
             null = [[bool(b.is_null) for b in group] for group in blocks.blocks]
             self.side.allocated(request.request_id, block_ids, null, num_external_tokens)
 
+    # ------------------------------------------------------ vLLM's cache in place
+    def bind_pool(self, pool: Any) -> None:
+        """vLLM's block pool (``bind_gpu_block_pool``): with ``in_place``, watch where it
+        hands blocks out (:mod:`.pool_watch`)."""
+        if self.options.in_place:
+            watch_block_pool(pool, self._handed_out, self._reset)
+
+    def _handed_out(self, block_ids: Sequence[int]) -> None:
+        if self._book is not None:
+            self._book.handed_out(block_ids)
+
+    def _reset(self) -> None:
+        if self._book is not None:
+            self._book.reset()
+
+    def _open_in_place(self) -> None:
+        """Once every TP worker published its cache: map their block generations (asked of
+        the transfer actor at most every ``READY_RECHECK_S`` until then).  Before that, no
+        block is published (nothing that was handed out unbumped can be named)."""
+        now = time.monotonic()
+        if self._book is not None or not self._ready or now < self._next_book_check:
+            return
+        self._next_book_check = now + READY_RECHECK_S
+        from ..mechanism.slot_generations import SlotGenerations
+
+        try:
+            handles = self._bridge.call(self._probe_in_place, timeout=READY_CALL_S)
+        except Exception as exc:
+            logger.debug("xavier: block generations not known yet: %r", exc)
+            return
+        if len(handles) != self.side.shards.tp_size:
+            return
+        gens = [SlotGenerations.open(h) for h in handles]
+        self._generations = gens
+        self._book = InPlaceBook([g.row(int(Tier.VLLM), 0) for g in gens], self.side.shards)
+        logger.info("xavier: rank %d: publishing from vLLM's KV cache in place (%d blocks)",
+                    self.options.rank, self._book.num_blocks)
+
+    async def _probe_in_place(self) -> List[Any]:
+        import xoscar as xo
+
+        ref = await xo.actor_ref(self.options.rank_address, self.options.transfer_actor_uid)
+        return list(await ref.in_place_generations())
+
+    def _in_place_step(self, meta: StepMeta) -> StepMeta:
+        """The step's newly full blocks published in place (no export copies), the published
+        blocks vLLM handed out saved, their entries forgotten (one directory call)."""
+        exports, meta.exports = meta.exports, ()
+        book = self._book
+        if book is None:
+            return meta
+        meta.in_place = book.publish(exports)
+        meta.saves = book.take_victims()
+        forgotten = book.take_forgotten()
+        meta.stats.in_place_published += len(meta.in_place)
+        meta.stats.in_place_victims += len(meta.saves)
+        if forgotten:
+            meta.stats.in_place_reused += len(next(iter(forgotten.values())))
+            ref = self._directory.get()
+            rank = self.options.rank
+            self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),
+                                "forgetting reused in-place blocks")
+        return meta
+
     def build_step(self, scheduler_output: SchedulerOutput) -> StepMeta:
         """ONE step's metadata from vLLM's scheduler output (not modified)."""
         t0 = time.perf_counter()
@@ -182,8 +254,11 @@ class XavierConnectorScheduler:
         for i, rid in enumerate(cached.req_ids):
             scheduled.append((rid, int(cached.num_computed_tokens[i]), int(nst.get(rid, 0))))
             new_blocks[rid] = (cached.new_block_ids[i], rid in resumed)
+        if self.options.in_place:
+            self._open_in_place()
         self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
-        return self.side.build_step(scheduled, new_blocks)
+        meta = self.side.build_step(scheduled, new_blocks)
+        return self._in_place_step(meta) if self.options.in_place else meta
 
     def request_finished(self, request: Request) -> None:
         """Forget ``request``; release what it still holds."""

@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from ..mechanism.in_place import share_host_caches
 from ..planning.load_batch import DEST
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
@@ -50,8 +51,15 @@ class XavierConnectorWorker:
             self._tp_rank = _tp_rank() if self._tp_size > 1 else 0
             groups, dims = group_layers(kv_caches, self._group_layer_names, self._num_blocks)
             self._device = groups[min(groups)][0][1].device
+            shared = None
+            if self.options.in_place and self._device.type == "cpu":
+                # vLLM's CPU cache is this process's private memory: into /dev/shm, in
+                # place, before the first real forward, so that peers can read it
+                shared = share_host_caches({g: [t for _, t in ls] for g, ls in groups.items()},
+                                           others=list(kv_caches.values()))
             self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
-                                         tp_rank=self._tp_rank, tp_size=self._tp_size)
+                                         tp_rank=self._tp_rank, tp_size=self._tp_size,
+                                         num_blocks=self._num_blocks, shared_host=shared)
         except Exception as exc:
             return f"KV caches cannot be shared: {exc}"
         logger.info("xavier: rank %d TP worker %d/%d: KV caches registered (%d groups, %s)",
@@ -85,13 +93,19 @@ class XavierConnectorWorker:
             plane.attach()
         if self._tp_rank == 0:  # the scheduler's figures, counted once per replica
             plane.add_step_stats(step.stats.as_dict())
+        if step.saves:  # before the loads and the forward write any of these blocks
+            plane.export(step.saves)
         plane.load(step)
 
     def export(self, step: Optional[StepMeta]) -> None:
-        """Export ``step``'s newly full blocks (never waits on the host)."""
-        if step is None or not step.exports or self.plane is None:
+        """After the forward: publish ``step``'s newly full blocks in place, or export them
+        (never waits on the host)."""
+        if step is None or self.plane is None:
             return
-        self.plane.export(step.exports)
+        if step.exports:
+            self.plane.export(step.exports)
+        if step.in_place:
+            self.plane.publish_in_place(step.in_place)
 
     def finished_loads(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their

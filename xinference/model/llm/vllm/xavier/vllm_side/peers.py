@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..mechanism.gpu_transfer import GPUTransfer
+from ..mechanism.in_place import CacheHandles, open_caches
 from ..mechanism.kv_schema import KVLayout
 from ..mechanism.load_handle import FetchedRows
 from ..mechanism.read_checks import SourceIdentity
@@ -84,6 +85,8 @@ class PeerMaps:
         self._remote: Set[int] = set()
         #: peers whose tiers are being mapped (a load waits for all of them)
         self._in_progress: Set[int] = set()
+        #: peers to map again (a load named a tier they published after their mapping)
+        self._refresh: Set[int] = set()
 
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
@@ -122,6 +125,10 @@ class PeerMaps:
             logger.info("xavier: rank %d: rank %d's mapped storage is gone (a load found "
                         "it): mapping it again", self._rank, rank)
             self._engine.unmap_storage(rank)  # not under the lock: it may wait for loads
+        with self._lock:
+            refresh, self._refresh = self._refresh, set()
+        for rank in refresh:
+            self._engine.unmap_storage(rank)
         with self._lock:
             if self._stop.is_set():
                 return set()
@@ -288,6 +295,7 @@ class PeerMaps:
             route = peer_route(self._options.transport, desc["host"] == self._host, True)
         except LookupError as exc:
             raise LookupError(f"rank {rank}: {exc}") from None
+        in_place: Optional[CacheHandles] = desc.get("in_place")
         if route == ROUTE_IPC:
             self._in_progress.add(rank)  # one tier mapped is not the peer mapped
             gens: Optional[SlotGenerations] = None
@@ -298,6 +306,8 @@ class PeerMaps:
                 for (tier, (kind, handles)), done in zip(tiers, releases):
                     caches, release = open_tier(kind, handles, pin=self._pin)
                     self._engine.map_storage(rank, Tier(tier), caches, 0, done(release), gens)
+                if in_place is not None:  # the peer's own vLLM cache, read in place
+                    self._map_in_place(rank, in_place)
             except BaseException:
                 self._engine.unmap_storage(rank)  # whole or not at all
                 if gens is not None:
@@ -314,10 +324,39 @@ class PeerMaps:
         if own is None:
             raise LookupError("the rank's transfer actor is not reachable")
         self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
-        for tier in sorted(desc["tiers"]):
-            self._engine.map_remote_storage(rank, Tier(tier), shard_layout,
-                                           self._remote_fetch(own, rank, Tier(tier)))
+        tiers = [Tier(t) for t in sorted(desc["tiers"])] + ([Tier.VLLM] if in_place else [])
+        for tier in tiers:
+            self._engine.map_remote_storage(rank, tier, shard_layout,
+                                           self._remote_fetch(own, rank, tier))
         return True
+
+    def _map_in_place(self, rank: int, handles: CacheHandles) -> None:
+        """Map ``rank``'s vLLM KV cache (this host) as its ``Tier.VLLM``, its reads checked
+        against the engine's block generations."""
+        gens = SlotGenerations.open(handles.generations)
+        try:
+            caches, release = open_caches(handles, pin=self._pin)
+        except BaseException:
+            gens.close()
+            raise
+
+        def let_go() -> None:
+            try:
+                release()
+            finally:
+                gens.close()
+
+        try:
+            self._engine.map_storage(rank, Tier.VLLM, caches, handles.block_dims, let_go, gens)
+        except BaseException:
+            let_go()
+            raise
+
+    def refresh(self, rank: int) -> None:
+        """A load found a tier of ``rank`` it names unmapped (the peer published it after
+        it was mapped here): the mapping thread maps the peer again."""
+        with self._lock:
+            self._refresh.add(rank)
 
     def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
         """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives

@@ -42,6 +42,7 @@ import torch
 
 from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
+from ..mechanism.in_place import CacheHandles, SharedHostCaches, describe_caches
 from ..mechanism.kv_schema import KVLayout, layout_of
 from ..mechanism.load_handle import LoadHandle
 from ..mechanism.slot_generations import SlotGenerations
@@ -120,7 +121,8 @@ class WorkerDataPlane:
     """See the module docstring.  Built by the worker connector at ``register_kv_caches``."""
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge, caches: GroupedLayers,
-                 block_dims: Dict[int, int], tp_rank: int = 0, tp_size: int = 1) -> None:
+                 block_dims: Dict[int, int], tp_rank: int = 0, tp_size: int = 1,
+                 num_blocks: int = 0, shared_host: Optional[SharedHostCaches] = None) -> None:
         self.options = options
         self.rank = options.rank
         #: this worker's place in its tensor-parallel replica (it holds shard ``tp_rank``)
@@ -151,6 +153,18 @@ class WorkerDataPlane:
                               layout=self.layout)
         self._pending: List[_StepLoad] = []
         self._closed = False
+        #: vLLM's cache read in place by peers (``options.in_place``): the engine's block
+        #: generations (this worker's file; the scheduler bumps them) and how peers map
+        #: the cache (handed to the transfer actor at attach)
+        self.block_generations: Optional[SlotGenerations] = None
+        self.cache_handles: Optional[CacheHandles] = None
+        self._shared_host = shared_host
+        if options.in_place and num_blocks > 0:
+            self.block_generations = SlotGenerations.create_shared(
+                int(Tier.VLLM), sorted(caches), num_blocks)
+            self.cache_handles = describe_caches(
+                {g: [t for _, t in ls] for g, ls in caches.items()}, block_dims,
+                self.block_generations, num_blocks, shared_host)
         self.hooks: Optional[PlaneHooks] = load_test_hooks(self)
 
     @property
@@ -176,10 +190,11 @@ class WorkerDataPlane:
         opts = self.options
         device = str(self.device)
         path = self.counters.path
+        in_place = self.cache_handles
         try:
             desc = self._bridge.call(lambda: ref.register_engine(
                 self.layout, opts, owner=os.getpid(), device=device, counters_path=path,
-                tp_rank=self.tp_rank), timeout=CALL_TIMEOUT_S * 10)
+                tp_rank=self.tp_rank, in_place=in_place), timeout=CALL_TIMEOUT_S * 10)
             self._open_storage(desc)
         except Exception as exc:
             logger.warning("xavier: rank %d: registering the KV caches failed: %s",
@@ -279,10 +294,17 @@ class WorkerDataPlane:
         tiers = batch.table[:, TIER]
         self.counters.add("rows_from_gpu_tier", int((tiers == Tier.GPU).sum()))
         self.counters.add("rows_from_cpu_tier", int((tiers == Tier.CPU).sum()))
+        self.counters.add("rows_from_vllm_cache", int((tiers == Tier.VLLM).sum()))
         self.peers.follow_world()
         unreachable = self.peers.ensure_mapped({int(r) for r in batch.table[:, RANK]})
-        if unreachable:
+        mapped = set(self.engine.mapped())
+        pairs = {(int(r), int(t)) for r, t in batch.table[:, [RANK, TIER]]}
+        unmapped = {(r, t) for r, t in pairs if r not in unreachable and (r, Tier(t)) not in mapped}
+        if unreachable or unmapped:  # (a tier the peer published after it was mapped)
             drop = np.isin(batch.table[:, RANK], sorted(unreachable))
+            for rank, tier in unmapped:
+                drop |= (batch.table[:, RANK] == rank) & (batch.table[:, TIER] == tier)
+                self.peers.refresh(rank)
             self.counters.add("rows_unreachable", int(drop.sum()))
             pending.failed.update(int(x) for x in batch.table[drop, DEST])
             batch = batch.without_rows(drop)
@@ -351,6 +373,19 @@ class WorkerDataPlane:
         if self.hooks is not None:
             self.hooks.exported(rows)
 
+    def publish_in_place(self, rows: Sequence[Tuple[int, int, int, int]]) -> None:
+        """Register the step's newly full blocks ``(group, name, block, generation)`` as held
+        in this engine's own cache, once the forward that computed them completed (an
+        event on vLLM's stream, waited for by the publisher thread); never waits."""
+        if not rows or self.writer is None or self.block_generations is None:
+            return
+        event: Optional[torch.cuda.Event] = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        self.writer.publish_after([(g, k, int(Tier.VLLM), b, gen) for g, k, b, gen in rows],
+                                  self.block_generations.incarnation, event)
+
     def add_step_stats(self, stats: Dict[str, int]) -> None:
         for name, value in stats.items():
             if value:
@@ -385,6 +420,10 @@ class WorkerDataPlane:
         self._own_releases.clear()
         self.peers.close()
         self._releaser.flush(timeout)
+        if self.block_generations is not None:  # peers' mappings keep what they mapped
+            self.block_generations.close()
+        if self._shared_host is not None:
+            self._shared_host.close()
         if self._attached:
             self._attached = False
             try:

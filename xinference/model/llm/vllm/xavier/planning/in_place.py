@@ -1,0 +1,116 @@
+"""vLLM's own KV cache as the first tier, read in place: the scheduler side's book (pure).
+
+A replica publishes the blocks its forward computed as ``(name -> its own vLLM block id,
+generation)``, with no copy; a peer of the host reads them straight from its KV cache
+(``Tier.VLLM``) and checks the generation after its copy (:mod:`~..mechanism.
+read_checks`).  That is safe because of ONE ordering (``doc/validated-reads.md``, "The
+in-place tier"): **a block's generation is bumped before vLLM can write the block** --
+when vLLM's block pool hands it out (:meth:`InPlaceBook.handed_out`, called inside
+``BlockPool.get_new_blocks`` before the blocks reach vLLM: every reuse of a block goes
+through it, and the step that writes them is launched only after ``schedule()``
+returned).  A reader whose copy overlapped an overwrite therefore finds another
+generation when it checks.
+
+:class:`InPlaceBook` (scheduler thread only) keeps
+
+* the engine's generations (one row per TP worker's file: each worker owns the file its
+  peers map with its cache; they are bumped alike);
+* which blocks it published, at which generation (:meth:`publish`: the step's newly full
+  blocks, published by the worker after the forward that computed them completed);
+* the published blocks vLLM handed out since the last step: their directory entries go
+  (:meth:`take_forgotten`), and those still holding the published bytes (bumped exactly
+  once since) are *victims*: the worker saves them into Xavier's snapshot tier before the
+  step's forward overwrites them (:meth:`take_victims`).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from .shards import Shards
+from .step_meta import ExportRow, InPlaceRow
+
+
+class InPlaceBook:
+    """See the module docstring.  ``rows``: the generations of the engine's blocks as this
+    process maps them (one ``int64`` per vLLM block id, per TP worker); ``shards``: how
+    KV-cache groups map to directory groups (forgotten entries are named per shard)."""
+
+    def __init__(self, rows: Sequence[np.ndarray], shards: Shards) -> None:
+        if not rows:
+            raise ValueError("rows: at least one generations row (one per TP worker)")
+        self._rows = list(rows)
+        self._shards = shards
+        #: block id -> (group, name, generation) as published
+        self._published: Dict[int, Tuple[int, int, int]] = {}
+        self._victims: List[ExportRow] = []
+        self._forgotten: Dict[int, List[int]] = {}
+        self.bumped = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return int(len(self._rows[0]))
+
+    @property
+    def published(self) -> int:
+        return len(self._published)
+
+    def generation(self, block: int) -> int:
+        return int(self._rows[0][block])
+
+    def handed_out(self, block_ids: Sequence[int]) -> None:
+        """vLLM's pool hands ``block_ids`` out to be written: bump their generations NOW
+        (before vLLM can launch anything that writes them), and note the published ones."""
+        if not len(block_ids):
+            return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        for row in self._rows:
+            row[ids] += 1
+        self.bumped += len(ids)
+        for block in ids.tolist():
+            pub = self._published.pop(block, None)
+            if pub is None:
+                continue
+            group, name, gen = pub
+            self._forgotten.setdefault(group, []).append(block)
+            if self.generation(block) == gen + 1:  # nothing wrote it since its publication
+                self._victims.append((group, name, block))
+
+    def reset(self) -> None:
+        """vLLM dropped its whole prefix cache (``reset_prefix_cache``: e.g. new weights, so
+        the bytes no longer match their names): every block is a new generation, nothing
+        published stays, nothing is saved."""
+        for row in self._rows:
+            row[:] += 1
+        for block, (group, _, _) in self._published.items():
+            self._forgotten.setdefault(group, []).append(block)
+        self._published.clear()
+        self._victims.clear()
+
+    def publish(self, blocks: Sequence[ExportRow]) -> Tuple[InPlaceRow, ...]:
+        """The step's newly full blocks ``(group, name, block)``: published in place at their
+        generation now (the worker registers them once the step's forward completed)."""
+        out: List[InPlaceRow] = []
+        for group, name, block in blocks:
+            gen = self.generation(block)
+            self._published[int(block)] = (int(group), int(name), gen)
+            out.append((int(group), int(name), int(block), gen))
+        return tuple(out)
+
+    def take_victims(self) -> Tuple[ExportRow, ...]:
+        """Published blocks handed out since the last call that still hold their bytes: to be
+        saved into Xavier's tier before the step's forward writes them."""
+        victims, self._victims = self._victims, []
+        return tuple(victims)
+
+    def take_forgotten(self) -> Dict[int, List[int]]:
+        """Directory group -> blocks whose in-place entries must go (handed out since the last
+        call), for every shard of the replica."""
+        forgotten, self._forgotten = self._forgotten, {}
+        out: Dict[int, List[int]] = {}
+        for group, blocks in forgotten.items():
+            for shard in range(self._shards.tp_size):
+                out[self._shards.directory_group(group, shard)] = list(blocks)
+        return out
