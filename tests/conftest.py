@@ -94,6 +94,12 @@ def tp_pair(request: pytest.FixtureRequest, tiny_model_dir: str) -> worlds.World
 
 
 @pytest.fixture
+def churn_pair(request: pytest.FixtureRequest, tiny_model_dir: str) -> worlds.World:
+    """Two replicas of the tiny Qwen2 whose vLLM caches hold only a few prompts."""
+    return worlds.use_world("churn_pair", tiny_model_dir, _breaks(request))
+
+
+@pytest.fixture
 def mla_pair(request: pytest.FixtureRequest, tiny_mla_model_dir: str) -> worlds.World:
     """Two replicas of the tiny DeepSeek-V2 (multi-head latent attention; GPU only)."""
     return worlds.use_world("mla_pair", tiny_mla_model_dir, _breaks(request))

@@ -13,7 +13,12 @@ plain values in and out.
   :data:`STALL_LOAD_S` after its leases were granted, before any peer is mapped or byte
   copied: the window in which a test kills the source), ``hold_finish`` (the step's loads
   are done but reported to vLLM only :data:`HOLD_FINISH_S` later: the window in which a
-  test aborts a request whose load vLLM still waits for);
+  test aborts a request whose load vLLM still waits for), ``hold_load`` (armed with
+  :meth:`WorkerHooks.hold_next_load`: the step's load waits, rows built, nothing copied,
+  until a release file appears -- the window in which a test makes the source reuse the
+  blocks the rows name; a file, because vLLM's RPCs to this worker wait for the step);
+  ``set_read_checks`` switches the check of every read after its copy off and on (the
+  negative control of the tests that show it is needed);
 * readers: SHA-256 of engine blocks, of stored blocks, of the blocks recent loads wrote.
 
 Loaded in vLLM's worker process, so it imports the package by its installed name
@@ -24,6 +29,7 @@ upstream's ``xinference.model``.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -36,7 +42,9 @@ from _xinference_xavier_fork.planning.load_batch import DEST, GROUP, KEY, LoadBa
 if TYPE_CHECKING:  # pragma: no cover
     from _xinference_xavier_fork.vllm_side.worker_plane import WorkerDataPlane
 
-FAULTS = ("skip_copy", "fail_one_block", "stall_load", "hold_finish")
+FAULTS = ("skip_copy", "fail_one_block", "stall_load", "hold_finish", "hold_load")
+#: longest a ``hold_load`` waits for its release file
+HOLD_LOAD_MAX_S = 120.0
 STALL_LOAD_S = 3.0
 #: how long a ``hold_finish`` fault keeps the step's loads from being reported finished
 HOLD_FINISH_S = 3.0
@@ -49,8 +57,10 @@ class WorkerHooks:
         self._faults: Dict[str, int] = {}
         self._recent_loads: OrderedDict[Tuple[int, int], int] = OrderedDict()
         self._recent_exports: OrderedDict[Tuple[int, int], int] = OrderedDict()
+        self._recent_in_place: OrderedDict[Tuple[int, int], int] = OrderedDict()
         self.fault_blocks: List[Tuple[int, int]] = []
         self._hold_until = 0.0
+        self._release_path = ""
 
     def switch_interval_us(self) -> int:
         """The engine process's GIL switch interval (µs)."""
@@ -86,7 +96,25 @@ class WorkerHooks:
         self._plane.counters.add(f"faults_{mode}")
         return True
 
+    def hold_next_load(self, release_path: str) -> None:
+        """The next load with rows waits (rows built, nothing copied) until
+        ``release_path`` exists (at most :data:`HOLD_LOAD_MAX_S`)."""
+        self._release_path = str(release_path)
+        self._faults["hold_load"] = 1
+
+    def set_read_checks(self, on: bool) -> bool:
+        """Check every read after its copy (True: the product's behaviour) or not; returns
+        the previous setting."""
+        completion = self._plane.engine._completion
+        old = bool(completion.validate_reads)
+        completion.validate_reads = bool(on)
+        return old
+
     def before_load(self, batch: LoadBatch) -> None:
+        if batch.num_rows and self._take("hold_load"):
+            end = time.monotonic() + HOLD_LOAD_MAX_S
+            while not os.path.exists(self._release_path) and time.monotonic() < end:
+                time.sleep(0.02)
         if batch.num_rows and self._take("stall_load"):
             time.sleep(STALL_LOAD_S)
         if batch.num_rows and self._take("hold_finish"):
@@ -126,6 +154,9 @@ class WorkerHooks:
     def exported(self, rows: Sequence[Tuple[int, int, int]]) -> None:
         _remember(self._recent_exports, rows)
 
+    def published_in_place(self, rows: Sequence[Tuple[int, int, int, int]]) -> None:
+        _remember(self._recent_in_place, [(g, k, b) for g, k, b, _ in rows])
+
     def _zero(self, group: int, block_ids: Any) -> None:
         idx = torch.as_tensor(np.asarray(block_ids, np.int64))
         for v in self._plane.engine_views.get(group, []):
@@ -147,6 +178,7 @@ class WorkerHooks:
         self._plane.flush()
         writer = self._plane.writer
         out = []
+        views = self._plane.engine_views
         for group, key in keys:
             hit = writer.lookup(int(group), _stored_name(writer, int(group), int(key))
                                 ) if writer is not None else None
@@ -154,6 +186,10 @@ class WorkerHooks:
                 tier, slot, _ = hit
                 out.append((int(group), str(key),
                             _digest(writer.views(tier, int(group)), slot)))
+                continue
+            block = _published_block(self._recent_in_place, int(group), int(key))
+            if block is not None:  # held in place: the engine block it was published from
+                out.append((int(group), str(key), _digest(views[int(group)], block)))
         return out
 
     def stored_vs_engine_mismatches(self) -> List[Tuple[int, int]]:
@@ -188,13 +224,16 @@ class WorkerHooks:
         return int(views[0].shape[0]) if views else 0
 
     def recent_export_keys(self) -> List[Tuple[int, str]]:
-        return [(g, str(k)) for g, k in self._recent_exports]
+        """The names of the blocks this worker recently published: exported into its
+        storage, or published in place (its own vLLM cache)."""
+        return [(g, str(k)) for g, k in [*self._recent_exports, *self._recent_in_place]]
 
     def recorded_faults(self) -> List[Tuple[int, int]]:
         return list(self.fault_blocks)
 
     def reset_recent(self) -> None:
         self._recent_exports.clear()
+        self._recent_in_place.clear()
         self._recent_loads.clear()
         self.fault_blocks.clear()
 
@@ -273,6 +312,18 @@ def _stored_name(writer: Any, group: int, key: int) -> int:
             if row_key(name) == key:
                 return int(name)
     return key
+
+
+def _published_block(recent: OrderedDict[Tuple[int, int], int], group: int,
+                     key: int) -> Optional[int]:
+    """The engine block a recent in-place publication of ``group``'s block named ``key``
+    (or whose load-row key, its low 63 bits, is ``key``) came from; None if none."""
+    from _xinference_xavier_fork.planning.block_names import row_key
+
+    if (group, key) in recent:
+        return recent[(group, key)]
+    return next((b for (g, name), b in recent.items() if g == group and row_key(name) == key),
+                None)
 
 
 def _digest(views: Sequence[torch.Tensor], block: int) -> str:

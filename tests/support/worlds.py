@@ -103,6 +103,22 @@ def _mla_pair(model_dir: str) -> Dict[str, Any]:
     return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", engine=opts, sequential=True)
 
 
+#: vLLM blocks of each replica of the ``churn_pair`` world: a few prompts reuse them all
+CHURN_BLOCKS = 72
+
+
+def _churn_pair(model_dir: str) -> Dict[str, Any]:
+    """A pair whose vLLM caches hold a handful of prompts (``num_gpu_blocks_override``), so
+    that a test can make a source hand out again the blocks it published (#33)."""
+    extra: Dict[str, Any] = {"num_gpu_blocks_override": CHURN_BLOCKS}
+    if DEVICE == "cuda":
+        extra.update({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
+                      "enforce_eager": False})
+        return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", sequential=True,
+                    engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra))
+    return dict(n=2, engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra))
+
+
 #: fixture name -> the world it gives (``tests/conftest.py`` defines the fixtures)
 SPECS: Dict[str, WorldSpec] = {
     "qwen_pair": WorldSpec("qwen-pair", "tiny_model_dir", _qwen_pair),
@@ -110,6 +126,7 @@ SPECS: Dict[str, WorldSpec] = {
     "hybrid_pair": WorldSpec("hybrid-pair", "tiny_hybrid_model_dir", _hybrid_pair),
     "tp_pair": WorldSpec("tp-pair", "tiny_model_dir", _tp_pair),
     "mla_pair": WorldSpec("mla-pair", "tiny_mla_model_dir", _mla_pair),
+    "churn_pair": WorldSpec("churn-pair", "tiny_model_dir", _churn_pair),
 }
 
 

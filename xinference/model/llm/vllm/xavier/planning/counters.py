@@ -66,6 +66,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "uva_storages_mapped", "uva_tiers_written",
     # test-only fault switches (XAVIER_TEST_FAULTS=1)
     "faults_skip_copy", "faults_fail_one_block", "faults_stall_load", "faults_hold_finish",
+    "faults_hold_load",
 )
 #: counters that are levels, not totals (set, not added)
 GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blocks",

@@ -190,8 +190,21 @@ class XavierConnectorScheduler:
             self._book.handed_out(block_ids)
 
     def _reset(self) -> None:
-        if self._book is not None:
-            self._book.reset()
+        """vLLM reset its prefix cache (an operator's call, not a step): every published
+        block's entry leaves the directory before the reset returns."""
+        if self._book is None:
+            return
+        self._book.reset()
+        forgotten = self._book.take_forgotten()
+        if forgotten:
+            ref = self._directory.get()
+            rank = self.options.rank
+            try:
+                self._bridge.call(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),
+                                  timeout=READY_CALL_S)
+            except Exception as exc:  # the entries then fail their readers' checks
+                logger.warning("xavier: rank %d: forgetting the published blocks at a "
+                               "prefix-cache reset failed: %r", self.options.rank, exc)
 
     def _open_in_place(self) -> None:
         """Once every TP worker published its cache: map their block generations (asked of

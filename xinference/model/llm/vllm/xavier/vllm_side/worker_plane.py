@@ -85,6 +85,8 @@ class PlaneHooks(Protocol):
 
     def exported(self, rows: Sequence[Tuple[int, int, int]]) -> None: ...
 
+    def published_in_place(self, rows: Sequence[Tuple[int, int, int, int]]) -> None: ...
+
 
 def load_test_hooks(plane: WorkerDataPlane) -> Optional[PlaneHooks]:
     """The observer named by :data:`TEST_HOOKS_ENV` (``module:Class``), built for ``plane``;
@@ -385,6 +387,8 @@ class WorkerDataPlane:
             event.record(torch.cuda.current_stream(self.device))
         self.writer.publish_after([(g, k, int(Tier.VLLM), b, gen) for g, k, b, gen in rows],
                                   self.block_generations.incarnation, event)
+        if self.hooks is not None:
+            self.hooks.published_in_place(rows)
 
     def add_step_stats(self, stats: Dict[str, int]) -> None:
         for name, value in stats.items():

@@ -1,0 +1,136 @@
+"""vLLM's own KV cache read in place, on real engines whose caches hold a few prompts (#33).
+
+A source publishes the blocks it computed in place (no copy); a peer reads them straight
+from the source's vLLM cache and checks each read after its copy against the generation the
+source bumps whenever vLLM hands the block out again.  Here the source really does hand them
+out while a peer's load names them: the peer's load is held with its rows built (the
+``hold_load`` fault: the real race's window, made certain), the source serves prompts that
+reuse every block of its cache, then the load goes on.
+
+* checked (the product): every such read fails its check, vLLM recomputes, tokens equal the
+  no-sharing run;
+* the negative control, the check switched off: the peer loads the new prompts' KV under the
+  old names and its tokens differ -- the churn is real;
+* the blocks the source handed out were saved into its Xavier tier before they were
+  overwritten, and a later peer still loads the prefix from there, bit-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+from .support.processes import tokens
+from .support.scenarios import assert_loaded_bytes_exact, delta, leases
+from .support.worlds import CHURN_BLOCKS, World
+
+BLOCK = 16
+PREFIX = 256  # 16 blocks
+TAIL = 40
+
+
+def _churn(lt: Any, source: Any, seed: int) -> None:
+    """``source`` serves prompts that together need every block of its cache twice over,
+    so every block it published before is handed out again."""
+    per_prompt = 700  # 44 blocks: one at a time fits the cache
+    rounds = 2 * CHURN_BLOCKS * BLOCK // per_prompt + 1
+    for i in range(rounds):
+        lt.run(source.generate([tokens(seed + i, per_prompt)], max_tokens=2))
+
+
+def _held_load_after_churn(world: World, asked: List[int], checks: bool, release: str,
+                           seed: int) -> Tuple[List[int], Dict[str, int], Dict[str, int]]:
+    """B asks for ``asked`` (a hit on A's in-place prefix); its load is held with its rows
+    built while A reuses every block; then it goes on.  B's tokens, B's and A's counters."""
+    lt, r = world.pair
+    a, b = r.replicas
+    lt.run(b.hook_all("set_read_checks", checks))
+    try:
+        lt.run(b.hook("hold_next_load", release))
+        before_a, before_b = lt.run(a.counters()), lt.run(b.counters())
+        pending = asyncio.run_coroutine_threadsafe(b.generate([asked]), lt.loop)
+        deadline = time.monotonic() + 120
+        while lt.run(b.counters()).get("faults_hold_load", 0) == before_b.get(
+                "faults_hold_load", 0):  # B's load holds: its rows name A's blocks
+            assert time.monotonic() < deadline, "B's load never started (120 s)"
+            assert not pending.done(), f"B answered without loading: {pending.result()}"
+            time.sleep(0.05)
+        _churn(lt, a, seed)
+        ca = delta(before_a, lt.run(a.counters()))
+        with open(release, "w"):
+            pass
+        out = pending.result(300)[0]
+        cb = delta(before_b, lt.run(b.counters()))
+    finally:
+        lt.run(b.hook_all("set_read_checks", True))
+        if os.path.exists(release):
+            os.unlink(release)
+    return out["ids"], cb, ca
+
+
+@pytest.fixture
+def prefix_on_a(churn_pair: World) -> Tuple[World, List[int], List[int]]:
+    """A published a 256-token prefix in place; ``asked`` (the prefix + another tail) and
+    its no-sharing tokens, computed by B with its cache reset afterwards."""
+    lt, r = churn_pair.pair
+    a, b = r.replicas
+    prefix = tokens(61, PREFIX)
+    asked = prefix + tokens(62, TAIL)
+    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
+    lt.run(b.reset_prefix_cache())
+    lt.run(a.generate([prefix + tokens(63, TAIL)]))
+    lt.run(a.flush())
+    assert churn_pair.since_reset(0).get("in_place_registered", 0) >= PREFIX // BLOCK
+    return churn_pair, asked, base
+
+
+def test_a_read_of_a_block_the_source_reused_fails_its_check(prefix_on_a, tmp_path):
+    world, asked, base = prefix_on_a
+    lt, r = world.pair
+    ids, b, a = _held_load_after_churn(world, asked, True, str(tmp_path / "go"), 100)
+    # A handed every published block of the prefix out again (and forgot them)
+    assert a["in_place_reused"] >= PREFIX // BLOCK
+    assert b["hit_blocks"] == PREFIX // BLOCK and b["rows_from_vllm_cache"] == PREFIX // BLOCK
+    # every read was checked after its copy, none held: vLLM recomputed the prefix
+    assert b["reads_validated"] == PREFIX // BLOCK == b["validation_failures"]
+    assert b.get("blocks_written", 0) == 0 and b["load_failures"] == 1
+    assert ids == base
+    assert leases(lt, r) == 0
+
+
+def test_negative_control_unchecked_reads_load_the_new_prompts_kv(prefix_on_a, tmp_path):
+    """The same race with the check switched off: B loads whatever A's blocks hold now
+    under the prefix's names, and its tokens show it."""
+    world, asked, base = prefix_on_a
+    ids, b, a = _held_load_after_churn(world, asked, False, str(tmp_path / "go"), 200)
+    assert a["in_place_reused"] >= PREFIX // BLOCK
+    assert b["blocks_written"] == PREFIX // BLOCK and b.get("validation_failures", 0) == 0
+    assert b.get("reads_validated", 0) == 0
+    assert ids != base  # wrong KV served: the churn is real
+
+
+def test_reused_published_blocks_are_saved_into_xaviers_tier_first(prefix_on_a):
+    """A hands the prefix's blocks out again: they were saved into A's Xavier tier before
+    anything wrote them, and B loads the prefix from there, bit-exact, tokens equal."""
+    world, asked, base = prefix_on_a
+    lt, r = world.pair
+    a, b = r.replicas
+    before_a = lt.run(a.counters())
+    _churn(lt, a, 300)
+    lt.run(a.flush())
+    ca = delta(before_a, lt.run(a.counters()))
+    assert ca["in_place_reused"] >= PREFIX // BLOCK
+    assert ca["in_place_victims"] >= PREFIX // BLOCK and ca["export_published"] >= PREFIX // BLOCK
+    before = lt.run(b.counters())
+    out = lt.run(b.generate([asked]))[0]
+    cb = delta(before, lt.run(b.counters()))
+    assert out["cached"] == PREFIX and cb["blocks_written"] == PREFIX // BLOCK
+    assert cb.get("rows_from_vllm_cache", 0) == 0  # A's cache no longer holds them
+    assert cb["rows_from_cpu_tier"] + cb.get("rows_from_gpu_tier", 0) == PREFIX // BLOCK
+    assert cb["validation_failures"] == 0 and out["ids"] == base
+    assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
+    assert leases(lt, r) == 0
