@@ -209,6 +209,9 @@ def _pct(values: Sequence[float], p: float) -> float:
 PLAIN_MODES = ("plain", "local-hit", "noop-connector")
 #: vLLM's own KV sharing, each on a pair of its own (plain vLLM with vLLM's connector)
 PEER_MODES = ("vllm-offload-fs",)
+#: Xavier copying every computed block into its own tiers (``xavier_in_place`` off: the
+#: design before #33), on a second Xavier pair beside the default one
+COPY_MODE = "batched-copy"
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
@@ -242,7 +245,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     # the plain pair always runs: its rows, and the token check of every other row
     want_plain = True
     want_noop = "noop-connector" in modes
-    want_xavier = any(m not in PLAIN_MODES + PEER_MODES for m in modes) or unique
+    want_copy = COPY_MODE in modes
+    want_xavier = any(m not in PLAIN_MODES + PEER_MODES + (COPY_MODE,) for m in modes) or unique
     want_fs = "vllm-offload-fs" in modes
     if want_fs and device != "cuda":
         raise SystemExit("vllm-offload-fs: vLLM's offloading runs on CUDA, ROCm and XPU "
@@ -255,7 +259,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     kw: Dict[str, Any]
     if device == "cuda":
         # two pairs share the GPU when plain rows are asked for
-        pairs_on_gpu = 1 + want_xavier + want_noop + want_fs
+        pairs_on_gpu = 1 + want_xavier + want_noop + want_fs + want_copy
         util = {1: 0.3, 2: 0.2}.get(pairs_on_gpu, 0.13) if (not gpus or tp > 1) else 0.3
         opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
                           max_num_batched_tokens=8192, enforce_eager=eager)
@@ -278,7 +282,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         settings: Dict[str, Any] = {}
         # vLLM's offloading pair first: a configuration it refuses fails the run early
         for kind, wanted in (("vllm-offload-fs", want_fs), ("plain", want_plain),
-                             ("noop", want_noop), ("xavier", want_xavier)):
+                             ("noop", want_noop), ("xavier", want_xavier),
+                             (COPY_MODE, want_copy)):
             if not wanted:
                 continue
             print(f"[serving_bench] starting 2 {kind} replicas ({where})", flush=True)
@@ -300,18 +305,24 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 # PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py: init_none_hash)
                 pair_kw["extra_env"] = dict(kw["extra_env"], PYTHONHASHSEED="0")
                 settings[kind] = transfer
+            if kind == COPY_MODE:
+                pair_kw["extra_env"] = dict(kw["extra_env"], XAVIER_IN_PLACE="0")
             pairs[kind] = await stack.enter_async_context(
-                xavier_replicas(model, n=2, engine=engine, plain=kind != "xavier", **pair_kw))
+                xavier_replicas(model, n=2, engine=engine,
+                                plain=kind not in ("xavier", COPY_MODE), **pair_kw))
             print(f"[serving_bench] {kind} replicas up in {time.perf_counter() - t0:.0f} s",
                   flush=True)
-        if "xavier" in pairs:
+        for kind in ("xavier", COPY_MODE):
+            if kind not in pairs:
+                continue
             for mode in ("per_request", "batched"):
                 # warm-up, not measured: first peer mappings, kernel compilation, allocator growth
-                await _set_mode(pairs["xavier"], mode)
-                await run_mode(pairs["xavier"], workload(7 + len(mode), 2, 2, min(prefixes), 64,
-                                                         vocab), 2, 2, max_tokens, xavier=True)
+                await _set_mode(pairs[kind], mode)
+                await run_mode(pairs[kind], workload(7 + len(mode), 2, 2, min(prefixes), 64,
+                                                     vocab), 2, 2, max_tokens, xavier=True)
             if steady_state:
-                await fill_tiers(pairs["xavier"], max(prefixes), vocab)
+                fill = await fill_tiers(pairs[kind], max(prefixes), vocab)
+                settings[f"steady_state_fill_{kind}"] = fill
         for kind in ("plain", "vllm-offload-fs"):
             if kind in pairs:  # warm-up, not measured
                 await run_mode(pairs[kind], workload(5, 2, 2, min(prefixes), 64, vocab), 2, 2,
@@ -322,9 +333,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                           work: str) -> None:
             r = pairs["noop" if mode == "noop-connector" else
                       "plain" if mode in PLAIN_MODES else
-                      mode if mode in PEER_MODES else "xavier"]
+                      mode if mode in PEER_MODES + (COPY_MODE,) else "xavier"]
             if mode not in PLAIN_MODES + PEER_MODES:
-                await _set_mode(r, mode.split("-si")[0])
+                await _set_mode(r, "batched" if mode == COPY_MODE else mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
             n_groups = groups if work == "shared" else len(prompts)
             res = await run_mode(r, prompts, n_groups, c, max_tokens,
@@ -373,6 +384,10 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             for row in rows:
                 if row["mode"] in settings:
                     row["peer_settings"] = settings[row["mode"]]
+                kind = row["mode"] if row["mode"] == COPY_MODE else "xavier"
+                if (row["mode"] not in PLAIN_MODES + PEER_MODES
+                        and f"steady_state_fill_{kind}" in settings):
+                    row["steady_state_fill"] = settings[f"steady_state_fill_{kind}"]
         print(f"[serving_bench] checking every row's tokens against plain vLLM "
               f"({check_groups} follow-ups per row, one at a time)", flush=True)
         for row, prompts, n_groups in checks:
@@ -399,17 +414,25 @@ async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[L
     row["tokens_equal_plain"] = equal
 
 
-async def fill_tiers(r: Replicas, prefix: int, vocab: int, max_rounds: int = 200) -> None:
+async def fill_tiers(r: Replicas, prefix: int, vocab: int,
+                     max_rounds: int = 200) -> Dict[str, Any]:
     """Unmeasured requests with fresh prefixes (both replicas, sharing on, short outputs)
-    until every replica's storage has evicted at least once: its top tier is full."""
+    until every replica's storage has evicted at least once: its top tier is full -- and,
+    with vLLM's cache read in place, vLLM has handed published blocks out again (its own
+    cache is full too) and Xavier saved some of them.  Returns what the fill reached."""
     t0 = time.perf_counter()
     for i in range(max_rounds):
         counters = [await x.counters() for x in r.replicas]
         evicted = [c.get("room_evicted", 0) for c in counters]
-        if all(evicted):
+        in_place = any(c.get("in_place_published", 0) for c in counters)
+        reused = [c.get("in_place_reused", 0) > 0 for c in counters]
+        if all(evicted) and (not in_place or all(reused)):
             print(f"[serving_bench] storage tiers full after {i} fill rounds "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            return
+            keep = ("room_evicted", "in_place_published", "in_place_reused",
+                    "in_place_victims", "storage_gpu_used_blocks", "storage_cpu_used_blocks")
+            return {"rounds": i, "seconds": round(time.perf_counter() - t0, 1),
+                    "replicas": [{k: c.get(k, 0) for k in keep} for c in counters]}
         if i % 10 == 0:
             used = [c.get("storage_gpu_used_blocks", c.get("storage_cpu_used_blocks", 0))
                     for c in counters]

@@ -55,12 +55,14 @@ if has tests || has units; then
     tests/test_gpu_transfer.py tests/test_gpu_transfer_cuda.py tests/test_storage_writer.py \
     tests/test_snapshot_storage.py tests/test_plan.py tests/test_load_batch.py \
     tests/test_lookups.py tests/test_block_directory.py tests/test_read_checks.py \
-    tests/test_slot_generations.py 2>&1 | tee "$out/pytest-cuda.log"
+    tests/test_slot_generations.py tests/test_in_place.py tests/test_pool_watch.py \
+    tests/test_in_place_caches.py 2>&1 | tee "$out/pytest-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has tests || only e2e; then
-  XAVIER_TEST_DEVICE=cuda timeout 330 python3 -m pytest -v -s -p no:cacheprovider \
-    tests/test_connector_e2e.py 2>&1 | tee "$out/e2e-cuda.log"
+  XAVIER_TEST_DEVICE=cuda timeout "${XAVIER_TEST_PART_TIMEOUT:-330}" python3 -m pytest -v -s \
+    -p no:cacheprovider tests/test_connector_e2e.py tests/test_in_place_e2e.py 2>&1 \
+    | tee "$out/e2e-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has tests; then

@@ -295,3 +295,35 @@ def test_a_recreated_directory_hands_out_no_lease_id_of_the_old_one():
     assert new.release(held) == 0 and new.stats.unknown_releases == 1
     assert new.claim(0, 0, 0, [3]) == []  # the live lease still protects the slot
     assert all(0 < i < 2 ** 63 for i in held + live)
+
+
+VLLM = 2
+
+
+def test_a_block_held_in_a_ranks_own_vllm_cache_is_offered_without_a_lease():
+    """vLLM's cache read in place: vLLM reuses its blocks without asking anyone, so a
+    lease would protect nothing (the reader's check after its copy does); the answer
+    carries NO_LEASE and releasing it is a no-op, not an unknown id."""
+    from xinference.model.llm.vllm.xavier.planning.load_batch import NO_LEASE
+
+    d = BlockDirectory(max_leases=1)
+    d.register(1, [(0, 10, VLLM, 7, 3), (0, 11, VLLM, 8, 3)], incarnation=5)
+    d.register(2, [(0, 10, CPU, 0, 1)])
+    r = d.query(0, [10, 11], exclude_rank=3)
+    # device memory (rank 1's vLLM cache) before rank 2's CPU tier; max_leases=1 does
+    # not refuse two in-place hits
+    assert r.locations == (Location(1, VLLM, 0, 7, 3, 5), Location(1, VLLM, 0, 8, 3, 5))
+    assert r.lease_ids == (NO_LEASE, NO_LEASE) and d.outstanding_leases == 0
+    assert d.release(r.lease_ids) == 0 and d.stats.unknown_releases == 0
+    assert d.stats.leases_granted == 0
+
+
+def test_forget_drops_a_ranks_in_place_entries_whatever_their_generation():
+    d = BlockDirectory()
+    d.register(1, [(0, 10, VLLM, 7, 3), (1, 10, VLLM, 7, 3), (0, 11, VLLM, 8, 4)])
+    d.register(2, [(0, 10, GPU, 0, 1)])
+    assert d.forget(1, VLLM, {0: [7, 9], 1: [7]}) == 2  # block 9 was never listed
+    assert d.query(0, [10], exclude_rank=3).locations == (Location(2, GPU, 0, 0, 1, 0),)
+    assert d.query(0, [11], exclude_rank=3).num_hits == 1
+    assert d.query(1, [10], exclude_rank=3).num_hits == 0
+    assert d.stats.forgotten == 2

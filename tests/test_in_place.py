@@ -1,0 +1,67 @@
+"""The scheduler side's book of blocks published in place (``planning/in_place.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xinference.model.llm.vllm.xavier.planning.in_place import InPlaceBook
+from xinference.model.llm.vllm.xavier.planning.shards import Shards
+
+
+def _book(blocks: int = 8, tp: int = 1, groups: int = 1):
+    rows = [np.zeros(blocks, np.int64) for _ in range(tp)]
+    return InPlaceBook(rows, Shards(groups, tp)), rows
+
+
+def test_publication_names_each_block_at_its_generation_now():
+    book, rows = _book()
+    book.handed_out([2, 3])  # vLLM hands them out to be written: bumped first
+    assert rows[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    assert book.publish([(0, 111, 2), (0, 112, 3)]) == ((0, 111, 2, 1), (0, 112, 3, 1))
+    assert book.published == 2
+
+
+def test_every_tp_workers_file_is_bumped_alike():
+    book, rows = _book(tp=2)
+    book.handed_out([5, 1])
+    assert rows[0].tolist() == rows[1].tolist() == [0, 1, 0, 0, 0, 1, 0, 0]
+    assert book.bumped == 2
+
+
+def test_a_published_block_handed_out_again_is_a_victim_and_forgotten_in_every_shard():
+    book, _ = _book(tp=2, groups=2)
+    book.handed_out([4, 6])
+    book.publish([(1, 777, 4), (0, 778, 6)])
+    book.handed_out([4, 7])  # 4 was published; 7 never was
+    assert book.take_victims() == ((1, 777, 4),)
+    # directory group = group * tp + shard: both shards of group 1
+    assert book.take_forgotten() == {2: [4], 3: [4]}
+    assert book.take_victims() == () and book.take_forgotten() == {}
+    assert book.published == 1  # 6 stays published
+
+
+def test_a_block_written_again_since_its_publication_is_no_victim():
+    """Bumped twice since its publication (a slip of the book): its bytes are another
+    block's, so it is forgotten but never saved under the old name."""
+    book, rows = _book()
+    book.handed_out([3])
+    book.publish([(0, 9, 3)])
+    rows[0][3] += 1  # written again without the book knowing
+    book.handed_out([3])
+    assert book.take_victims() == () and book.take_forgotten() == {0: [3]}
+
+
+def test_a_reset_bumps_every_block_and_forgets_without_saving():
+    book, rows = _book()
+    book.handed_out([1])
+    book.publish([(0, 5, 1), (0, 6, 2)])
+    book.reset()
+    assert rows[0].tolist() == [1, 2, 1, 1, 1, 1, 1, 1]
+    assert book.take_victims() == () and sorted(book.take_forgotten()[0]) == [1, 2]
+    assert book.published == 0
+
+
+def test_no_rows_is_an_error_naming_them():
+    with pytest.raises(ValueError, match="^rows:"):
+        InPlaceBook([], Shards(1))
