@@ -426,7 +426,12 @@ async def fill_tiers(r: Replicas, prefix: int, vocab: int,
         evicted = [c.get("room_evicted", 0) for c in counters]
         in_place = any(c.get("in_place_published", 0) for c in counters)
         reused = [c.get("in_place_reused", 0) > 0 for c in counters]
-        if all(evicted) and (not in_place or all(reused)):
+        saving = any(c.get("in_place_victims", 0) for c in counters)
+        # in place: vLLM's own caches evict (and, when victims are saved, Xavier's top tier
+        # is full too); else Xavier's top tier is full.  (Session 23's GPU run waited for
+        # room_evicted with victims off: a tier nothing fills, all of its 570 s.)
+        full = (all(reused) and (all(evicted) or not saving)) if in_place else all(evicted)
+        if full:
             print(f"[serving_bench] storage tiers full after {i} fill rounds "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
             keep = ("room_evicted", "in_place_published", "in_place_reused",

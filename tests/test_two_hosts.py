@@ -394,11 +394,16 @@ def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
     counters = cluster.counters(world)
     # the replica that computed this round's prefix (the other one may hold blocks of the
     # test before, on the same launch)
-    source = max((1, 2), key=lambda r: delta(counters, start, r, "export_exported"))
+    source = max((1, 2), key=lambda r: delta(counters, start, r, "export_exported")
+                 + delta(counters, start, r, "in_place_registered"))
     survivor = 3 - source
     dead_host = 0 if host_of(world[source], cluster) == "A" else 1
-    used = {r: counters[r].get("storage_cpu_used_blocks", 0) for r in (1, 2)}
-    assert used[source] > 0 and cluster.directory()["blocks"] == used[1] + used[2]
+    # what each rank holds: its storage's blocks, and the blocks it published in place
+    # (its own vLLM cache, the default) that vLLM did not hand out again since
+    held = {r: counters[r].get("storage_cpu_used_blocks", 0)
+            + counters[r].get("in_place_registered", 0) - counters[r].get("in_place_reused", 0)
+            for r in (1, 2)}
+    assert held[source] > 0 and cluster.directory()["blocks"] == held[1] + held[2]
     survivor_only = [world[r] if r == survivor else "" for r in range(3)]
     mapped_before = sum(counters[survivor].get(f"peers_mapped_{kind}", 0)
                         for kind in ("ipc", "nixl", "sockets")) > 0
@@ -438,8 +443,10 @@ def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
     assert live["dropped_unreachable"] >= 1 and survivor in live["ranks"]
     stats = cluster.directory()
     assert stats["outstanding_leases"] == 0
-    assert stats["blocks"] == cluster.counters(survivor_only)[survivor][
-        "storage_cpu_used_blocks"]  # the survivor's own blocks only
+    mine = cluster.counters(survivor_only)[survivor]
+    assert stats["blocks"] == (mine.get("storage_cpu_used_blocks", 0)  # the survivor's
+                               + mine.get("in_place_registered", 0)  # own blocks only
+                               - mine.get("in_place_reused", 0))
     # Xinference answers again once its health check has dropped the dead worker
     served = cluster.complete_eventually(prompt(2, DEATH_ROUND), 180)
     record("host death: Xinference serves again", {k: served[k] for k in ("total_s", "failed")})

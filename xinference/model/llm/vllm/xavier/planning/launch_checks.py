@@ -21,6 +21,7 @@ from .options import (
     ENV_CPU_BUDGET,
     ENV_GPU_BUDGET,
     ENV_IN_PLACE,
+    ENV_SAVE_VICTIMS,
     ENV_SWITCH_INTERVAL,
     check_env_names,
     parse_switch,
@@ -78,7 +79,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             parse_bytes(option, env[name])
     if ENV_SWITCH_INTERVAL in env:
         parse_switch_interval(env[ENV_SWITCH_INTERVAL])
-    for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads")):
+    for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
+                         (ENV_SAVE_VICTIMS, "xavier_save_victims")):
         if name in env:
             parse_switch(option, env[name])
 

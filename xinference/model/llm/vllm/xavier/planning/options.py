@@ -26,11 +26,12 @@ ENV_CPU_BUDGET = "XAVIER_CPU_BUDGET"
 ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 ENV_SWITCH_INTERVAL = "XAVIER_SWITCH_INTERVAL_US"
 ENV_IN_PLACE = "XAVIER_IN_PLACE"
+ENV_SAVE_VICTIMS = "XAVIER_SAVE_VICTIMS"
 #: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
-             "XAVIER_LOG_LEVEL",
+             ENV_SAVE_VICTIMS, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
@@ -74,6 +75,11 @@ class XavierOptions:
     #: only the published blocks vLLM hands out again.  False: every computed block is
     #: copied into Xavier's tiers (the design before 2026-12; a benchmark row)
     in_place: bool = True
+    #: with ``in_place``: save the published blocks vLLM hands out again into Xavier's
+    #: tiers before they are overwritten (``xavier_save_victims`` / ``XAVIER_SAVE_VICTIMS``,
+    #: default true).  False leaves Xavier's tiers empty (a benchmark row: whether the
+    #: saves cost a hit more than the tiers' extra blocks give is not measured yet)
+    save_victims: bool = True
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -110,6 +116,8 @@ class XavierOptions:
             "xavier_switch_interval_us", env.get(ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_US)))
         in_place = parse_switch("xavier_in_place",
                                 cfg.get("xavier_in_place", env.get(ENV_IN_PLACE, True)))
+        save_victims = parse_switch("xavier_save_victims", cfg.get(
+            "xavier_save_victims", env.get(ENV_SAVE_VICTIMS, True)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -119,7 +127,8 @@ class XavierOptions:
                    cpu_budget_bytes=cpu_bytes, transport=transport,
                    switch_interval_us=switch_us,
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
-                   slab_blocks=slab, in_place=in_place)
+                   slab_blocks=slab, in_place=in_place,
+                   save_victims=save_victims)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}

@@ -243,7 +243,8 @@ class XavierConnectorScheduler:
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
-        meta.saves = book.take_victims()
+        victims = book.take_victims()
+        meta.saves = victims if self.options.save_victims else ()
         forgotten = book.take_forgotten()
         meta.stats.in_place_published += len(meta.in_place)
         meta.stats.in_place_victims += len(meta.saves)
