@@ -571,7 +571,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for rank, d in enumerate(r["counters"], start=1):
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
                         "logical_requests", "blocks_written", "rows_from_gpu_tier",
-                        "rows_from_cpu_tier", "export_exported", "export_skipped_no_slot",
+                        "rows_from_cpu_tier", "rows_from_vllm_cache", "in_place_published",
+                        "in_place_reused", "in_place_victims", "export_exported",
+                        "export_skipped_no_slot",
                         "load_failures", "rejected_batches", "load_launch_us",
                         "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
                         "scheduler_steps", "lookup_calls", "lookups_deferred")

@@ -322,8 +322,16 @@ def test_forget_drops_a_ranks_in_place_entries_whatever_their_generation():
     d = BlockDirectory()
     d.register(1, [(0, 10, VLLM, 7, 3), (1, 10, VLLM, 7, 3), (0, 11, VLLM, 8, 4)])
     d.register(2, [(0, 10, GPU, 0, 1)])
-    assert d.forget(1, VLLM, {0: [7, 9], 1: [7]}) == 2  # block 9 was never listed
+    # (slot, its generation now): block 9 was never listed
+    assert d.forget(1, VLLM, {0: [(7, 4), (9, 1)], 1: [(7, 4)]}) == 2
     assert d.query(0, [10], exclude_rank=3).locations == (Location(2, GPU, 0, 0, 1, 0),)
     assert d.query(0, [11], exclude_rank=3).num_hits == 1
     assert d.query(1, [10], exclude_rank=3).num_hits == 0
     assert d.stats.forgotten == 2
+    # the publication of generation 3 arriving after the forget is refused as stale; the
+    # slot's next publication is taken
+    assert d.register(1, [(0, 10, VLLM, 7, 3)]) == 0 and d.stats.stale_registrations == 1
+    assert d.register(1, [(0, 12, VLLM, 7, 4)]) == 1
+    # an engine gone: every in-place entry of its rank goes (its snapshot tiers stay)
+    d.register(1, [(0, 13, CPU, 5, 1)])
+    assert d.forget(1, VLLM) == 2 and d.query(0, [13], exclude_rank=3).num_hits == 1

@@ -82,6 +82,8 @@ def test_a_cross_replica_hit_on_a_hybrid_model_gives_baseline_tokens(world):
     assert c["blocks_written"] + c["null_blocks_skipped"] == GROUPS * PREFIX // BLOCK
     assert PREFIX // BLOCK - 4 <= c["null_blocks_skipped"] < PREFIX // BLOCK
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
+    # both groups read in place from A's vLLM cache (one block-id space: one generation row)
+    assert c["rows_from_vllm_cache"] == c["blocks_written"] == c["reads_validated"]
     assert_loaded_bytes_exact(lt, r, c["blocks_written"])
     assert leases(lt, r) == 0
 

@@ -56,6 +56,8 @@ def test_a_cross_replica_hit_loads_every_shard_and_gives_baseline_tokens(world):
     assert c["hit_blocks"] == blocks  # counted once per replica
     assert c["blocks_written"] == TP * blocks  # every block on every shard
     assert c["batch_calls"] == TP  # ONE load call per worker
+    # each worker read its shard straight from A's vLLM cache (its own file of generations)
+    assert c["rows_from_vllm_cache"] == TP * blocks == c["reads_validated"]
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
     loaded = lt.run(b.hook_all("loaded_block_digests"))
     shard_digests = []

@@ -79,7 +79,8 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
     c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
     print("xavier counters per rank:", {r: {k: c[r].get(k, 0) for k in (
         "requests_with_hits", "hit_blocks", "hit_tokens", "batch_calls", "blocks_written",
-        "export_exported", "rows_from_gpu_tier", "rows_from_cpu_tier", "load_failures")}
+        "export_exported", "rows_from_gpu_tier", "rows_from_cpu_tier",
+        "rows_from_vllm_cache", "in_place_registered", "load_failures")}
         for r in (1, 2)}, "usages:", usages)
     # Xinference sent the two requests to different replicas: the second one loaded
     # the shared prefix the first one computed
@@ -87,6 +88,9 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
     assert sum(c[r].get("hit_blocks", 0) for r in (1, 2)) >= 2500 // 4 // 16
     assert sum(c[r].get("batch_calls", 0) for r in (1, 2)) == 1
     assert sum(c[r].get("load_failures", 0) for r in (1, 2)) == 0
+    # read in place from the other replica's vLLM cache (the default)
+    assert sum(c[r].get("rows_from_vllm_cache", 0) for r in (1, 2)) == sum(
+        c[r].get("hit_blocks", 0) for r in (1, 2))
 
     # the same counters on the worker's metrics endpoint, per replica (sent every 5 s)
     endpoint = metrics_endpoint(server.home)

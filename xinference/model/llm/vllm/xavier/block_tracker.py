@@ -67,11 +67,13 @@ class VLLMBlockTracker(xo.StatelessActor):
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._directory.claim(rank, tier, group, [int(s) for s in slots])
 
-    def forget(self, rank: int, tier: int, slots: Dict[int, Sequence[int]]) -> int:
-        """``rank`` no longer holds these ``group -> slots`` of ``tier`` (vLLM handed its
-        blocks out to be overwritten): their entries go."""
-        return self._directory.forget(int(rank), int(tier), {
-            int(g): [int(s) for s in ss] for g, ss in slots.items()})
+    def forget(self, rank: int, tier: int,
+               slots: Optional[Dict[int, Sequence[Sequence[int]]]] = None) -> int:
+        """``rank`` no longer holds these ``group -> (slot, generation now)`` of ``tier``
+        (vLLM handed its blocks out to be overwritten; None: any slot of the tier, its
+        engine went): their entries go."""
+        return self._directory.forget(int(rank), int(tier), None if slots is None else {
+            int(g): [(int(s), int(n)) for s, n in ss] for g, ss in slots.items()})
 
     def move(self, rank: int, entries: Any, tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:

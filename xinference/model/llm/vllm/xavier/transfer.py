@@ -41,8 +41,9 @@ from .mechanism.nixl_endpoint import (
 )
 from .mechanism.rank_shard import RankShard
 from .mechanism.remote_fetch import RemoteFetchError, StagingSets, fetch_into, serve_blocks
-from .mechanism.snapshot_storage import SnapshotStorage, tier_configs
+from .mechanism.snapshot_storage import SnapshotStorage, pid_alive, tier_configs
 from .planning.counters import SharedCounters, activity_line, prometheus_text, sum_snapshots
+from .planning.load_batch import Tier
 from .planning.log_names import package_logger
 from .planning.options import TRANSFER_ACTOR_UID, XavierOptions, transfer_actor_uid
 from .planning.routes import (
@@ -192,6 +193,11 @@ class TransferActor(xo.StatelessActor):
         if shard is None:
             return False
         shard.owner = None
+        if shard.release_in_place() and self._tracker is not None:  # its cache goes with it
+            try:
+                await self._tracker.forget(self.rank, int(Tier.VLLM), None)
+            except Exception as exc:  # the entries then fail their readers' checks
+                logger.info("transfer actor rank %d: forget: %r", self.rank, exc)
         if any(sh.owner is not None for sh in self._shards.values()):
             return True
         self._remote.clear()
@@ -338,16 +344,17 @@ class TransferActor(xo.StatelessActor):
         """The block generations of every TP worker's vLLM cache (the scheduler bumps them
         all), once each worker shared its cache in place; else empty."""
         shards = [self._shards.get(k) for k in range(self._tp_size)]
-        if any(sh is None or sh.in_place is None for sh in shards):
+        # a crashed engine's workers never released: their pids are gone (same host)
+        if any(sh is None or sh.in_place is None or not pid_alive(sh.owner) for sh in shards):
             return []
         return [sh.in_place.generations for sh in shards if sh is not None and sh.in_place]
 
     async def serve_blocks(self, tier: int, group: int, slots: Sequence[int],
                            refs: Sequence[Any], tp_rank: int = 0) -> Tuple[int, int, List[int]]:
-        """A peer on another host reads ``slots`` of shard ``tp_rank`` (under its leases)
-        into ``refs``; the answer: bytes sent, the slots' identity (``ServedBlocks``)."""
-        served = await serve_blocks(self._shard(tp_rank).source(tier), tier, group, slots,
-                                    refs)
+        """A peer on another host reads ``slots`` of shard ``tp_rank``'s ``tier`` (its
+        snapshot tiers under leases, its vLLM cache in place) into ``refs``; the answer:
+        bytes sent, the slots' identity (``ServedBlocks``)."""
+        served = await serve_blocks(self._shard(tp_rank).source(tier), tier, group, slots, refs)
         self._add_stats({"served_blocks": len(slots), "served_bytes": served.bytes})
         return served
 

@@ -13,22 +13,19 @@ The call
 3. launches the copies that read device memory on the engine's CUDA stream of its own,
    after the work already queued on the caller's stream (the blocks' previous users), and
    records an event; it does NOT wait for them (a CPU engine copies right away);
-4. hands the rest to the completion thread: copies from another host's storage
-   (``map_remote_storage``), and copies that read host memory on a CUDA engine where the
-   host tier has no CUDA view (:mod:`.uva`: page-locked tiers are read by the kernel);
+4. hands the rest to the completion thread (other hosts; host memory without a CUDA view,
+   :mod:`.uva`), which starts them after the event (one is recorded for them too);
 5. the completion thread waits for the event and the background copies, checks every
-   read against what its source holds now (:mod:`.read_checks`; a read that does not hold
-   is a failed block), then releases every lease -- on success and failure alike -- and
-   completes the :class:`LoadHandle`.
+   read against what its source holds now (:mod:`.read_checks`: a failed block if not),
+   then releases every lease (success or failure) and completes the :class:`LoadHandle`.
 
-A caller orders its own stream after the launched copies with :meth:`LoadHandle.order`
-(the connector does so before vLLM may run a forward that reads the blocks), so the
-engine's host thread never waits for a copy.  :meth:`GPUTransfer.close` is idempotent,
-waits for loads in flight and refuses new loads and mappings.
+A caller orders its stream after the copies with :meth:`LoadHandle.order` (before vLLM
+may run a forward that reads the blocks): the host never waits for a copy.
+:meth:`GPUTransfer.close` is idempotent, waits for loads in flight, refuses new work.
 
-Thread model: ``load_gpu_requests_v1``, the mapping methods and ``close`` are called by
-the worker's step thread; the completion thread only touches what a launched load
-captured.  Mappings are guarded by a lock all the same (the peer-mapping thread uses them).
+Thread model: the step thread calls ``load_gpu_requests_v1``, the mapping methods and
+``close``; the completion thread touches only what a load captured; mappings take a lock
+(the peer-mapping thread maps too).
 """
 
 from __future__ import annotations
@@ -276,6 +273,10 @@ class GPUTransfer:
             error: Optional[BaseException] = None
             try:
                 event = self._launch(local)
+                if event is None and background and self._stream is not None:  # after e.g.
+                    # a victim saved out of a destination block (the completion thread waits)
+                    self._stream.wait_stream(torch.cuda.current_stream(self._device))
+                    event = record_event(self._stream)
             except BaseException as exc:  # some copies may be queued: the fence waits
                 error = exc
                 event = record_event(self._stream)

@@ -16,6 +16,7 @@ Nothing here writes vLLM's blocks: readers copy out of them.
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,7 +28,7 @@ from ..planning.shm_words import owned_name
 from .block_copy import as_byte_rows, block_views
 from .kv_schema import KVLayout, layout_of, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
-from .snapshot_storage import open_ipc, pin_host, unpin_host
+from .snapshot_storage import open_ipc, pin_host, shm_free_bytes, unpin_host
 
 #: per layer: (file, dtype, shape, stride, offset in elements, file bytes)
 ShmLayer = Tuple[str, str, Tuple[int, ...], Tuple[int, ...], int, int]
@@ -76,6 +77,13 @@ def share_host_caches(groups: Dict[int, List[torch.Tensor]],
         if t.device.type != "cpu":
             raise ValueError(f"KV cache: a {t.device} tensor is not host memory")
     keys = {id(t): t.untyped_storage().data_ptr() for t in tensors}  # before any set_
+    need = sum({keys[id(t)]: t.untyped_storage().nbytes() for t in tensors}.values())
+    free = shm_free_bytes()
+    if free is not None and need > free:  # a sparse file past the end of tmpfs: SIGBUS
+        raise ValueError(
+            f"xavier_in_place: vLLM's KV cache ({need} bytes, VLLM_CPU_KVCACHE_SPACE) does "
+            f"not fit the free space of /dev/shm ({free} bytes): give /dev/shm more room "
+            "(docker --shm-size or --ipc=host) or launch with XAVIER_IN_PLACE=0")
     moved: Dict[int, Tuple[str, torch.Tensor]] = {}
     done: Dict[int, torch.Tensor] = {}
     try:
@@ -135,7 +143,7 @@ def open_caches(handles: CacheHandles, pin: bool = False
         caches[g] = []
         for path, dtype, shape, stride, offset, nbytes in layers:
             if path not in files:
-                files[path] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                files[path] = _map_existing(path, nbytes)
             flat = files[path].view(torch_dtype(dtype))
             caches[g].append(torch.as_strided(flat, shape, stride, offset))
     pinned = pin_host(list(files.values())) if pin else []
@@ -147,6 +155,20 @@ def open_caches(handles: CacheHandles, pin: bool = False
         files.clear()
 
     return caches, release
+
+
+def _map_existing(path: str, nbytes: int) -> torch.Tensor:
+    """``path`` mapped shared as ``uint8[nbytes]``; a missing or shorter file is an error
+    (``torch.from_file`` would create a zero-filled one: a cache of zeros read as blocks)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ValueError(f"KV cache file {path}: {size} bytes, expected {nbytes}")
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 class InPlaceSource:

@@ -50,6 +50,15 @@ class RankShard:
             self._source = InPlaceSource(self.in_place)
         return self._source
 
+    def release_in_place(self) -> bool:
+        """The worker went: its cache is no longer served (the worker removed its files).
+        Returns whether it had shared one."""
+        had, self.in_place = self.in_place is not None, None
+        if self._source is not None:
+            self._source.close()
+            self._source = None
+        return had
+
     def close(self) -> None:
         if self._source is not None:
             self._source.close()

@@ -283,6 +283,11 @@ def remove_orphaned_shm_files(directory: Optional[str] = None) -> List[str]:
     return removed
 
 
+def pid_alive(pid: Optional[int]) -> bool:
+    """Whether process ``pid`` of this host (PID namespace) exists; False for None."""
+    return pid is not None and _pid_alive(pid)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -131,6 +131,8 @@ class BlockDirectory:
     _leases: Dict[int, LeaseRecord] = field(default_factory=dict)
     _lease_count: Dict[SlotId, int] = field(default_factory=dict)
     _ranks: Set[int] = field(default_factory=set)
+    #: slot -> the generation it had when its rank forgot it (older registrations refused)
+    _floors: Dict[SlotId, int] = field(default_factory=dict)
     #: rank -> its engine's tensor-parallel degree (given at register_rank)
     _tp_sizes: Dict[int, int] = field(default_factory=dict)
     #: lease ids: unique across directory incarnations (a re-created directory must not
@@ -165,6 +167,8 @@ class BlockDirectory:
             del self._leases[lease_id]
         for s in [s for s in self._lease_count if s[0] == rank]:
             del self._lease_count[s]
+        for s in [s for s in self._floors if s[0] == rank]:
+            del self._floors[s]
         held = [i for i, s in self._leases.items() if s.holder == rank]
         self._drop_leases(held)
         self.stats.leases_of_gone_holders += len(held)
@@ -194,6 +198,9 @@ class BlockDirectory:
             _check_int("slot", slot)
             _check_int("generation", gen)
             sid = (rank, tier, group, slot)
+            if gen < self._floors.get(sid, 0):  # forgotten at a newer generation already
+                self.stats.stale_registrations += 1
+                continue
             prev = self._by_slot.get(sid)
             if prev is not None:
                 prev_key, prev_gen, prev_inc = prev
@@ -238,14 +245,24 @@ class BlockDirectory:
             granted.append(slot)
         return granted
 
-    def forget(self, rank: int, tier: int, slots: Mapping[int, Sequence[int]]) -> int:
-        """``rank`` no longer holds ``slots`` (group -> slots) of ``tier``: their entries go,
-        leased or not (for vLLM's cache read in place: a lease never stopped vLLM).
-        Returns the entries dropped."""
+    def forget(self, rank: int, tier: int,
+               slots: Optional[Mapping[int, Sequence[Tuple[int, int]]]] = None) -> int:
+        """``rank`` no longer holds ``slots`` (group -> ``(slot, generation now)``) of ``tier``
+        (None: any slot of it): their entries go, leased or not (vLLM's cache read in place:
+        a lease never stopped vLLM); a registration of an older generation of such a slot,
+        arriving late, is refused as stale.  Returns the entries dropped."""
+        if slots is None:
+            mine: Dict[int, List[Tuple[int, int]]] = {}
+            for r, t, g, s in self._by_slot:
+                if (r, t) == (rank, tier):
+                    mine.setdefault(g, []).append((s, 0))
+            slots = mine
         dropped = 0
         for group, group_slots in slots.items():
-            for slot in group_slots:
+            for slot, gen in group_slots:
                 sid = (rank, int(tier), int(group), int(slot))
+                if gen:
+                    self._floors[sid] = int(gen)
                 prev = self._by_slot.pop(sid, None)
                 if prev is not None:
                     self._unlink((int(group), prev[0]), rank, sid)

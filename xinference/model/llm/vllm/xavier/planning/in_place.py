@@ -18,14 +18,16 @@ generation when it checks.
 * which blocks it published, at which generation (:meth:`publish`: the step's newly full
   blocks, published by the worker after the forward that computed them completed);
 * the published blocks vLLM handed out since the last step: their directory entries go
-  (:meth:`take_forgotten`), and those still holding the published bytes (bumped exactly
-  once since) are *victims*: the worker saves them into Xavier's snapshot tier before the
-  step's forward overwrites them (:meth:`take_victims`).
+  (:meth:`take_forgotten`, with the generation they have now, so that a late registration
+  of the old one is refused), and they are *victims*: the worker saves them into Xavier's
+  snapshot tier before anything of the step writes them (:meth:`take_victims`) -- except
+  those vLLM itself zeroes first (``new_block_ids_to_zero``: their bytes are gone before
+  the worker's first hook of the step).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -46,8 +48,11 @@ class InPlaceBook:
         #: block id -> (group, name, generation) as published
         self._published: Dict[int, Tuple[int, int, int]] = {}
         self._victims: List[ExportRow] = []
-        self._forgotten: Dict[int, List[int]] = {}
+        #: group -> (block, generation now) handed out since the last step
+        self._forgotten: Dict[int, List[Tuple[int, int]]] = {}
         self.bumped = 0
+        #: published blocks handed out again (their entries forgotten)
+        self.reused = 0
 
     @property
     def num_blocks(self) -> int:
@@ -73,10 +78,10 @@ class InPlaceBook:
             pub = self._published.pop(block, None)
             if pub is None:
                 continue
-            group, name, gen = pub
-            self._forgotten.setdefault(group, []).append(block)
-            if self.generation(block) == gen + 1:  # nothing wrote it since its publication
-                self._victims.append((group, name, block))
+            group, name, _ = pub  # handed out for the first time since its publication
+            self._forgotten.setdefault(group, []).append((block, self.generation(block)))
+            self._victims.append((group, name, block))
+            self.reused += 1
 
     def reset(self) -> None:
         """vLLM dropped its whole prefix cache (``reset_prefix_cache``: e.g. new weights, so
@@ -85,7 +90,8 @@ class InPlaceBook:
         for row in self._rows:
             row[:] += 1
         for block, (group, _, _) in self._published.items():
-            self._forgotten.setdefault(group, []).append(block)
+            self._forgotten.setdefault(group, []).append((block, self.generation(block)))
+            self.reused += 1
         self._published.clear()
         self._victims.clear()
 
@@ -99,17 +105,18 @@ class InPlaceBook:
             out.append((int(group), int(name), int(block), gen))
         return tuple(out)
 
-    def take_victims(self) -> Tuple[ExportRow, ...]:
-        """Published blocks handed out since the last call that still hold their bytes: to be
-        saved into Xavier's tier before the step's forward writes them."""
+    def take_victims(self, zeroed: Collection[int] = ()) -> Tuple[ExportRow, ...]:
+        """Published blocks handed out since the last call: to be saved into Xavier's tier
+        before anything of the step writes them; ``zeroed``: blocks vLLM zeroes before that
+        (never saved: their bytes are gone)."""
         victims, self._victims = self._victims, []
-        return tuple(victims)
+        return tuple(v for v in victims if v[2] not in zeroed)
 
-    def take_forgotten(self) -> Dict[int, List[int]]:
-        """Directory group -> blocks whose in-place entries must go (handed out since the last
-        call), for every shard of the replica."""
+    def take_forgotten(self) -> Dict[int, List[Tuple[int, int]]]:
+        """Directory group -> ``(block, generation now)`` whose in-place entries must go
+        (handed out since the last call), for every shard of the replica."""
         forgotten, self._forgotten = self._forgotten, {}
-        out: Dict[int, List[int]] = {}
+        out: Dict[int, List[Tuple[int, int]]] = {}
         for group, blocks in forgotten.items():
             for shard in range(self._shards.tp_size):
                 out[self._shards.directory_group(group, shard)] = list(blocks)

@@ -10,7 +10,7 @@ leave as ONE :class:`~..planning.step_meta.StepMeta`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
@@ -84,6 +84,8 @@ class XavierConnectorScheduler:
         self._book: Optional[InPlaceBook] = None
         self._generations: List[Any] = []
         self._next_book_check = 0.0
+        self._book_probe: Optional[concurrent.futures.Future[List[Any]]] = None
+        self._reused_counted = 0
         #: the launch's seed, until the first request checked that vLLM hashes with it
         self._unchecked_seed: Optional[str] = None
         if user_seed() is None:  # else vLLM seeds every replica from the user's value
@@ -207,23 +209,37 @@ class XavierConnectorScheduler:
                                "prefix-cache reset failed: %r", self.options.rank, exc)
 
     def _open_in_place(self) -> None:
-        """Once every TP worker published its cache: map their block generations (asked of
-        the transfer actor at most every ``READY_RECHECK_S`` until then).  Before that, no
-        block is published (nothing that was handed out unbumped can be named)."""
-        now = time.monotonic()
-        if self._book is not None or not self._ready or now < self._next_book_check:
+        """Once every TP worker of THIS engine shared its cache: map their block generations.
+        Asked of the transfer actor without waiting (the answer is taken at a later step;
+        at most every ``READY_RECHECK_S``).  Until then no block is published (a block
+        handed out unbumped could be named), so exports are simply dropped."""
+        if self._book is not None or not self._ready:
             return
-        self._next_book_check = now + READY_RECHECK_S
+        probe = self._book_probe
+        if probe is None:
+            now = time.monotonic()
+            if now >= self._next_book_check:
+                self._next_book_check = now + READY_RECHECK_S
+                self._book_probe = self._bridge.start(self._probe_in_place)
+            return
+        if not probe.done():
+            return
+        self._book_probe = None
         from ..mechanism.slot_generations import SlotGenerations
 
+        gens: List[Any] = []
         try:
-            handles = self._bridge.call(self._probe_in_place, timeout=READY_CALL_S)
-        except Exception as exc:
-            logger.debug("xavier: block generations not known yet: %r", exc)
+            handles = probe.result()
+            if len(handles) != self.side.shards.tp_size:
+                return  # not every worker registered yet
+            for handle in handles:
+                gens.append(SlotGenerations.open(handle))
+        except Exception as exc:  # a worker gone meanwhile, its file with it: ask again
+            for g in gens:
+                g.close()
+            logger.info("xavier: rank %d: the workers' block generations not mapped yet: %r",
+                        self.options.rank, exc)
             return
-        if len(handles) != self.side.shards.tp_size:
-            return
-        gens = [SlotGenerations.open(h) for h in handles]
         self._generations = gens
         self._book = InPlaceBook([g.row(int(Tier.VLLM), 0) for g in gens], self.side.shards)
         logger.info("xavier: rank %d: publishing from vLLM's KV cache in place (%d blocks)",
@@ -235,21 +251,23 @@ class XavierConnectorScheduler:
         ref = await xo.actor_ref(self.options.rank_address, self.options.transfer_actor_uid)
         return list(await ref.in_place_generations())
 
-    def _in_place_step(self, meta: StepMeta) -> StepMeta:
+    def _in_place_step(self, meta: StepMeta, zeroed: Collection[int]) -> StepMeta:
         """The step's newly full blocks published in place (no export copies), the published
-        blocks vLLM handed out saved, their entries forgotten (one directory call)."""
+        blocks vLLM handed out saved (but those vLLM zeroes first), their entries forgotten
+        (one directory call)."""
         exports, meta.exports = meta.exports, ()
         book = self._book
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
-        victims = book.take_victims()
+        victims = book.take_victims(zeroed)
         meta.saves = victims if self.options.save_victims else ()
         forgotten = book.take_forgotten()
         meta.stats.in_place_published += len(meta.in_place)
         meta.stats.in_place_victims += len(meta.saves)
+        meta.stats.in_place_reused += book.reused - self._reused_counted
+        self._reused_counted = book.reused
         if forgotten:
-            meta.stats.in_place_reused += len(next(iter(forgotten.values())))
             ref = self._directory.get()
             rank = self.options.rank
             self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),
@@ -272,7 +290,11 @@ class XavierConnectorScheduler:
             self._open_in_place()
         self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
         meta = self.side.build_step(scheduled, new_blocks)
-        return self._in_place_step(meta) if self.options.in_place else meta
+        if not self.options.in_place:
+            return meta
+        # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
+        zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+        return self._in_place_step(meta, zeroed)
 
     def request_finished(self, request: Request) -> None:
         """Forget ``request``; release what it still holds."""

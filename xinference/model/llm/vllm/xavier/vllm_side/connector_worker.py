@@ -57,9 +57,14 @@ class XavierConnectorWorker:
                 # place, before the first real forward, so that peers can read it
                 shared = share_host_caches({g: [t for _, t in ls] for g, ls in groups.items()},
                                            others=list(kv_caches.values()))
-            self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
-                                         tp_rank=self._tp_rank, tp_size=self._tp_size,
-                                         num_blocks=self._num_blocks, shared_host=shared)
+            try:
+                self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
+                                             tp_rank=self._tp_rank, tp_size=self._tp_size,
+                                             num_blocks=self._num_blocks, shared_host=shared)
+            except BaseException:
+                if shared is not None:  # vLLM keeps serving on the moved memory; the
+                    shared.close()  # files go (a mapping keeps its memory)
+                raise
         except Exception as exc:
             return f"KV caches cannot be shared: {exc}"
         logger.info("xavier: rank %d TP worker %d/%d: KV caches registered (%d groups, %s)",

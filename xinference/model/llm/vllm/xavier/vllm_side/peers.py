@@ -307,7 +307,12 @@ class PeerMaps:
                     caches, release = open_tier(kind, handles, pin=self._pin)
                     self._engine.map_storage(rank, Tier(tier), caches, 0, done(release), gens)
                 if in_place is not None:  # the peer's own vLLM cache, read in place
-                    self._map_in_place(rank, in_place)
+                    try:
+                        self._map_in_place(rank, in_place)
+                    except Exception as exc:  # its other tiers stay mapped; those reads miss
+                        self._counters.add("peer_map_failures")
+                        logger.warning("xavier: rank %d: rank %d's vLLM cache not mapped: %r",
+                                       self._rank, rank, exc)
             except BaseException:
                 self._engine.unmap_storage(rank)  # whole or not at all
                 if gens is not None:

@@ -9,9 +9,9 @@ asynchronous-load destinations, every KV-cache group: one pool); a prefix hit on
 ``get_new_blocks`` so that the blocks it returns are reported (and their generations
 bumped, :meth:`~..planning.in_place.InPlaceBook.handed_out`) before vLLM sees them, and
 its ``reset_prefix_cache`` so that a successful reset makes every block a new
-generation.  Both run inside ``schedule()``, before the step that writes the blocks is
-launched (``doc/validated-reads.md``, "The in-place tier").
-"""
+generation.  ``get_new_blocks`` runs inside ``schedule()``, before the step that writes
+the blocks is launched; a reset runs between steps, when no block is in use
+(``doc/validated-reads.md``, "The in-place tier")."""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ class WorkerDataPlane:
         self.peers.follow_world()
         unreachable = self.peers.ensure_mapped({int(r) for r in batch.table[:, RANK]})
         mapped = set(self.engine.mapped())
-        pairs = {(int(r), int(t)) for r, t in batch.table[:, [RANK, TIER]]}
+        pairs = np.unique(batch.table[:, [RANK, TIER]], axis=0).tolist()  # a few per step
         unmapped = {(r, t) for r, t in pairs if r not in unreachable and (r, Tier(t)) not in mapped}
         if unreachable or unmapped:  # (a tier the peer published after it was mapped)
             drop = np.isin(batch.table[:, RANK], sorted(unreachable))
