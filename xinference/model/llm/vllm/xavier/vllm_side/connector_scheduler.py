@@ -84,7 +84,6 @@ class XavierConnectorScheduler:
         self._book: Optional[InPlaceBook] = None
         self._generations: List[Any] = []
         self._next_book_check = 0.0
-        self._book_probe: Optional[concurrent.futures.Future[List[Any]]] = None
         self._reused_counted = 0
         #: the launch's seed, until the first request checked that vLLM hashes with it
         self._unchecked_seed: Optional[str] = None
@@ -209,29 +208,23 @@ class XavierConnectorScheduler:
                                "prefix-cache reset failed: %r", self.options.rank, exc)
 
     def _open_in_place(self) -> None:
-        """Once every TP worker of THIS engine shared its cache: map their block generations.
-        Asked of the transfer actor without waiting (the answer is taken at a later step;
-        at most every ``READY_RECHECK_S``).  Until then no block is published (a block
-        handed out unbumped could be named), so exports are simply dropped."""
-        if self._book is not None or not self._ready:
+        """Once every TP worker of THIS engine shared its cache: map their block generations
+        (asked of the transfer actor like :meth:`is_ready`: at most every
+        ``READY_RECHECK_S`` until it answers, each ask bounded by ``READY_CALL_S``; in the
+        step that first sees the engine ready, so that the blocks it computes are published).
+        Until then no block is published (a block handed out unbumped could be named):
+        exports are dropped."""
+        now = time.monotonic()
+        if self._book is not None or not self._ready or now < self._next_book_check:
             return
-        probe = self._book_probe
-        if probe is None:
-            now = time.monotonic()
-            if now >= self._next_book_check:
-                self._next_book_check = now + READY_RECHECK_S
-                self._book_probe = self._bridge.start(self._probe_in_place)
-            return
-        if not probe.done():
-            return
-        self._book_probe = None
+        self._next_book_check = now + READY_RECHECK_S
         from ..mechanism.slot_generations import SlotGenerations
 
         gens: List[Any] = []
         try:
-            handles = probe.result()
+            handles = self._bridge.call(self._probe_in_place, timeout=READY_CALL_S)
             if len(handles) != self.side.shards.tp_size:
-                return  # not every worker registered yet
+                return  # not every worker of this engine registered yet
             for handle in handles:
                 gens.append(SlotGenerations.open(handle))
         except Exception as exc:  # a worker gone meanwhile, its file with it: ask again
