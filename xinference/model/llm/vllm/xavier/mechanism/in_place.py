@@ -19,12 +19,12 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..planning.load_batch import Tier
-from ..planning.shm_words import owned_name
+from ..planning.shm_words import owned_name, remove_files
 from .block_copy import as_byte_rows, block_views
 from .kv_schema import KVLayout, layout_of, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
@@ -56,11 +56,7 @@ class SharedHostCaches:
     layers: Dict[int, List[ShmLayer]] = field(default_factory=dict)
 
     def close(self) -> None:
-        for path in self.files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        remove_files(self.files)
         self.files = []
 
 
@@ -77,7 +73,7 @@ def share_host_caches(groups: Dict[int, List[torch.Tensor]],
         if t.device.type != "cpu":
             raise ValueError(f"KV cache: a {t.device} tensor is not host memory")
     keys = {id(t): t.untyped_storage().data_ptr() for t in tensors}  # before any set_
-    need = sum({keys[id(t)]: t.untyped_storage().nbytes() for t in tensors}.values())
+    need = cache_bytes({0: tensors})
     free = shm_free_bytes()
     if free is not None and need > free:  # a sparse file past the end of tmpfs: SIGBUS
         raise ValueError(
@@ -85,7 +81,7 @@ def share_host_caches(groups: Dict[int, List[torch.Tensor]],
             f"not fit the free space of /dev/shm ({free} bytes): give /dev/shm more room "
             "(docker --shm-size or --ipc=host) or launch with XAVIER_IN_PLACE=0")
     moved: Dict[int, Tuple[str, torch.Tensor]] = {}
-    done: Dict[int, torch.Tensor] = {}
+    done: Set[int] = set()  # ids of the tensor objects re-pointed (``tensors`` holds them)
     try:
         for t in tensors:
             key = keys[id(t)]
@@ -100,7 +96,7 @@ def share_host_caches(groups: Dict[int, List[torch.Tensor]],
             if id(t) not in done:
                 t.set_(moved[key][1].untyped_storage(), t.storage_offset(), t.size(),
                        t.stride())
-                done[id(t)] = t
+                done.add(id(t))
         for g, layers in groups.items():
             out.layers[g] = []
             for t in layers:

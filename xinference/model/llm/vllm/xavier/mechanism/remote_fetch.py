@@ -31,7 +31,6 @@ cancellation, and the loader's call ends only after the source answered.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Dict, Iterator, List, NamedTuple, Protocol, Sequence, Set
 
 import numpy as np
@@ -40,6 +39,7 @@ import xoscar as xo
 from xoscar.core import BufferRef
 
 from ..planning.load_batch import Tier
+from ..planning.shm_words import remove_files
 from .kv_schema import KVLayout
 from .nixl_endpoint import NIXL_SCHEME
 from .slot_generations import SlotGenerations
@@ -172,11 +172,7 @@ class StagingRows:
 
     def close(self) -> None:
         self.rows = {}
-        for path in self._files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        remove_files(self._files)
         self._files = []
 
 

@@ -57,7 +57,13 @@ class SlotGenerations:
         for key in sorted(slots):
             rows[key] = (offset, int(slots[key]))
             offset += int(slots[key])
-        gens = cls(ShmWords.create(offset, directory), rows)
+        return cls._stamped(ShmWords.create(offset, directory), rows)
+
+    @classmethod
+    def _stamped(cls, shm: ShmWords, rows: Dict[Tuple[int, int], Tuple[int, int]]
+                 ) -> SlotGenerations:
+        """A new file's header written: a fresh incarnation, then the format word."""
+        gens = cls(shm, rows)
         gens._shm.words[1] = secrets.randbits(63) or 1
         gens._shm.words[0] = FORMAT
         return gens
@@ -73,10 +79,7 @@ class SlotGenerations:
             raise ValueError(f"slots: need at least one slot and one group, got {slots}, "
                              f"{list(groups)}")
         rows = {(int(tier), int(g)): (_HEADER_WORDS, int(slots)) for g in groups}
-        gens = cls(ShmWords.create(_HEADER_WORDS + int(slots), directory), rows)
-        gens._shm.words[1] = secrets.randbits(63) or 1
-        gens._shm.words[0] = FORMAT
-        return gens
+        return cls._stamped(ShmWords.create(_HEADER_WORDS + int(slots), directory), rows)
 
     @classmethod
     def open(cls, handle: GenerationsHandle) -> SlotGenerations:

@@ -24,7 +24,14 @@ from ..planning.budget import validate_budget
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
-from ..planning.shm_words import DATA_NAME, OWNER_NAME, owned_name, owner_alive, shm_dir
+from ..planning.shm_words import (
+    DATA_NAME,
+    OWNER_NAME,
+    owned_name,
+    owner_alive,
+    remove_files,
+    shm_dir,
+)
 from .block_copy import as_byte_rows, block_view
 from .kv_schema import KVLayout, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
@@ -197,11 +204,7 @@ class SnapshotStorage:
             t.pinned.clear()
             t.layers.clear()
             t.views.clear()
-            for path in t.shm_files:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            remove_files(t.shm_files)
             t.shm_files.clear()
         self.generations.close()
 

@@ -26,7 +26,7 @@ import re
 import secrets
 import tempfile
 import threading
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -99,6 +99,13 @@ def owner_alive(directory: str, pid: int, token: str) -> Optional[bool]:
         return False
     finally:
         os.close(fd)
+
+
+def remove_files(paths: Sequence[str]) -> None:
+    """Unlink ``paths``; one already gone is no error (a sweep, or a second close)."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 class ShmWords:
