@@ -55,6 +55,14 @@ calls per request, and each replica's counters.  Writes JSON under ``doc/results
 (hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864; a small local vocabulary)
 for the GPU runs.
 
+``--shape qwen2.5-7b``: Qwen2.5-7B's shape (hidden 3584, 28 layers, 28 heads, 4 KV heads,
+intermediate 18944) with vLLM's own random weights (``load_format="dummy"``, the same in
+every engine): no weight file to write.
+
+The JSON's ``device_memory`` (GPU runs) holds each worker's device memory as torch's
+allocator counts it and, per Xavier replica, ``adds_bytes``: the GPU memory Xavier adds
+beyond vLLM's own (its peak reserved minus the plain replicas', same KV cache).
+
 ``--gpus 0,1`` (with ``--device cuda``) puts each replica on its own GPU, given to its sub
 pool as ``CUDA_VISIBLE_DEVICES`` as Xinference does: loads then cross GPUs through CUDA
 IPC.  Without it both replicas share the one GPU (started one after the other).
@@ -93,7 +101,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.support.engines import EngineOptions  # noqa: E402
-from tests.support.tiny_model import TinyQwen2, build_tiny_qwen2  # noqa: E402
+from tests.support.tiny_model import (  # noqa: E402
+    TinyQwen2, build_qwen2_config_only, build_tiny_qwen2)
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
 
 BLOCK = 16
@@ -102,7 +111,13 @@ SHAPES = {
     # Qwen2.5-0.5B's transformer (random weights, bf16); a small local vocabulary
     "qwen2.5-0.5b": TinyQwen2(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864,
                               max_positions=32768),
+    # Qwen2.5-7B's transformer (issue #33's 7B rows): vLLM draws its weights
+    # (``load_format="dummy"``), 15 GB of bf16 would take minutes to write
+    "qwen2.5-7b": TinyQwen2(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944,
+                            max_positions=40960),
 }
+#: shapes built without a weight file: vLLM's dummy weights (same seed in every engine)
+DUMMY_WEIGHT_SHAPES = ("qwen2.5-7b",)
 
 
 def workload(seed: int, groups: int, per_group: int, prefix: int, suffix: int,
@@ -233,13 +248,16 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       eager: bool = False, unique: bool = False,
                       switch_interval_us: int = 0, tp: int = 1,
                       on_row: Callable[[List[Dict[str, Any]]], None] = lambda rows: None,
-                      peer_cpu_bytes: int = 0, peer_fs_dir: str = "", check_groups: int = 8
-                      ) -> List[Dict[str, Any]]:
+                      peer_cpu_bytes: int = 0, peer_fs_dir: str = "", check_groups: int = 8,
+                      report: Optional[Dict[str, Any]] = None,
+                      gpu_memory_utilization: Optional[float] = None,
+                      dummy_weights: bool = False) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
     ``local-hit`` on a pair of plain vLLM engines started beside them; rows interleaved per
     (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
     sees the rows so far after each measurement (the JSON is rewritten then: a run cut
-    short keeps what it measured)."""
+    short keeps what it measured).  ``report`` receives ``device_memory``
+    (:func:`device_memory_report`) once the rows are measured."""
     rows: List[Dict[str, Any]] = []
     seed = 1000
     # the plain pair always runs: its rows, and the token check of every other row
@@ -261,6 +279,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         # two pairs share the GPU when plain rows are asked for
         pairs_on_gpu = 1 + want_xavier + want_noop + want_fs + want_copy
         util = {1: 0.3, 2: 0.2}.get(pairs_on_gpu, 0.13) if (not gpus or tp > 1) else 0.3
+        util = gpu_memory_utilization or util
+        if dummy_weights:
+            opts.extra.update(load_format="dummy")
         opts.extra.update(attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
                           max_num_batched_tokens=8192, enforce_eager=eager)
         # Xavier's own defaults (1 GiB GPU tier, 1 GiB CPU tier) unless asked otherwise
@@ -388,6 +409,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 if (row["mode"] not in PLAIN_MODES + PEER_MODES
                         and f"steady_state_fill_{kind}" in settings):
                     row["steady_state_fill"] = settings[f"steady_state_fill_{kind}"]
+        if report is not None:
+            report["device_memory"] = await device_memory_report(pairs)
+            on_row(rows)
         print(f"[serving_bench] checking every row's tokens against plain vLLM "
               f"({check_groups} follow-ups per row, one at a time)", flush=True)
         for row, prompts, n_groups in checks:
@@ -395,6 +419,33 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                                max_tokens)
             on_row(rows)
     return rows
+
+
+async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
+    """Each pair's workers' device memory (torch's allocator: ``reserved``, the peak
+    ``max_reserved``, vLLM's ``kv_cache_bytes``) and, per Xavier replica, the GPU memory
+    Xavier adds beyond vLLM's own: its peak reserved minus the plain replicas' mean, when
+    both hold the same KV cache (``adds_bytes``; ``None`` when the caches differ)."""
+    per_pair: Dict[str, List[List[Dict[str, int]]]] = {}
+    for kind, r in pairs.items():
+        per_pair[kind] = [await x.device_memory() for x in r.replicas]
+    plain = [w for rep in per_pair.get("plain", []) for w in rep]
+    base = sum(w["max_reserved"] for w in plain) / len(plain) if plain else None
+    base_kv = {w["kv_cache_bytes"] for w in plain}
+    adds: Dict[str, List[Optional[int]]] = {}
+    for kind, reps in per_pair.items():
+        if kind == "plain" or not base:  # no plain pair, or no CUDA (vLLM's CPU build)
+            continue
+        adds[kind] = [int(w["max_reserved"] - base)
+                      if {w["kv_cache_bytes"]} == base_kv else None
+                      for rep in reps for w in rep]
+    print(f"[serving_bench] device memory (max reserved, GiB): "
+          + ", ".join(f"{k} {[round(w['max_reserved'] / 2**30, 2) for rep in v for w in rep]}"
+                      for k, v in per_pair.items())
+          + f"; Xavier adds (GiB): "
+          + ", ".join(f"{k} {[None if a is None else round(a / 2**30, 2) for a in v]}"
+                      for k, v in adds.items()), flush=True)
+    return {"workers": per_pair, "adds_bytes": adds}
 
 
 async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[List[int]],
@@ -485,6 +536,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--steady-state", action="store_true",
                     help="fill every replica's top storage tier before measuring")
     ap.add_argument("--gpu-budget", help="GPU tier per replica (default 1GiB on cuda)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="vLLM's, per replica (default 0.3 with one pair per GPU, 0.2 with "
+                         "two, 0.13 with more)")
     ap.add_argument("--cpu-budget", help="CPU tier per replica (default 1GiB cuda, 512MiB cpu)")
     ap.add_argument("--gpus", help="a CUDA device id per replica, e.g. 0,1 (--device cuda)")
     ap.add_argument("--tp", type=int, default=1,
@@ -514,7 +568,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  SHAPES["tiny"])
     else:
         print(f"[serving_bench] building the {args.shape}-shaped model", flush=True)
-        model = build_tiny_qwen2(os.path.join(REPO, ".cache", args.shape), SHAPES[args.shape])
+        build = (build_qwen2_config_only if args.shape in DUMMY_WEIGHT_SHAPES
+                 else build_tiny_qwen2)
+        model = build(os.path.join(REPO, ".cache", args.shape), SHAPES[args.shape])
     modes = (args.modes or "plain,local-hit,none,per_request,batched").split(",")
     conc = [int(x) for x in args.concurrency.split(",")]
     prefixes = [int(x) for x in args.prefix_tokens.split(",")]
@@ -532,12 +588,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     import vllm
 
+    report: Dict[str, Any] = {}
+
     def write(rows: List[Dict[str, Any]]) -> None:
         with open(out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
                        "host": platform.node(), "vllm": vllm.__version__, "model": model,
                        "args": vars(args), "shape": repr(SHAPES.get(args.shape)),
-                       "rows": rows}, f, indent=1)
+                       "rows": rows, **report}, f, indent=1)
 
     from xinference.model.llm.vllm.xavier.planning.budget import parse_bytes
 
@@ -555,7 +613,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    switch_interval_us=args.switch_interval_us, tp=args.tp,
                                    on_row=write, peer_cpu_bytes=peer_cpu_bytes,
                                    peer_fs_dir=args.peer_fs_dir,
-                                   check_groups=args.check_groups))
+                                   check_groups=args.check_groups, report=report,
+                                   gpu_memory_utilization=args.gpu_memory_utilization,
+                                   dummy_weights=args.shape in DUMMY_WEIGHT_SHAPES))
     write(rows)
     print()
     print(HEADER)

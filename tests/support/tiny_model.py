@@ -165,6 +165,13 @@ def build_tiny_qwen2(out: str, cfg: TinyQwen2 = TinyQwen2()) -> str:
     return _build(out, cfg, _build_config, _build_weights)
 
 
+def build_qwen2_config_only(out: str, cfg: TinyQwen2) -> str:
+    """The tokenizer and ``config.json`` of :func:`build_tiny_qwen2`, no weight file: for
+    vLLM's ``load_format="dummy"`` (it draws the weights itself, with a fixed seed, so two
+    engines hold the same ones), for shapes whose weights would take minutes to write."""
+    return _build(out, cfg, _build_config, lambda *_: None)
+
+
 @dataclass(frozen=True)
 class TinyGemma3(TinyQwen2):
     """Layers alternate sliding-window (``window`` tokens) and full attention."""

@@ -77,6 +77,9 @@ class ReplicaActor(xo.StatelessActor):
             # what users have without Xavier: vLLM's AsyncLLM, no KV connector, its defaults
             from vllm.v1.engine.async_llm import AsyncLLM
 
+            # only adds a method to the worker (its device memory, for the benchmarks' report)
+            args.worker_extension_cls = (
+                "_xinference_xavier_fork.vllm_side.device_memory.DeviceMemoryProbe")
             self.engine = AsyncLLM.from_engine_args(args)
             return
         from _xinference_xavier_fork.engine import XavierEngine
@@ -219,6 +222,10 @@ class ReplicaActor(xo.StatelessActor):
 
     async def recent_export_keys(self) -> List[Any]:
         return [(g, int(k)) for g, k in await self.hook("recent_export_keys")]
+
+    async def device_memory(self) -> List[Dict[str, int]]:
+        """Each worker's device memory (``vllm_side/device_memory.py``), plain replicas too."""
+        return list(await self.engine.collective_rpc("xavier_device_memory"))
 
     async def engine_num_blocks(self) -> int:
         return await self.hook("engine_num_blocks", 0)

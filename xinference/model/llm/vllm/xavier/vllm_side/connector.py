@@ -436,6 +436,14 @@ class XavierWorkerExtension:
         connector.plane.batched_loads = bool(batched)
         return True
 
+    def xavier_device_memory(self) -> Dict[str, int]:
+        """The worker's device memory as torch's allocator counts it, and vLLM's KV cache
+        bytes (``device_memory.device_memory``): what a benchmark compares with a plain
+        replica to report the memory Xavier adds."""
+        from .device_memory import device_memory
+
+        return device_memory(self)
+
     def xavier_hook(self, name: str, *args: Any) -> Any:
         """A test hook of the data plane (only when ``XAVIER_TEST_HOOKS`` names a hooks
         class in the engine's environment); refused otherwise."""
