@@ -101,8 +101,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.support.engines import EngineOptions  # noqa: E402
-from tests.support.tiny_model import (  # noqa: E402
-    TinyQwen2, build_qwen2_config_only, build_tiny_qwen2)
+from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
 
 BLOCK = 16
@@ -439,10 +438,10 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
         adds[kind] = [int(w["max_reserved"] - base)
                       if {w["kv_cache_bytes"]} == base_kv else None
                       for rep in reps for w in rep]
-    print(f"[serving_bench] device memory (max reserved, GiB): "
+    print("[serving_bench] device memory (max reserved, GiB): "
           + ", ".join(f"{k} {[round(w['max_reserved'] / 2**30, 2) for rep in v for w in rep]}"
                       for k, v in per_pair.items())
-          + f"; Xavier adds (GiB): "
+          + "; Xavier adds (GiB): "
           + ", ".join(f"{k} {[None if a is None else round(a / 2**30, 2) for a in v]}"
                       for k, v in adds.items()), flush=True)
     return {"workers": per_pair, "adds_bytes": adds}

@@ -97,7 +97,7 @@ def test_vllm_loads_the_connector_by_the_installed_name():
 def test_xavier_worker_extension_by_its_public_path_is_xavier_s(model):
     """A user who names Xavier's own worker extension by the public path gets it (loaded by
     the installed name, and ``init_xavier`` still attaches at once)."""
-    public = "xinference.model.llm.vllm.xavier.vllm_side.connector.XavierWorkerExtension"
+    public = "xinference.model.llm.vllm.xavier.vllm_side.worker_extension.XavierWorkerExtension"
     args = AsyncEngineArgs(model=model, worker_extension_cls=public)
     prepare_engine_args(args, CFG, {})
     assert args.worker_extension_cls == WORKER_EXTENSION != public

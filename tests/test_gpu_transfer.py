@@ -1,9 +1,9 @@
 """The batched load engine on real tensors (CPU here; the same tests run on CUDA
 when a device is present: XAVIER_TEST_DEVICE=cuda)."""
 
-import asyncio
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from xinference.model.llm.vllm.xavier.mechanism.load_handle import (
     LoadRejected,
     TransferClosedError,
 )
-from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Lease, Tier
+from xinference.model.llm.vllm.xavier.planning.load_batch import NULL_BLOCK_ID, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import ConflictingWriteError, SlabConfig
 
 from .kvfixtures import (
@@ -41,24 +41,14 @@ N_BLOCKS, N_SLOTS = 64, 48
 CFG = SlabConfig(full_rows=8, small_rows=2, switch_after=2)
 
 
-class Releaser:
-    def __init__(self, fail_ids=(), error=RuntimeError):
-        self.released, self.fail_ids, self.error = [], set(fail_ids), error
-
-    def __call__(self, lease: Lease) -> None:
-        self.released.append(lease.lease_id)
-        if lease.lease_id in self.fail_ids:
-            raise self.error(f"directory unreachable for lease {lease.lease_id}")
-
-
 def assert_equal_bits(got, exp):
     for g in exp:
         for a, b in zip(got[g], exp[g]):
             assert torch.equal(bits(a.cpu()), bits(b.cpu())), f"group {g} differs"
 
 
-def engine_with(world, local, releaser=None, cfg=CFG, kernel=None):
-    eng = GPUTransfer(rank=0, slab_config=cfg, release_lease=releaser, copy_kernel=kernel)
+def engine_with(world, local, cfg=CFG, kernel=None):
+    eng = GPUTransfer(rank=0, slab_config=cfg, copy_kernel=kernel)
     eng.set_local_caches(local, BLOCK_DIM)
     for (rank, tier), caches in world.storages.items():
         eng.map_storage(rank, Tier(tier), caches, BLOCK_DIM)
@@ -106,11 +96,9 @@ def test_batched_load_bit_exact_and_counters_exact(dtype, scenario, seed):
             for req in requests]
     local = make_caches(N_BLOCKS, dtype, gen, DEVICE)
     expected = expected_after(local, world, dest_key)
-    releaser = Releaser()
 
-    eng = engine_with(world, local, releaser)
-    leases = [Lease(i, 1) for i in range(3)]
-    res = eng.load_gpu_requests_v1(loads(rows), leases).wait(30)
+    eng = engine_with(world, local)
+    res = eng.load_gpu_requests_v1(loads(rows)).wait(30)
     eng.close()
     assert_equal_bits(local, expected)
     reads = {(g, k) for (g, d), k in dest_key.items()}
@@ -123,7 +111,6 @@ def test_batched_load_bit_exact_and_counters_exact(dtype, scenario, seed):
     assert c.padded_bytes == res.padded_bytes
     assert c.batch_calls == 1 and c.logical_requests == len(requests)
     assert c.transfers == res.transfers
-    assert sorted(releaser.released) == [0, 1, 2]
 
 
 def test_negative_control_skipped_copy_is_caught(monkeypatch):
@@ -157,13 +144,11 @@ def test_conflict_rejected_before_any_byte_is_written():
     s = world.slot_of
     rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 1, 0, s[(1, 0, 0, 6)], 9)],
             [(0, 7, 2, 1, s[(2, 1, 0, 7)], 9)]]
-    releaser = Releaser()
 
-    eng = engine_with(world, local, releaser)
+    eng = engine_with(world, local)
     with pytest.raises(ConflictingWriteError, match="destination block 9"):
-        eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+        eng.load_gpu_requests_v1(loads(rows))
     assert_equal_bits(local, before)
-    assert releaser.released == [1, 2]
     assert eng.counters.rejected_batches == 1 and eng.counters.batch_calls == 0
 
 
@@ -176,13 +161,11 @@ def test_out_of_range_or_unmapped_rejected_and_named(row, field):
     world, local = _simple()
     before = {g: [t.clone() for t in ts] for g, ts in local.items()}
     good = (0, 6, 1, 0, world.slot_of[(1, 0, 0, 6)], 4)
-    releaser = Releaser()
 
-    eng = engine_with(world, local, releaser)
+    eng = engine_with(world, local)
     with pytest.raises(LoadRejected, match=f"^{field}: "):
-        eng.load_gpu_requests_v1(loads([[good, row]]), [Lease(1, 1)])
+        eng.load_gpu_requests_v1(loads([[good, row]]))
     assert_equal_bits(local, before)
-    assert releaser.released == [1]
 
 
 def _remote(world, rank, tier, gate=None, fail=False):
@@ -203,23 +186,23 @@ def _remote(world, rank, tier, gate=None, fail=False):
     return fetch
 
 
-def test_background_load_finishes_and_releases_after_its_copy_and_close_waits():
-    """A load whose source is another host's: launched, not yet done, leases still held;
-    it completes on the completion thread, then releases; close() waits for it."""
+def test_background_load_is_reportable_only_after_its_copy_and_close_waits():
+    """A load whose source is another host's: launched, not yet done, not reportable (so
+    vLLM is not told it finished, and the scheduler half keeps its leases); it completes on
+    the completion thread, then is; close() waits for it."""
     world, local = _simple()
     s = world.slot_of
     dest_key = {(0, 3): 5, (0, 4): 6, (1, 5): 7}
     rows = [[(g, k, 1, 0, s[(1, 0, g, k)], d) for (g, d), k in dest_key.items()]]
     expected = expected_after(local, world, dest_key)
     gate = threading.Event()
-    releaser = Releaser()
-    eng = GPUTransfer(rank=0, slab_config=CFG, release_lease=releaser)
+    eng = GPUTransfer(rank=0, slab_config=CFG)
     eng.set_local_caches(local, BLOCK_DIM)
     layout = layout_of(world.storages[(1, 0)], BLOCK_DIM)
     eng.map_remote_storage(1, Tier.GPU, layout, _remote(world, 1, 0, gate))
-    handle = eng.load_gpu_requests_v1(loads(rows), [Lease(7, 1)])
-    assert not handle.reportable and not handle.done
-    assert releaser.released == []  # the copy has not happened: the source stays leased
+    handle = eng.load_gpu_requests_v1(loads(rows))
+    time.sleep(0.2)
+    assert not handle.reportable and not handle.done  # the copy has not happened
     closer = threading.Thread(target=eng.close)
     closer.start()
     closer.join(0.2)
@@ -228,9 +211,8 @@ def test_background_load_finishes_and_releases_after_its_copy_and_close_waits():
     closer.join(30)
     assert not closer.is_alive() and eng.closed
     res = handle.wait(0)
-    assert res.failed == frozenset() and res.blocks_written == 3
+    assert res.failed == frozenset() and res.blocks_written == 3 and handle.reportable
     assert_equal_bits(local, expected)
-    assert releaser.released == [7]
     assert eng.counters.batch_calls == 1
 
 
@@ -239,67 +221,23 @@ def test_a_failed_remote_transfer_fails_only_its_blocks():
     s = world.slot_of
     rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 2, 1, s[(2, 1, 0, 6)], 4)]]
     expected = expected_after(local, world, {(0, 3): 5})
-    releaser = Releaser()
-    eng = GPUTransfer(rank=0, slab_config=CFG, release_lease=releaser)
+    eng = GPUTransfer(rank=0, slab_config=CFG)
     eng.set_local_caches(local, BLOCK_DIM)
     eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
     layout = layout_of(world.storages[(2, 1)], BLOCK_DIM)
     eng.map_remote_storage(2, Tier.CPU, layout, _remote(world, 2, 1, fail=True))
-    res = eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)]).wait(30)
+    res = eng.load_gpu_requests_v1(loads(rows)).wait(30)
     assert res.failed == frozenset({4}) and res.blocks_written == 1
     got = {g: [t.clone() for t in ts] for g, ts in local.items()}
     for g in got:  # block 4 is whatever it was; compare the rest
         for a, b in zip(got[g], expected[g]):
             a.select(BLOCK_DIM[g], 4).copy_(b.select(BLOCK_DIM[g], 4))
     assert_equal_bits(got, expected)
-    assert sorted(releaser.released) == [1, 2]
     assert eng.counters.load_failures == 1 and eng.counters.blocks_written == 1
     eng.close()
 
 
-def test_partial_lease_release_failure_is_reported_and_others_released():
-    world, local = _simple()
-    s = world.slot_of
-    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3)]]
-    releaser = Releaser(fail_ids={2})
-
-    eng = engine_with(world, local, releaser)
-    res = eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)]).wait(30)
-    assert sorted(releaser.released) == [1, 2, 3, 4]
-    assert len(res.lease_release_errors) == 1 and "lease 2" in res.lease_release_errors[0]
-    assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
-    record("one lease release fails (load engine)", 1, 1, 1, 0,
-           "3 of 4 released, 1 error reported once")
-
-
-def test_a_release_cancelled_mid_load_does_not_stop_the_other_releases():
-    """A release callback raising ``CancelledError`` (a ``BaseException``: the bridge's
-    call was cancelled) is one failed release, like any other; the rest are released."""
-    world, local = _simple()
-    s = world.slot_of
-    rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3)]]
-    releaser = Releaser(fail_ids={1}, error=asyncio.CancelledError)
-
-    eng = engine_with(world, local, releaser)
-    res = eng.load_gpu_requests_v1(loads(rows), [Lease(i, 1) for i in range(1, 5)]).wait(30)
-    assert sorted(releaser.released) == [1, 2, 3, 4]
-    assert len(res.lease_release_errors) == 1 and "CancelledError" in res.lease_release_errors[0]
-    assert eng.counters.lease_release_failures == 1 and res.blocks_written == 1
-    eng.close()
-
-
-def test_a_release_interrupted_releases_the_rest_then_reraises():
-    world, local = _simple()
-    releaser = Releaser(fail_ids={2}, error=KeyboardInterrupt)
-    eng = engine_with(world, local, releaser)
-    with pytest.raises(KeyboardInterrupt):
-        eng._completion.release_all([Lease(i, 1) for i in range(1, 4)])
-    assert releaser.released == [1, 2, 3]
-    assert eng.counters.lease_release_failures == 1
-    eng.close()
-
-
-def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
+def test_copy_failure_reports_planned_blocks_at_once(monkeypatch):
     world, local = _simple()
     s = world.slot_of
     rows = [[(0, 5, 1, 0, s[(1, 0, 0, 5)], 3), (0, 6, 2, 1, s[(2, 1, 0, 6)], 4)]]
@@ -313,10 +251,9 @@ def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
         return real_copy(*args, **kwargs)
 
     monkeypatch.setattr(gpu_transfer, "copy_transfer", failing_second)
-    releaser = Releaser()
 
-    eng = engine_with(world, local, releaser, kernel="torch")
-    handle = eng.load_gpu_requests_v1(loads(rows), [Lease(1, 1), Lease(2, 2)])
+    eng = engine_with(world, local, kernel="torch")
+    handle = eng.load_gpu_requests_v1(loads(rows))
     # reportable at once (nothing runs in the background): already known failed, before the
     # completion thread has run, so nobody can report these blocks as loaded
     assert handle.reportable and handle.failed == {3, 4}
@@ -325,23 +262,20 @@ def test_copy_failure_releases_leases_and_reports_planned_blocks(monkeypatch):
     err = ei.value
     assert err.planned[0].tolist() == [3, 4]
     assert handle.failed == {3, 4}  # every planned destination is suspect
-    assert sorted(releaser.released) == [1, 2]
     assert eng.counters.load_failures == 1 and eng.counters.batch_calls == 0
 
 
 def test_close_twice_then_load_and_map_refused():
     world, local = _simple()
-    releaser = Releaser()
 
-    eng = engine_with(world, local, releaser)
+    eng = engine_with(world, local)
     eng.close()
     eng.close()
     assert eng.closed and eng.mapped() == []
     with pytest.raises(TransferClosedError, match="load_gpu_requests_v1: .* closed"):
-        eng.load_gpu_requests_v1(loads([[]]), [Lease(3, 1)])
+        eng.load_gpu_requests_v1(loads([[]]))
     with pytest.raises(TransferClosedError, match="map_storage: .* closed"):
         eng.map_storage(1, Tier.GPU, world.storages[(1, 0)], BLOCK_DIM)
-    assert releaser.released == [3]
 
 
 def test_close_that_fails_halfway_can_be_retried():

@@ -13,7 +13,7 @@ import torch
 from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.read_checks import SourceIdentity, check_read
 from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations
-from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
+from xinference.model.llm.vllm.xavier.planning.load_batch import BlockLoad, LoadBatch, Tier
 from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig, Transfer
 
 from .kvfixtures import BLOCK_DIM, GROUP_SHAPES, block, make_caches
@@ -80,8 +80,7 @@ class Source:
 
 
 def engine(source: Source, validate: bool = True) -> GPUTransfer:
-    eng = GPUTransfer(0, SlabConfig(8, 2, 2), release_lease=lambda lease: None,
-                      validate_reads=validate)
+    eng = GPUTransfer(0, SlabConfig(8, 2, 2), validate_reads=validate)
     eng.set_local_caches(make_caches(N_BLOCKS, torch.float16, torch.Generator().manual_seed(9),
                                      DEVICE), BLOCK_DIM)
     eng.map_storage(1, Tier.GPU, source.caches, BLOCK_DIM, generations=source.reader)
@@ -124,7 +123,7 @@ def test_a_slot_overwritten_after_publication_is_a_failed_block_and_switched_off
         try:
             batch = rows_of(source, [1, 2, 3])
             source.overwrite(0, 2)
-            res = eng.load_gpu_requests_v1(batch, [Lease(1, 1)]).wait(30)
+            res = eng.load_gpu_requests_v1(batch).wait(30)
             c = eng.counters
             if validate:
                 assert res.failed == frozenset({3}) and res.blocks_written == 5
@@ -149,14 +148,14 @@ def test_rows_of_another_incarnation_fail_whole_and_only_a_gone_storage_is_named
     eng = engine(source)
     try:
         old_rows = rows_of(source, [1, 2], inc=source.owner.incarnation + 1)
-        res = eng.load_gpu_requests_v1(old_rows, []).wait(30)
+        res = eng.load_gpu_requests_v1(old_rows).wait(30)
         assert res.failed == frozenset({2, 3, 12, 13}) and res.blocks_written == 0
         assert eng.counters.validation_failures == 4 and eng.take_stale_ranks() == set()
-        res = eng.load_gpu_requests_v1(rows_of(source, [1, 2]), []).wait(30)
+        res = eng.load_gpu_requests_v1(rows_of(source, [1, 2])).wait(30)
         assert res.failed == frozenset() and eng.counters.reads_validated == 8
         newer = rows_of(source, [1], inc=source.owner.incarnation + 7)
         source.owner.close()  # the source went: its generations file is removed
-        assert eng.load_gpu_requests_v1(newer, []).wait(30).failed == frozenset({2, 12})
+        assert eng.load_gpu_requests_v1(newer).wait(30).failed == frozenset({2, 12})
         assert eng.take_stale_ranks() == {1} and eng.take_stale_ranks() == set()
     finally:
         eng.close()
@@ -172,7 +171,7 @@ def test_a_storage_whose_identity_cannot_be_read_fails_its_reads_and_one_without
     try:
         batch = rows_of(source, [4])
         source.reader.close()
-        res = eng.load_gpu_requests_v1(batch, []).wait(30)
+        res = eng.load_gpu_requests_v1(batch).wait(30)
         assert res.failed == frozenset({5, 15}) and eng.counters.validation_failures == 2
     finally:
         eng.close()
@@ -186,11 +185,11 @@ def test_a_storage_whose_identity_cannot_be_read_fails_its_reads_and_one_without
     eng.map_storage(2, Tier.GPU, source.caches, BLOCK_DIM)  # no generations at all
     try:
         only_group_0.row(int(Tier.GPU), 0)[:] = 1
-        res = eng.load_gpu_requests_v1(rows_of(source, [4], inc=only_group_0.incarnation),
-                                       []).wait(30)
+        res = eng.load_gpu_requests_v1(
+            rows_of(source, [4], inc=only_group_0.incarnation)).wait(30)
         assert res.failed == frozenset({15})  # group 1 has no row: that read fails
         unchecked = LoadBatch.from_requests([("u", [BlockLoad(0, 9, 2, 0, 6, 20, 1, 5)])])
-        assert eng.load_gpu_requests_v1(unchecked, []).wait(30).failed == frozenset()
+        assert eng.load_gpu_requests_v1(unchecked).wait(30).failed == frozenset()
         snap = eng.sink.snapshot()
         assert (snap["reads_validated"], snap["reads_unchecked"]) == (1, 1)
     finally:

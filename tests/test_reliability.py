@@ -87,11 +87,10 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
         return [0, row_key(key), loc.rank, loc.tier, slot, to, loc.generation, loc.incarnation]
 
     def meta(table, offsets=None, ids=("r",)):
-        q = lt.run(r.tracker.query(0, ks[:1], 2))  # a fresh lease per attempt
         return dict(request_ids=ids, offsets=np.asarray(offsets or [0, len(table)]),
-                    table=table, leases=[(lid, 1) for lid in q.lease_ids])
+                    table=table)
 
-    # built one at a time: each takes a fresh lease
+    # (leases are the scheduler half's, not a load's: the rows read A's storage unleased)
     cases = {
         "table": lambda: meta(np.asarray([good[:5]], np.int64)),  # a column missing (layout)
         "table ": lambda: meta(np.asarray([good], np.float64)),  # wrong dtype
@@ -112,7 +111,6 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
         # the message names the field (after the exception's type, where one is given)
         assert re.match(rf"^(\w+: )?{field_name.strip()}", out["error"]), out["error"]
         assert lt.run(b.engine_block_digests(0, [dest]))[0] != src_digest, field_name
-        assert leases(lt, r) == 0, field_name
         survived += 1
     after = lt.run(b.counters())
     refused = sum(after.get(k, 0) - before.get(k, 0)
@@ -123,7 +121,6 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     out = lt.run(b.raw_load(**dup))
     assert not out.get("error") and out["failed"] == []
     assert out["written"] == 1 and lt.run(b.engine_block_digests(0, [dest]))[0] == src_digest
-    assert leases(lt, r) == 0
     # the engine keeps serving, and right
     got = lt.run(b.generate([asked]))[0]
     assert got["ids"] == base
@@ -194,7 +191,8 @@ def test_a_request_aborted_while_vllm_waits_for_its_load_releases_everything(wor
 
 
 def _settles(lt: LoopThread, r: Replicas, timeout: float = 10.0) -> bool:
-    """Leases of aborted requests are released by vLLM's request_finished: allow the
+    """Leases of aborted requests are released by the scheduler half (at
+    ``request_finished``, or when vLLM reports an aborted request's load done): allow the
     engine a moment."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:

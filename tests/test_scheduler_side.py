@@ -76,7 +76,7 @@ def test_sharing_off_or_not_ready_is_a_miss_without_leases():
     assert w.leases == 0 and w.calls == []
 
 
-def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_step():
+def test_allocated_builds_rows_skips_null_blocks_and_releases_only_their_leases():
     w = World(held_keys=keys_of(6))
     w.side.track("r", lambda: keys_of(6), 200)
     assert w.side.match("r", 200, 0) == 6 * BS
@@ -89,10 +89,12 @@ def test_allocated_builds_rows_skips_null_blocks_and_keeps_their_leases_in_the_s
     assert meta.loads.table[:, KEY].tolist() == keys_of(6)[2:]
     assert set(meta.loads.table[:, RANK].tolist()) == {1}
     assert meta.loads.table[:, SLOT].tolist() == [102, 103, 104, 105]
-    assert len(meta.leases) == 6  # the null positions' leases travel too: released after the load
     assert meta.stats.requests_with_hits == 1 and meta.stats.steps_with_loads == 1
     assert meta.stats.null_blocks_skipped == 2
-    assert w.leases == 6  # held until the worker's load releases them
+    assert w.leases == 4  # nothing reads the null positions: released; the rest held
+    assert w.side.loads_in_flight == 1 and w.side.held_leases == 4
+    w.side.loads_finished(["r"])  # vLLM: every worker reported the load done
+    assert w.leases == 0 and w.side.held_leases == 0 and w.side.loads_in_flight == 0
 
 
 def test_a_request_is_offered_one_load_and_recomputes_after_it_failed():
@@ -106,7 +108,7 @@ def test_a_request_is_offered_one_load_and_recomputes_after_it_failed():
     assert w.side.allocated("r", [list(range(1, 13))], [[False] * 12], 6 * BS) == 6
     meta = w.side.build_step([("r", 6 * BS, 10)], {})
     assert meta.loads.request_ids == ("r",) and w.calls == [1]
-    w.release([lease.lease_id for lease in meta.leases])  # the worker's load failed
+    w.side.loads_finished(["r"])  # the load failed: reported done, its blocks failed
     assert w.side.match("r", 200, 0) == 0
     assert w.leases == 0 and w.calls == [1]
     w.side.finished("r")
@@ -213,7 +215,7 @@ def test_step_meta_table_is_int64_and_validates():
     assert meta.loads.num_rows == 2
 
 
-def test_per_request_split_keeps_rows_and_leases_together():
+def test_per_request_split_keeps_each_requests_rows():
     w = World(held_keys=keys_of(3, 1000) + keys_of(2, 2000))
     w.side.track("a", lambda: keys_of(4, 1000), 200)
     w.side.track("b", lambda: keys_of(3, 2000), 200)
@@ -223,15 +225,11 @@ def test_per_request_split_keeps_rows_and_leases_together():
     w.side.allocated("b", [[5, 6, 7]], [[False] * 3], 2 * BS)
     meta = w.side.build_step([("a", 3 * BS, 5), ("b", 2 * BS, 5)], {})
     parts = meta.per_request()
-    assert [p.request_ids for p, _ in parts] == [("a",), ("b",)]
-    assert [p.table[:, DEST].tolist() for p, _ in parts] == [[1, 2, 3], [5, 6]]
-    assert [len(ls) for _, ls in parts] == [3, 2]
-    assert sum((ls for _, ls in parts), ()) == meta.leases
-    assert all(p.num_rows == len(ls) for p, ls in parts)
-    # after rows were dropped (an unreachable peer), each request keeps its own leases
+    assert [p.request_ids for p in parts] == [("a",), ("b",)]
+    assert [p.table[:, DEST].tolist() for p in parts] == [[1, 2, 3], [5, 6]]
+    # after rows were dropped (an unreachable peer), each request keeps its own rows
     fewer = meta.loads.without_rows(meta.loads.table[:, DEST] == 2)
-    assert [(p.table[:, DEST].tolist(), len(ls)) for p, ls in meta.per_request(fewer)] == [
-        ([1, 3], 3), ([5, 6], 2)]
+    assert [p.table[:, DEST].tolist() for p in meta.per_request(fewer)] == [[1, 3], [5, 6]]
     with pytest.raises(ValueError, match="^loads: not the step's requests"):
         meta.per_request(meta.loads.split()[0])
 
@@ -239,8 +237,8 @@ def test_per_request_split_keeps_rows_and_leases_together():
 def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch):
     """A defect the scheduler side cannot be made to produce with real inputs (a fake makes
     the batch invalid): the step carries the requests with no rows, their destinations as
-    failed (the worker reports them: vLLM recomputes), and the leases for the worker to
-    release; counted."""
+    failed (the worker reports them: vLLM recomputes); the leases are released when vLLM
+    reports the (failed) load done; counted."""
     from xinference.model.llm.vllm.xavier.planning import scheduler_side
     from xinference.model.llm.vllm.xavier.planning.load_batch import LoadBatchError
 
@@ -255,8 +253,10 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     monkeypatch.setattr(scheduler_side.LoadBatch, "from_requests", invalid)
     meta = w.side.build_step([("a", 3 * BS, 5)], {})
     assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
-    assert meta.failed_dests == (1, 2, 3) and len(meta.leases) == 3
-    assert meta.stats.rejected_metadata == 1 and w.leases == 3  # the worker releases them
+    assert meta.failed_dests == (1, 2, 3)
+    assert meta.stats.rejected_metadata == 1 and w.leases == 3
+    w.side.loads_finished(["a"])
+    assert w.leases == 0
 
 
 def test_names_with_equal_low_bits_never_share_a_step():
@@ -282,7 +282,7 @@ def test_names_with_equal_low_bits_never_share_a_step():
     assert step.loads.rows_of("a")[:, DEST].tolist() == [10, 11, 12]
     assert step.loads.rows_of("c")[:, DEST].tolist() == [30, 31, 32]  # the control
     assert all(0 <= k < short for k in step.loads.table[:, KEY].tolist())
-    w.release([lease.lease_id for lease in step.leases])  # the worker's part
+    w.side.loads_finished(["a", "b", "c"])  # the dropped request's (failed) load too
     assert w.leases == 0
 
 
@@ -323,3 +323,48 @@ def test_a_hits_time_to_its_first_forward_is_split_into_lookup_and_load_wait():
     stats = w.side.build_step([("r", 7 * BS, BS), ("m", 0, 8 * BS)], {}).stats
     assert (stats.hits_started, stats.hit_lookup_us, stats.hit_load_wait_us) == (1, 3000, 5000)
     assert w.side.build_step([("r", 8 * BS, 1)], {}).stats.hits_started == 0  # once
+
+
+def test_a_loads_leases_are_released_once_vllm_reports_it_done_not_when_it_is_aborted():
+    """The one place a load's leases go: vLLM's ``finished_recving`` (every worker done,
+    copies complete).  An abort while the load is in flight (vLLM calls
+    ``request_finished`` at once, keeps the blocks and reports the load when it ends) keeps
+    them: releasing then would let the source reuse a slot under the copy.  Negative
+    control: a request that finished without a load releases its hit at once."""
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000))
+    w.side.track("a", lambda: keys_of(5, 1000), 5 * BS + 1)
+    w.side.track("b", lambda: keys_of(5, 2000), 5 * BS + 1)
+    assert w.side.match("a", 5 * BS + 1, 0) == 4 * BS
+    assert w.side.match("b", 5 * BS + 1, 0) == 4 * BS
+    w.side.allocated("a", [[1, 2, 3, 4, 5, 6]], [[False] * 6], 4 * BS)
+    w.side.build_step([], {})
+    assert w.leases == 8
+    w.side.finished("a")  # aborted while its load is in flight
+    w.side.finished("b")  # never allocated: its hit goes now
+    assert w.leases == 4 and w.side.loads_in_flight == 1
+    w.side.loads_finished(["b", "unknown"])  # not loads of this side: nothing happens
+    assert w.leases == 4
+    w.side.loads_finished(["a"])
+    assert w.leases == 0
+    w.side.loads_finished(["a"])  # reported twice (a second TP aggregation): harmless
+    assert w.leases == 0
+
+
+def test_close_releases_every_lease_still_held():
+    """Engine shutdown: no load report will come; answered lookups, unallocated hits,
+    loads of the step being built and loads in flight all give their leases back."""
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000) + keys_of(4, 3000)
+              + keys_of(4, 4000))
+    for rid, base in (("flight", 1000), ("building", 2000), ("hit", 3000), ("asked", 4000)):
+        w.side.track(rid, (lambda b=base: keys_of(5, b)), 5 * BS + 1)
+    for rid in ("flight", "building", "hit"):
+        assert w.side.match(rid, 5 * BS + 1, 0) == 4 * BS
+    w.side.allocated("flight", [[1, 2, 3, 4, 5]], [[False] * 5], 4 * BS)
+    w.side.build_step([], {})
+    w.side.allocated("building", [[6, 7, 8, 9, 10]], [[False] * 5], 4 * BS)
+    w.side.lookups.flush()  # "asked": answered, never taken
+    assert w.leases == 16 and w.side.held_leases == 16
+    w.side.close()
+    assert w.leases == 0 and w.side.held_leases == 0
+    w.side.close()  # idempotent
+    assert w.leases == 0

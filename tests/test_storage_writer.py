@@ -20,7 +20,7 @@ from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWri
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.counters import Counters
 from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
-from xinference.model.llm.vllm.xavier.planning.load_batch import Lease, Tier
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
 from xinference.model.llm.vllm.xavier.planning.plan import SlabConfig
 
 from .kvfixtures import BLOCK_DIM, bits, loads, make_caches, random_bits
@@ -68,14 +68,14 @@ class World:
     def load_on_b(self, keys, dests, group=0):
         """Replica B asks the directory and loads what it gets; leases released after."""
         res = self.d.query(group, keys, exclude_rank=2)
-        eng = GPUTransfer(2, SlabConfig(8, 2, 2),
-                          release_lease=lambda lease: self.d.release([lease.lease_id]))
+        eng = GPUTransfer(2, SlabConfig(8, 2, 2))
         eng.set_local_caches(self.b_cache, self.block_dim)
         for tier in self.storage.tiers:
             eng.map_storage(1, tier, self.storage.caches(tier))
         rows = [(group, k, loc.rank, loc.tier, loc.slot, dest)
                 for k, loc, dest in zip(res.keys, res.locations, dests)]
-        eng.load_gpu_requests_v1(loads([rows]), [Lease(i, 1) for i in res.lease_ids]).wait(30)
+        eng.load_gpu_requests_v1(loads([rows])).wait(30)
+        self.d.release(res.lease_ids)  # the scheduler half's part, once the load is done
         eng.close()
         return res
 

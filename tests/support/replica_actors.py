@@ -33,7 +33,7 @@ from _xinference_xavier_fork.mechanism.snapshot_storage import (
     open_tier,
 )
 from _xinference_xavier_fork.mechanism.storage_writer import StorageWriter
-from _xinference_xavier_fork.planning.load_batch import BlockLoad, Lease, LoadBatch, Tier
+from _xinference_xavier_fork.planning.load_batch import BlockLoad, LoadBatch, Tier
 from _xinference_xavier_fork.planning.plan import SlabConfig
 
 from .pools import actor_pool, sub_pool_addresses
@@ -192,11 +192,8 @@ class LoaderRankActor(_RankActor):
         self.cache = engine_cache(1000 + self._rank, self._device)
         self._loop = asyncio.get_running_loop()
         self.engine = GPUTransfer(self._rank, SlabConfig(16, 4, 2),
-                                  release_lease=self._release, validate_reads=self._validate)
+                                  validate_reads=self._validate)
         self.engine.set_local_caches(self.cache)
-
-    def _release(self, lease: Lease) -> None:  # the completion thread
-        on_loop(self._loop, self.tracker.release([lease.lease_id]))
 
     def map_peer(self, rank: int, handles: Dict[int, Any], generations: Any = None) -> None:
         """Map a same-host peer's tiers from :meth:`StorageRankActor.handles` and its
@@ -261,14 +258,15 @@ class LoaderRankActor(_RankActor):
         loads = [BlockLoad(0, k, loc.rank, loc.tier, loc.slot, d, loc.generation,
                            loc.incarnation)
                  for k, loc, d in zip(result.keys, result.locations, dests)]
-        leases = [Lease(i, loc.rank) for i, loc in zip(result.lease_ids, result.locations)]
         try:
             handle = self.engine.load_gpu_requests_v1(
-                LoadBatch.from_requests([("req", loads)]), leases)
+                LoadBatch.from_requests([("req", loads)]))
             res = await asyncio.to_thread(handle.wait, 60)
             error = None
         except Exception as exc:  # reported to the test, like the worker would
             res, error = None, f"{type(exc).__name__}: {exc}"
+        finally:  # the load is done (or refused): the scheduler half's release
+            await self.tracker.release(list(result.lease_ids))
         return {"written": res.blocks_written if res else 0, "error": error,
                 "failed": sorted(res.failed) if res else [],
                 "tiers": [int(loc.tier) for loc in result.locations],

@@ -4,7 +4,7 @@ Faults a real engine cannot be made to produce on demand, and digests that let a
 compare bytes across replicas.  They exist only when the engine's environment has
 ``XAVIER_TEST_HOOKS=tests.support.worker_hooks:WorkerHooks`` (the test harness sets it); a
 production worker has no hooks and refuses the calls.  Reached through vLLM's
-``collective_rpc("xavier_hook", ...)`` (``XavierWorkerExtension`` of the connector), with
+``collective_rpc("xavier_hook", ...)`` (``vllm_side/worker_extension.py``), with
 plain values in and out.
 
 * faults: ``skip_copy`` (the step's loads claim success but copy nothing: the destinations
@@ -266,27 +266,21 @@ class WorkerHooks:
         writer._gauges()
         return {"cleared": cleared, "left": left}
 
-    def raw_load(self, request_ids: Sequence[str], offsets: Any, table: Any,
-                 leases: Sequence[Sequence[int]]) -> Dict[str, Any]:
+    def raw_load(self, request_ids: Sequence[str], offsets: Any, table: Any) -> Dict[str, Any]:
         """One load with caller-made metadata (bad-input tests), outside vLLM's steps:
         ``failed`` destinations, ``written`` blocks and the ``error`` that refused it
         (metadata that is not a valid batch is refused like the plane refuses it)."""
-        from _xinference_xavier_fork.planning.load_batch import (
-            Lease,
-            LoadBatch,
-            LoadBatchError,
-        )
+        from _xinference_xavier_fork.planning.load_batch import LoadBatch, LoadBatchError
         from _xinference_xavier_fork.planning.step_meta import StepMeta
 
         plane = self._plane
-        held = tuple(Lease(int(a), int(b)) for a, b in leases)
         try:
             batch = LoadBatch(tuple(request_ids), np.asarray(offsets), np.asarray(table))
         except LoadBatchError as exc:
-            plane.refuse(held, str(exc))
+            plane.refuse(str(exc))
             plane.flush()
             return {"failed": [], "written": 0, "error": str(exc)}
-        pending, error = plane.run_detached(StepMeta(batch, held, (0, len(held))))
+        pending, error = plane.run_detached(StepMeta(batch))
         written = 0
         for h in pending.handles:
             try:

@@ -208,14 +208,13 @@ class ReplicaActor(xo.StatelessActor):
     async def inject_fault(self, mode: str, count: int = 1) -> None:
         await self.hook("inject_fault", mode, count)
 
-    async def raw_load(self, request_ids: Any, offsets: Any, table: Any,
-                       leases: Any) -> Dict[str, Any]:
+    async def raw_load(self, request_ids: Any, offsets: Any, table: Any) -> Dict[str, Any]:
         """One load with caller-made metadata (bad-input tests): request ids, offsets, an
-        int64 table (any array-like), ``(lease_id, rank)`` pairs."""
+        int64 table (any array-like)."""
         import numpy as np
 
         return await self.hook("raw_load", list(request_ids), np.asarray(offsets).tolist(),
-                               np.asarray(table).tolist(), [list(x) for x in leases])
+                               np.asarray(table).tolist())
 
     async def engine_block_digests(self, group: int, block_ids: List[int]) -> List[str]:
         return await self.hook("engine_block_digests", group, block_ids)

@@ -46,7 +46,7 @@ CONNECTOR_NAME = "XavierConnector"
 #: CPU per engine process); from a source tree on ``PYTHONPATH`` with no overlay (namespace
 #: packages, no install) it is the public ``xinference.model.llm.vllm.xavier``
 CONNECTOR_MODULE = f"{__package__}.vllm_side.connector"
-WORKER_EXTENSION = f"{CONNECTOR_MODULE}.XavierWorkerExtension"
+WORKER_EXTENSION = f"{__package__}.vllm_side.worker_extension.XavierWorkerExtension"
 
 
 def xavier_kv_transfer_config(options: XavierOptions) -> KVTransferConfig:

@@ -9,7 +9,7 @@ The call
    transfers, slab size per peer with hysteresis);
 2. validates the whole plan against the mapped storages and the local KV caches (groups,
    slot and block ranges) -- nothing is written when any of this fails
-   (:class:`LoadRejected`, leases released before it raises);
+   (:class:`LoadRejected`);
 3. launches the copies that read device memory on the engine's CUDA stream of its own,
    after the work already queued on the caller's stream (the blocks' previous users), and
    records an event; it does NOT wait for them (a CPU engine copies right away);
@@ -17,7 +17,8 @@ The call
    :mod:`.uva`), which starts them after the event (one is recorded for them too);
 5. the completion thread waits for the event and the background copies, checks every
    read against what its source holds now (:mod:`.read_checks`: a failed block if not),
-   then releases every lease (success or failure) and completes the :class:`LoadHandle`.
+   and completes the :class:`LoadHandle`; a load that read anything is reportable only
+   then (the scheduler half releases its leases once vLLM reports it done).
 
 A caller orders its stream after the copies with :meth:`LoadHandle.order` (before vLLM
 may run a forward that reads the blocks): the host never waits for a copy.
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 
 from ..planning.counters import Counters, CounterSink, TransferCounters
-from ..planning.load_batch import Lease, LoadBatch, LoadBatchError, Tier
+from ..planning.load_batch import LoadBatch, LoadBatchError, Tier
 from ..planning.log_names import package_logger
 from ..planning.plan import (
     ConflictingWriteError,
@@ -53,7 +54,7 @@ from .block_copy import block_views, copy_transfer, layer_tensor
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
 from .load_checks import check_plan
-from .load_completion import EngineParts, LoadCompletion, ReleaseLease, record_event
+from .load_completion import EngineParts, LoadCompletion, record_event
 from .load_handle import (
     CloseError,
     LoadHandle,
@@ -73,7 +74,6 @@ class GPUTransfer:
     """Batched KV loads into one replica's KV caches (CPU or CUDA tensors)."""
 
     def __init__(self, rank: int, slab_config: Optional[SlabConfig] = None,
-                 release_lease: Optional[ReleaseLease] = None,
                  copy_kernel: Optional[str] = None,
                  counters: Optional[CounterSink] = None, validate_reads: bool = True) -> None:
         """``copy_kernel``: ``"auto"`` (default; env ``XAVIER_COPY_KERNEL``) uses the fused
@@ -88,8 +88,7 @@ class GPUTransfer:
         self.rank = rank
         self.slab_config = slab_config or SlabConfig()
         self.sink: CounterSink = counters if counters is not None else Counters()
-        self._completion = LoadCompletion(rank, self.sink, release_lease, self._finished,
-                                          validate_reads)
+        self._completion = LoadCompletion(rank, self.sink, self._finished, validate_reads)
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
@@ -257,18 +256,13 @@ class GPUTransfer:
             return sorted(self._storages)
 
     # ------------------------------------------------------------------- load
-    def load_gpu_requests_v1(self, batch: LoadBatch,
-                             leases: Sequence[Lease] = ()) -> LoadHandle:
+    def load_gpu_requests_v1(self, batch: LoadBatch) -> LoadHandle:
         """Launch every load of one step; see the module docstring for the contract.
-        Raises (after releasing ``leases``) when the batch is refused before any copy."""
+        Raises when the batch is refused before any copy."""
         with self._lock:
-            try:
-                self._check_open("load_gpu_requests_v1")
-                plan = self._plan(batch)
-                local, background = self._split(plan)
-            except BaseException:
-                self._completion.release_all(leases)
-                raise
+            self._check_open("load_gpu_requests_v1")
+            plan = self._plan(batch)
+            local, background = self._split(plan)
             event: Optional[torch.cuda.Event] = None
             error: Optional[BaseException] = None
             try:
@@ -281,12 +275,16 @@ class GPUTransfer:
                 error = exc
                 event = record_event(self._stream)
             reads = local + background
+            # reportable only after the completion thread, whenever anything was read: its
+            # copies are then complete on the host (the leases' release waits for that); a
+            # launch that failed is reportable at once, every destination failed (vLLM's
+            # stream still waits for the copies queued before the failure: the fence)
             handle = LoadHandle(plan.request_ids, plan.written, event,
-                                bool(background) or self._completion.checks(reads))
+                                bool(reads) and error is None)
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)
-        self._completion.submit(LoadJob(handle, plan, event, background, leases, error, reads))
+        self._completion.submit(LoadJob(handle, plan, event, background, error, reads))
         return handle
 
     def _plan(self, batch: LoadBatch) -> LoadPlan:

@@ -3,10 +3,11 @@
 :class:`LoadCompletion` takes each launched load (:class:`~.load_handle.LoadJob`), waits
 for its event, runs the transfers that read host memory into a CUDA engine or arrive from
 another host, checks every read against the identity its source holds now
-(:mod:`.read_checks`: a read that does not hold is a failed block), releases every lease
-(on success and failure alike), counts the result and completes the
-:class:`~.load_handle.LoadHandle`.  It touches only what a job captured and the engine
-parts handed to :meth:`LoadCompletion.start`.
+(:mod:`.read_checks`: a read that does not hold is a failed block), counts the result and
+completes the :class:`~.load_handle.LoadHandle`.  Leases are not its business: the
+scheduler half releases them once vLLM reports the load done on every worker, which a
+worker does only after this thread finished the load.  It touches only what a job
+captured and the engine parts handed to :meth:`LoadCompletion.start`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ..planning.counters import CounterSink
-from ..planning.load_batch import Lease
 from ..planning.log_names import package_logger
 from ..planning.plan import Transfer
 from .block_copy import copy_transfer, slab_as
@@ -38,10 +38,6 @@ from .read_checks import SourceIdentity, check_read
 from .slabs import SlabPool
 
 logger = package_logger(__name__)
-
-#: releases one lease (may raise: counted and reported, the other leases are still released)
-ReleaseLease = Callable[[Lease], None]
-
 
 @dataclass
 class EngineParts:
@@ -70,16 +66,15 @@ def record_event(stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Eve
 
 
 class LoadCompletion:
-    """The completion thread and the lease releases of one load engine."""
+    """The completion thread of one load engine."""
 
-    def __init__(self, rank: int, sink: CounterSink, release_lease: Optional[ReleaseLease],
-                 finished: Callable[[LoadHandle], None], validate_reads: bool = True) -> None:
+    def __init__(self, rank: int, sink: CounterSink, finished: Callable[[LoadHandle], None],
+                 validate_reads: bool = True) -> None:
         """``validate_reads``: check every read after its copy (:mod:`.read_checks`); off
         only in tests, as the negative control that shows what the check catches."""
         self.rank = rank
         self.sink = sink
         self.validate_reads = validate_reads
-        self._release_lease = release_lease
         self._finished = finished
         #: mapped storages found to be of a storage that is gone (their owner removed the
         #: generations file) while a load's rows named another: :meth:`take_stale`
@@ -99,13 +94,6 @@ class LoadCompletion:
 
     def submit(self, job: LoadJob) -> None:
         self._jobs.put(job)
-
-    def checks(self, reads: Sequence[Tuple[Transfer, MappedStorage]]) -> bool:
-        """Whether a load of ``reads`` waits for this thread's check before it is
-        reportable (some read can be checked)."""
-        return self.validate_reads and any(
-            t.src_generations is not None and (st.generations is not None or st.fetch)
-            for t, st in reads)
 
     def take_stale(self) -> List[MappedStorage]:
         """The mapped storages found stale since the last call (see :meth:`_check_reads`)."""
@@ -160,7 +148,6 @@ class LoadCompletion:
         handle.failed = failed if error is None else {
             int(b) for ids in plan.written.values() for b in ids}
         handle._background_done.set()
-        errors = self.release_all(job.leases)
         sink = self.sink
         if error is not None:
             sink.add("load_failures")
@@ -183,7 +170,7 @@ class LoadCompletion:
             sink.add("padded_bytes", padded)
             sink.add("blocks_written", written)
             handle._result = LoadResult(plan.request_ids, len(plan.transfers), written, useful,
-                                        padded, plan.written, frozenset(failed), tuple(errors))
+                                        padded, plan.written, frozenset(failed))
         self._finished(handle)
         handle._done.set()
 
@@ -269,28 +256,3 @@ class LoadCompletion:
         if event is not None:
             event.synchronize()
         self.sink.add("loads_in_background")
-
-    def release_all(self, leases: Sequence[Lease]) -> List[str]:
-        """Release every lease of ``leases``: one failing, with any exception (also a
-        ``BaseException`` such as ``asyncio.CancelledError`` from a cancelled bridge call),
-        does not stop the others; returns the errors, counted in ``lease_release_failures``.
-        A ``KeyboardInterrupt`` or ``SystemExit`` is re-raised, but only after every lease
-        was tried."""
-        errors: List[str] = []
-        if not leases or self._release_lease is None:
-            return errors
-        ending: Optional[BaseException] = None
-        for lease in leases:
-            try:
-                self._release_lease(lease)
-            except BaseException as exc:
-                self.sink.add("lease_release_failures")
-                errors.append(f"lease {lease.lease_id} on rank {lease.rank}: {exc!r}")
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)) and ending is None:
-                    ending = exc
-        if errors:
-            logger.error("rank %d: %d of %d lease releases failed: %s", self.rank, len(errors),
-                         len(leases), "; ".join(errors))
-        if ending is not None:
-            raise ending
-        return errors

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import numpy as np
 import torch
 
-from ..planning.load_batch import Lease, Tier
+from ..planning.load_batch import Tier
 from ..planning.plan import LoadPlan, Transfer
 from .kv_schema import KVLayout
 from .read_checks import SourceIdentity
@@ -65,7 +65,6 @@ class LoadResult:
     written: Mapping[int, np.ndarray] = field(repr=False)
     #: destination block ids (all groups) that were NOT written: vLLM must recompute them
     failed: frozenset = frozenset()
-    lease_release_errors: Tuple[str, ...] = ()
 
 
 @dataclass
@@ -96,7 +95,6 @@ class LoadJob:
     plan: LoadPlan
     event: Optional[torch.cuda.Event]
     background: List[Tuple[Transfer, MappedStorage]]
-    leases: Sequence[Lease]
     launch_error: Optional[BaseException] = None
     #: every transfer of the plan with its storage (the reads the thread checks)
     reads: Sequence[Tuple[Transfer, MappedStorage]] = ()
@@ -108,9 +106,10 @@ class LoadHandle:
     * :attr:`reportable`: every destination is written (or known failed: :attr:`failed`) as
       far as the caller's stream is concerned once it called :meth:`order`: copies still
       running on the engine's stream are ordered before anything the caller queues next;
-      a load whose reads are checked (:mod:`.read_checks`) is reportable only once the
-      completion thread checked them, after its copies completed;
-    * :meth:`wait`: everything finished and every lease released; the result, or the
+      a load that read anything is reportable only once the completion thread finished it:
+      its copies completed on the host and its reads checked (:mod:`.read_checks`) --
+      what lets the scheduler half release the load's leases when vLLM reports it done;
+    * :meth:`wait`: everything finished; the result, or the
       error of a load that failed after it started (:class:`LoadError`).
     """
 

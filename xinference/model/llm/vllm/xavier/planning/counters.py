@@ -189,7 +189,8 @@ class TransferCounters:
     * ``blocks_written``: destination blocks written (one read may feed several);
     * ``load_failures``: calls whose copies failed after they started;
     * ``rejected_batches``: calls rejected before any copy (conflicts, bad input);
-    * ``lease_release_failures``: leases whose release raised;
+    * ``lease_release_failures``: the scheduler half's directory calls releasing leases that
+      failed (each is tried again, a few times);
     * ``reads_validated``: source rows checked after their copy (``doc/validated-reads.md``);
     * ``validation_failures``: of those, rows whose slot no longer held the block (their
       destinations were reported failed: vLLM recomputes them).

@@ -98,12 +98,13 @@ class BatchingReleaser:
         logger.warning("xavier: releasing %d leases failed %d times (%r); the directory keeps "
                        "them until the holder's rank is purged", len(ids), attempt + 1, exc)
 
-    def flush(self, timeout: float = 10.0) -> None:
-        """Send what is buffered now and wait for every release call so far."""
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Send what is buffered now and wait for every release call so far; whether they
+        all completed within ``timeout``."""
         self._flush()
         with self._lock:
             pending = list(self._inflight)
-        concurrent.futures.wait(pending, timeout=timeout)
+        return not concurrent.futures.wait(pending, timeout=timeout).not_done
 
 
 def directory_sender(directory: Any, start: Callable[[Callable[[], Awaitable[Any]]],

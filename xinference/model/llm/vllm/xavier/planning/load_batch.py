@@ -61,19 +61,6 @@ def read_preference(tier: int) -> int:
 NO_LEASE = 0
 
 
-@dataclass(frozen=True)
-class Lease:
-    """A hold on a source slot, granted by the block directory with a lookup and released
-    once the load that reads it is done (or the request goes): the one lease type from the
-    directory's answer to the load engine."""
-
-    lease_id: int
-    #: the rank whose slot is held
-    rank: int
-    #: the TP worker whose storage holds the slot (its load releases the lease)
-    shard: int = 0
-
-
 class LoadBatchError(ValueError):
     """Malformed step metadata; the message names the offending field."""
 

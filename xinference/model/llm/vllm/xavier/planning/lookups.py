@@ -174,6 +174,14 @@ class DirectoryLookups:
         if lk is not None and lk.result is not None and lk.result.lease_ids:
             self._release(lk.result.lease_ids)
 
+    def close(self) -> None:
+        """Forget every lookup (engine shutdown): answered ones' leases are released now,
+        late answers' when they arrive."""
+        with self._lock:
+            ids = list(self._lookups)
+        for rid in ids:
+            self.drop(rid)
+
     def take_stats(self) -> Dict[str, int]:
         out = {"lookup_calls": self.calls, "lookups_deferred": self.deferred,
                "lookups_given_up": self.given_up, "lookup_wait_us": self.wait_us}

@@ -17,34 +17,46 @@ role), which translates vLLM's objects into plain values.  Contract:
   source that died keeps being offered until the directory drops it: a request retried
   its failed load ~1,300 times in 6 s on simulated hosts.)
 * :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
-  rows for the destination blocks vLLM allocated (null blocks skipped, their leases
-  still carried so they are released after the step's load); with no external tokens
-  the leases are released at once.
+  rows for the destination blocks vLLM allocated (null blocks skipped and their leases
+  released at once, like those of blocks vLLM did not take); with no external tokens
+  every lease is released at once.
 * :meth:`SchedulerSide.build_step` returns everything of one step in a
   :class:`StepMeta`: ONE load batch carrying every request's loads, the newly full
   blocks to export after the forward, and the step's figures.
-* :meth:`SchedulerSide.finished` drops a request and releases any lease it still holds.
+* :meth:`SchedulerSide.loads_finished` (vLLM's ``update_connector_output``: the loads
+  every worker reported done, ``finished_recving``) releases those loads' leases.
+* :meth:`SchedulerSide.finished` drops a request and releases the leases of a hit it was
+  never allocated; the leases of a load in flight stay until vLLM reports the load done
+  (vLLM keeps an aborted request's blocks until then too).
+* :meth:`SchedulerSide.close` releases every lease still held (engine shutdown).
 
 Where a hit's time goes before its first forward, in the step figures: ``hit_lookup_us``
 (arrival to the directory's answer being taken), ``hit_load_wait_us`` (blocks allocated
 and load sent, to the request's first forward: vLLM's asynchronous load path), summed
 over ``hits_started``.
 
-Leases put into a :class:`StepMeta` are owned by the worker from then on (its load
-engine releases them after the copies, on every path).
+Leases: every lease this replica takes is taken and released here, in one place, like
+vLLM's offloading ``prepare_load`` / ``complete_load``.  None travels to a worker: the
+directory grants them with a lookup's answer, :meth:`SchedulerSide.allocated` keeps
+those of the blocks it loads, and :meth:`SchedulerSide.loads_finished` releases them once
+vLLM's aggregation of the workers' ``get_finished`` says every worker is done with the
+request's load -- after its copies completed and its reads were checked (a worker reports
+a load only then, ``LoadCompletion``).  A lease only keeps Xavier's own tiers from reusing
+a slot during the copy; a read is correct without it, since every read is checked after
+its copy (a reused slot fails its check and is recomputed).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .block_directory import QueryResult
 from .block_names import row_key
-from .load_batch import COLUMNS, BlockLoad, Lease, LoadBatch, LoadBatchError
+from .load_batch import COLUMNS, BlockLoad, LoadBatch, LoadBatchError
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
@@ -100,8 +112,10 @@ class SchedulerSide:
         self._clock = clock
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
-        #: (request, rows, the rows' block names, leases) of the step being built
-        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[Lease]]] = []
+        #: (request, rows, the rows' block names, lease ids) of the step being built
+        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[int]]] = []
+        #: the lease ids of loads sent to the workers, until vLLM reports them finished
+        self._in_flight: Dict[str, List[int]] = {}
         self._stats = StepStats()
 
     # ----------------------------------------------------------------- lookup
@@ -218,7 +232,7 @@ class SchedulerSide:
                              f"multiple of at most {len(hit.keys)} offered blocks")
         rows: List[BlockLoad] = []
         names: List[int] = []
-        leases: List[Lease] = []
+        leases: List[int] = []
         per_group = len(hit.result.locations) // max(1, len(hit.keys))
         drop: List[int] = []
         tp_size = self.shards.tp_size
@@ -232,11 +246,12 @@ class SchedulerSide:
                 pos = hit.first_block + j
                 # the directory group names the KV-cache group and the shard (.shards)
                 group, shard = divmod(loc.group, tp_size)
-                leases.append(Lease(int(lease), int(loc.rank), shard))
                 if pos >= len(block_ids[group]) or null[group][pos]:
+                    drop.append(lease)  # nothing reads it
                     if shard == 0:  # counted once per block position
                         self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
                     continue
+                leases.append(int(lease))
                 rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
                                       loc.slot, int(block_ids[group][pos]), loc.generation,
                                       loc.incarnation))
@@ -309,8 +324,8 @@ class SchedulerSide:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
         ids = tuple(rid for rid, _, _, _ in loads)
-        leases = tuple(lease for _, _, _, ls in loads for lease in ls)
-        lease_offsets = tuple(int(x) for x in np.cumsum([0] + [len(ls) for *_, ls in loads]))
+        for rid, _, _, leases in loads:  # held until every worker reported the load done
+            self._in_flight.setdefault(rid, []).extend(leases)
         clashed = _name_clashes(loads)
         failed = tuple(int(r.dest) for i in clashed for r in loads[i][1])
         if clashed:
@@ -321,7 +336,7 @@ class SchedulerSide:
         try:
             batch = LoadBatch.from_requests(
                 (rid, [] if i in clashed else rows) for i, (rid, rows, _, _) in enumerate(loads))
-            return StepMeta(batch, leases, lease_offsets, (), stats, failed)
+            return StepMeta(batch, (), stats, failed)
         except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
             logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
                          "vLLM recomputes them", self.rank, exc)
@@ -329,13 +344,37 @@ class SchedulerSide:
             dests = tuple(int(r.dest) for _, rows, _, _ in loads for r in rows)
             empty = LoadBatch(ids, np.zeros(len(ids) + 1, np.int64),
                               np.zeros((0, len(COLUMNS)), np.int64))
-            return StepMeta(empty, leases, lease_offsets, (), stats, dests)
+            return StepMeta(empty, (), stats, dests)
 
     # ----------------------------------------------------------------- finish
+    def loads_finished(self, request_ids: Iterable[str]) -> None:
+        """vLLM's ``finished_recving``: every worker reported these requests' loads done
+        (copies complete, reads checked); their leases are released."""
+        for rid in request_ids:
+            leases = self._in_flight.pop(rid, None)
+            if leases:
+                self._release(leases)
+
     def finished(self, request_id: str) -> None:
+        """The request is done or aborted: its tracking, lookup and unallocated hit go.  A
+        load in flight keeps its leases until :meth:`loads_finished` (vLLM reports an
+        aborted request's load when it ends, and frees its blocks only then)."""
         self._drop_hit(request_id)
         self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
+
+    def close(self) -> None:
+        """Release every lease still held (engine shutdown: no load report will come).
+        Idempotent."""
+        for rid in list(self._hits):
+            self._drop_hit(rid)
+        held = [x for _, _, _, ls in self._step_loads for x in ls]
+        held += [x for ls in self._in_flight.values() for x in ls]
+        self._step_loads.clear()
+        self._in_flight.clear()
+        if held:
+            self._release(held)
+        self.lookups.close()
 
     def _drop_hit(self, request_id: str) -> None:
         hit = self._hits.pop(request_id, None)
@@ -344,16 +383,23 @@ class SchedulerSide:
 
     @property
     def held_leases(self) -> int:
-        """Leases held by answered-but-not-allocated requests (not yet in a step)."""
-        return sum(len(h.result.lease_ids) for h in self._hits.values()) + sum(
-            len(ls) for *_, ls in self._step_loads) + self.lookups.held_leases
+        """Leases held: by answered lookups and unallocated hits, by loads of the step being
+        built and by loads in flight."""
+        return (sum(len(h.result.lease_ids) for h in self._hits.values())
+                + sum(len(ls) for *_, ls in self._step_loads)
+                + sum(len(ls) for ls in self._in_flight.values()) + self.lookups.held_leases)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """Requests whose load was sent and is not yet reported finished."""
+        return len(self._in_flight)
 
     @property
     def tracked(self) -> int:
         return len(self._tracked)
 
 
-def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[Lease]]]
+def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[int]]]
                   ) -> Set[int]:
     """Indexes of the step's requests with a row whose ``(group, key)`` another row of the
     step (earlier, or of the same request) reads under a different block name: the load

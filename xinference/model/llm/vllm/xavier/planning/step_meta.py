@@ -1,8 +1,8 @@
 """One scheduler step's work for the workers: the typed object vLLM carries from the
 connector's scheduler half to every worker (pickled once per step).
 
-:class:`StepMeta` holds ONE :class:`~.load_batch.LoadBatch` with every request's loads and
-their leases, the newly full blocks to export and the step's figures (:class:`StepStats`).
+:class:`StepMeta` holds ONE :class:`~.load_batch.LoadBatch` with every request's loads, the
+newly full blocks to export and the step's figures (:class:`StepStats`).
 Built by :class:`~.scheduler_side.SchedulerSide`; a tensor-parallel worker takes its
 shard's part of it (:meth:`StepMeta.for_shard`).  Pure: numpy only.
 """
@@ -12,9 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
-
-from .load_batch import Lease, LoadBatch, empty_batch
+from .load_batch import LoadBatch, empty_batch
 
 #: (group, block name, block_id) of a newly computed full block
 ExportRow = Tuple[int, int, int]
@@ -57,6 +55,8 @@ class StepStats:
     in_place_published: int = 0
     in_place_reused: int = 0
     in_place_victims: int = 0
+    #: directory calls releasing leases that failed (each is tried again)
+    lease_release_failures: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))
@@ -65,9 +65,10 @@ class StepStats:
 @dataclass
 class StepMeta:
     """One step's work for the worker (pickled by vLLM from the scheduler to the worker):
-    ONE :class:`~.load_batch.LoadBatch` with every request's loads, each request's leases
-    (``leases[lease_offsets[i]:lease_offsets[i+1]]`` belong to ``loads.request_ids[i]``;
-    the worker owns them from now on), the newly full blocks to export, the step's figures.
+    ONE :class:`~.load_batch.LoadBatch` with every request's loads, the newly full blocks
+    to export, the step's figures.  No lease travels: the scheduler half holds the loads'
+    leases and releases them when vLLM reports the loads finished on every worker
+    (:meth:`~.scheduler_side.SchedulerSide.loads_finished`).
 
     ``failed_dests``: destinations of loads the scheduler could not express as a valid
     batch (a defect, logged there): the worker reports them failed so that vLLM recomputes
@@ -79,8 +80,6 @@ class StepMeta:
     before anything of the step writes them."""
 
     loads: LoadBatch = field(default_factory=empty_batch)
-    leases: Tuple[Lease, ...] = ()
-    lease_offsets: Tuple[int, ...] = (0,)
     exports: Tuple[ExportRow, ...] = ()
     stats: StepStats = field(default_factory=StepStats)
     failed_dests: Tuple[int, ...] = ()
@@ -93,26 +92,20 @@ class StepMeta:
 
     def for_shard(self, tp_rank: int, tp_size: int) -> StepMeta:
         """What TP worker ``tp_rank`` does of this step: the rows of its shard
-        (:meth:`~.load_batch.LoadBatch.for_shard`) and their leases; every request, the
+        (:meth:`~.load_batch.LoadBatch.for_shard`); every request, the
         exports and ``failed_dests`` stay (each worker exports, publishes and saves its
         shard of every block and reports the failed blocks; vLLM recomputes a block any
         worker failed on all of them).  ``tp_size == 1``: this step."""
         if tp_size == 1:
             return self
-        keep = [lease.shard == tp_rank for lease in self.leases]
-        counts = [sum(keep[a:b]) for a, b in zip(self.lease_offsets, self.lease_offsets[1:])]
-        return StepMeta(self.loads.for_shard(tp_rank, tp_size),
-                        tuple(lease for lease, k in zip(self.leases, keep) if k),
-                        tuple(int(x) for x in np.cumsum([0] + counts)), self.exports,
-                        self.stats, self.failed_dests, self.in_place, self.saves)
+        return StepMeta(self.loads.for_shard(tp_rank, tp_size), self.exports, self.stats,
+                        self.failed_dests, self.in_place, self.saves)
 
-    def per_request(self, loads: Optional[LoadBatch] = None
-                    ) -> List[Tuple[LoadBatch, Tuple[Lease, ...]]]:
-        """The step's loads as one batch per request with its own leases (the per-request
-        baseline: one load call each).  ``loads``: the step's batch after rows were dropped
+    def per_request(self, loads: Optional[LoadBatch] = None) -> List[LoadBatch]:
+        """The step's loads as one batch per request (the per-request baseline: one load
+        call each).  ``loads``: the step's batch after rows were dropped
         (the same requests, in the same order); default the step's own."""
         batch = self.loads if loads is None else loads
         if batch.request_ids != self.loads.request_ids:
             raise ValueError("loads: not the step's requests")
-        return [(part, self.leases[self.lease_offsets[i]:self.lease_offsets[i + 1]])
-                for i, part in enumerate(batch.split())]
+        return batch.split()

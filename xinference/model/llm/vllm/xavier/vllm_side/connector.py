@@ -260,8 +260,8 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         """vLLM allocated ``blocks`` for the request.
 
-        The hit's destinations are the blocks at its positions (null blocks get no load;
-        their leases travel along and are released with the others); with
+        The hit's destinations are the blocks at its positions (null blocks get no load and
+        their leases are released); with
         ``num_external_tokens == 0`` (no load, or vLLM's second call after an async load)
         nothing is loaded and held leases are released.  Does not modify ``blocks``."""
         assert self.scheduler is not None
@@ -272,8 +272,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """ONE :class:`~..planning.step_meta.StepMeta` for the step.
 
-        Carries every load allocated since the last step (the worker owns their leases
-        from now on), the newly full blocks the step's forward computes (to export) and
+        Carries every load allocated since the last step (no lease: the scheduler half
+        keeps them until :meth:`update_connector_output` reports the load done), the newly
+        full blocks the step's forward computes (to export) and
         the step's figures.  Resets the scheduler half's per-step state; does not modify
         ``scheduler_output``."""
         assert self.scheduler is not None
@@ -291,10 +292,22 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None and not self.disabled:
             self.scheduler.bind_pool(gpu_block_pool)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """vLLM's aggregation of every worker's output of a step (``KVConnectorOutput``),
+        before the scheduler acts on it.
+
+        ``finished_recving`` lists the requests whose loads every worker reported done
+        through :meth:`get_finished` -- after the load's copies completed and its reads were
+        checked: the leases of those loads are released here, the one place a lease is
+        released after a load.  Changes nothing of ``connector_output``."""
+        if self.scheduler is not None and not self.disabled:
+            self.scheduler.loads_finished(connector_output.finished_recving or ())
+
     def request_finished(self, request: Request,
                          block_ids: List[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request is done or aborted: its tracking and any lease it still holds (a
-        lookup, an unallocated hit) go.
+        lookup, an unallocated hit) go; the leases of a load in flight stay until
+        :meth:`update_connector_output` reports it done.
 
         Returns ``(False, None)``: blocks are never held back and nothing is sent
         asynchronously.  An aborted request whose load is in flight keeps its blocks until
@@ -403,55 +416,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         """vLLM's connector shutdown (the worker's runs before its process frees the KV
         caches): loads and exports in flight finish, every storage mapping is let go,
-        the transfer actor is told that the engine goes.  Idempotent."""
+        the transfer actor is told that the engine goes.  The scheduler's releases every
+        lease it still holds.  Idempotent."""
         if self.worker is not None:
             self.worker.shutdown()
-
-
-def _connector() -> Optional[XavierConnector]:
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
-        return None
-    connector = get_kv_transfer_group()
-    return connector if isinstance(connector, XavierConnector) else None
-
-
-class XavierWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``) so that the model actor reaches
-    the worker's connector with ``collective_rpc``."""
-
-    def xavier_attach(self) -> bool:
-        """Attach the worker's data plane now (``init_xavier``); errors propagate."""
-        connector = _connector()
-        if connector is None or connector.plane is None:
-            return False
-        return bool(connector.plane.attach(force=True, raise_errors=True))
-
-    def xavier_set_batched_loads(self, batched: bool) -> bool:
-        """Set the worker's load mode (see ``XavierEngine.set_batched_loads``)."""
-        connector = _connector()
-        if connector is None or connector.plane is None:
-            return False
-        connector.plane.batched_loads = bool(batched)
-        return True
-
-    def xavier_device_memory(self) -> Dict[str, int]:
-        """The worker's device memory as torch's allocator counts it, and vLLM's KV cache
-        bytes (``device_memory.device_memory``): what a benchmark compares with a plain
-        replica to report the memory Xavier adds."""
-        from .device_memory import device_memory
-
-        return device_memory(self)
-
-    def xavier_hook(self, name: str, *args: Any) -> Any:
-        """A test hook of the data plane (only when ``XAVIER_TEST_HOOKS`` names a hooks
-        class in the engine's environment); refused otherwise."""
-        connector = _connector()
-        if connector is None or connector.plane is None:
-            raise RuntimeError("xavier: no data plane in this worker")
-        hooks = connector.plane.hooks
-        if hooks is None:
-            raise RuntimeError("xavier: test hooks are off (XAVIER_TEST_HOOKS is not set "
-                               "in the engine's environment)")
-        return getattr(hooks, name)(*args)
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

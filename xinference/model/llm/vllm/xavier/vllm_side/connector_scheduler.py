@@ -10,7 +10,18 @@ leave as ONE :class:`~..planning.step_meta.StepMeta`.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Collection, Dict, List, Optional, Sequence, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Collection,
+    Dict,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
@@ -62,9 +73,10 @@ def reads_prefix_cache(request: Request) -> bool:
 class XavierConnectorScheduler:
     """Scheduler-side state of one replica: lookups, hits and their leases, step metadata.
 
-    Owns the replica's lease releaser and directory lookups; every lease it takes is either
-    handed to a step's load (the worker releases it) or released here when the request
-    goes (:meth:`request_finished`)."""
+    Owns the replica's leases, their releaser and the directory lookups: every lease the
+    replica takes is released here, when vLLM reports the load done on every worker
+    (:meth:`loads_finished`), when the request goes without a load
+    (:meth:`request_finished`), or at :meth:`shutdown`."""
 
     def __init__(self, options: XavierOptions, block_size: int, num_groups: int,
                  bridge: ActorBridge, tp_size: int = 1) -> None:
@@ -74,8 +86,9 @@ class XavierConnectorScheduler:
         self._next_ready_check = 0.0
         self._directory = LazyActor(bridge, options.block_tracker_address,
                                     options.block_tracker_uid, checked=False)
-        releaser = BatchingReleaser(directory_sender(self._directory, bridge.start),
-                                    bridge.schedule)
+        self._releaser = releaser = BatchingReleaser(
+            directory_sender(self._directory, bridge.start), bridge.schedule)
+        self._release_failures_counted = 0
         lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
                                   releaser.release_many, tp_size=tp_size)
@@ -283,15 +296,33 @@ class XavierConnectorScheduler:
             self._open_in_place()
         self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
         meta = self.side.build_step(scheduled, new_blocks)
+        failures = self._releaser.failures  # release calls that failed since the last step
+        meta.stats.lease_release_failures = failures - self._release_failures_counted
+        self._release_failures_counted = failures
         if not self.options.in_place:
             return meta
         # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
         zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
         return self._in_place_step(meta, zeroed)
 
+    def loads_finished(self, request_ids: Iterable[str]) -> None:
+        """vLLM's ``finished_recving`` (every worker reported these loads done): their
+        leases are released."""
+        self.side.loads_finished(request_ids)
+
     def request_finished(self, request: Request) -> None:
-        """Forget ``request``; release what it still holds."""
+        """Forget ``request``; release what it holds, except the leases of a load still in
+        flight (released by :meth:`loads_finished`)."""
         self.side.finished(request.request_id)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Release every lease still held and wait (bounded) for the releases to reach the
+        directory.  Idempotent."""
+        self.side.close()
+        if not self._releaser.flush(timeout):
+            logger.warning("xavier: rank %d: lease releases still unsent at shutdown (the "
+                           "directory drops them with the rank, or after their expiry)",
+                           self.options.rank)
 
 
 def _key_source(request: Request) -> Any:

@@ -20,7 +20,7 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
 
 In a tensor-parallel replica every worker has its own plane for its shard of the KV heads
 (``tp_rank``): its own storage at the transfer actor, its shard's rows of each step
-(``StepMeta.for_shard``) and their leases, shard ``tp_rank`` of every peer
+(``StepMeta.for_shard``), shard ``tp_rank`` of every peer
 (:mod:`..planning.shards`).
 
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
@@ -50,8 +50,7 @@ from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import SharedCounters
 from ..planning.directory_link import DirectoryLink, ShardLink
-from ..planning.lease_release import BatchingReleaser, directory_sender
-from ..planning.load_batch import DEST, RANK, TIER, Lease, LoadBatch, Tier
+from ..planning.load_batch import DEST, RANK, TIER, LoadBatch, Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
@@ -137,14 +136,9 @@ class WorkerDataPlane:
         self.counters = SharedCounters.create()
         self.layout: KVLayout = layout_of(caches, block_dims, tp_size)
         self.device = next(t for layers in caches.values() for _, t in layers).device
-        self._releaser = BatchingReleaser(directory_sender(self._tracker, bridge.start),
-                                          bridge.schedule)
         slabs = SlabConfig(full_rows=options.slab_blocks,
                            small_rows=min(32, options.slab_blocks))
-        self.engine = GPUTransfer(self.rank, slab_config=slabs,
-                                  release_lease=lambda lease: self._releaser.release(
-                                      lease.lease_id),
-                                  counters=self.counters)
+        self.engine = GPUTransfer(self.rank, slab_config=slabs, counters=self.counters)
         self.engine.set_local_caches(caches, block_dims)
         self.writer: Optional[StorageWriter] = None
         self.batched_loads = options.batched_loads
@@ -273,12 +267,11 @@ class WorkerDataPlane:
         pending = self._load(step)
         return pending, pending.error
 
-    def refuse(self, leases: Sequence[Lease], why: str) -> None:
+    def refuse(self, why: str) -> None:
         """Metadata that is not a valid load batch (it never becomes one): counted in
-        ``rejected_metadata``, its leases released."""
+        ``rejected_metadata`` (its leases are the scheduler half's)."""
         self.counters.add("rejected_metadata")
         logger.warning("xavier: rank %d: malformed step metadata: %s", self.rank, why)
-        self._releaser.release_many([lease.lease_id for lease in leases])
 
     def _load(self, step: StepMeta) -> _StepLoad:
         step = step.for_shard(self.tp_rank, self.tp_size)
@@ -286,9 +279,8 @@ class WorkerDataPlane:
         assert batch is not None
         pending = _StepLoad(batch.request_ids)
         pending.failed.update(step.failed_dests)  # not expressible as a load: recomputed
-        leases = list(step.leases)
         if not self._attached or self.writer is None:
-            self._fail(pending, batch.table[:, DEST].tolist(), leases,
+            self._fail(pending, batch.table[:, DEST].tolist(),
                        "not attached to the transfer actor")
             return pending
         if self.hooks is not None:
@@ -313,26 +305,23 @@ class WorkerDataPlane:
         if batch is not None and self.hooks is not None:
             batch = self.hooks.apply_faults(batch, pending.failed)
         if batch is None:
-            self._releaser.release_many([lease.lease_id for lease in leases])
             return pending
-        calls = [(batch, leases)] if self.batched_loads else step.per_request(batch)
-        for part, part_leases in calls:
+        calls = [batch] if self.batched_loads else step.per_request(batch)
+        for part in calls:
             try:
-                pending.handles.append(self.engine.load_gpu_requests_v1(part, part_leases))
-            except Exception as exc:  # refused before any copy; its leases are released
+                pending.handles.append(self.engine.load_gpu_requests_v1(part))
+            except Exception as exc:  # refused before any copy
                 logger.warning("xavier: rank %d: load of %d blocks refused: %s", self.rank,
                                part.num_rows, exc)
                 pending.error = f"{type(exc).__name__}: {exc}"
                 pending.failed.update(int(x) for x in part.table[:, DEST])
         return pending
 
-    def _fail(self, pending: _StepLoad, dests: Sequence[int], leases: Sequence[Lease],
-              why: str) -> None:
+    def _fail(self, pending: _StepLoad, dests: Sequence[int], why: str) -> None:
         logger.warning("xavier: rank %d: step loads not done (%s): vLLM recomputes %d blocks",
                        self.rank, why, len(dests))
         pending.error = why
         pending.failed.update(dests)
-        self._releaser.release_many([lease.lease_id for lease in leases])
 
     def finished(self, stream: Optional[torch.cuda.Stream] = None
                  ) -> Tuple[Set[str], Set[int]]:
@@ -397,12 +386,11 @@ class WorkerDataPlane:
 
     # ------------------------------------------------------------------ close
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait for launched loads, pending publications and lease releases (tests)."""
+        """Wait for launched loads and pending publications (tests)."""
         self.wait_pending(timeout)
         self.engine.drain(timeout)
         if self.writer is not None:
             self.writer.flush(timeout)
-        self._releaser.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Let loads and exports in flight finish, unmap every storage (this process lets go
@@ -423,7 +411,6 @@ class WorkerDataPlane:
             release()
         self._own_releases.clear()
         self.peers.close()
-        self._releaser.flush(timeout)
         if self.block_generations is not None:  # peers' mappings keep what they mapped
             self.block_generations.close()
         if self._shared_host is not None:
