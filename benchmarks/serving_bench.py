@@ -422,29 +422,35 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
 
 async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     """Each pair's workers' device memory (torch's allocator: ``reserved``, the peak
-    ``max_reserved``, vLLM's ``kv_cache_bytes``) and, per Xavier replica, the GPU memory
-    Xavier adds beyond vLLM's own: its peak reserved minus the plain replicas' mean, when
-    both hold the same KV cache (``adds_bytes``; ``None`` when the caches differ)."""
+    ``max_reserved``, vLLM's ``kv_cache_bytes``), its replica actors' processes' (where
+    the transfer actor and Xavier's GPU tier live) and, per Xavier replica, the GPU memory
+    Xavier adds beyond vLLM's own (``adds_bytes``): its workers' and actor's peak reserved
+    minus those of a plain replica with the same KV cache (``None`` when none has; CUDA
+    contexts are not counted)."""
     per_pair: Dict[str, List[List[Dict[str, int]]]] = {}
+    actors: Dict[str, List[Dict[str, int]]] = {}  # the replica actors' own processes
     for kind, r in pairs.items():
         per_pair[kind] = [await x.device_memory() for x in r.replicas]
+        actors[kind] = [await x.actor_device_memory() for x in r.replicas]
     plain = [w for rep in per_pair.get("plain", []) for w in rep]
-    base = sum(w["max_reserved"] for w in plain) / len(plain) if plain else None
-    base_kv = {w["kv_cache_bytes"] for w in plain}
+    base = {w["kv_cache_bytes"]: w["max_reserved"] for w in plain}  # by KV cache size
+    base_actor = max((a["max_reserved"] for a in actors.get("plain", [])), default=0)
     adds: Dict[str, List[Optional[int]]] = {}
     for kind, reps in per_pair.items():
-        if kind == "plain" or not base:  # no plain pair, or no CUDA (vLLM's CPU build)
+        if kind == "plain" or not any(base.values()):  # no plain pair, or no CUDA
             continue
-        adds[kind] = [int(w["max_reserved"] - base)
-                      if {w["kv_cache_bytes"]} == base_kv else None
-                      for rep in reps for w in rep]
+        adds[kind] = [int(sum(w["max_reserved"] for w in rep)
+                          - sum(base[w["kv_cache_bytes"]] for w in rep)
+                          + actor["max_reserved"] - base_actor)
+                      if all(w["kv_cache_bytes"] in base for w in rep) else None
+                      for rep, actor in zip(reps, actors[kind])]
     print("[serving_bench] device memory (max reserved, GiB): "
           + ", ".join(f"{k} {[round(w['max_reserved'] / 2**30, 2) for rep in v for w in rep]}"
                       for k, v in per_pair.items())
           + "; Xavier adds (GiB): "
           + ", ".join(f"{k} {[None if a is None else round(a / 2**30, 2) for a in v]}"
                       for k, v in adds.items()), flush=True)
-    return {"workers": per_pair, "adds_bytes": adds}
+    return {"workers": per_pair, "actors": actors, "adds_bytes": adds}
 
 
 async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[List[int]],

@@ -335,3 +335,37 @@ def test_forget_drops_a_ranks_in_place_entries_whatever_their_generation():
     # an engine gone: every in-place entry of its rank goes (its snapshot tiers stay)
     d.register(1, [(0, 13, CPU, 5, 1)])
     assert d.forget(1, VLLM) == 2 and d.query(0, [13], exclude_rank=3).num_hits == 1
+
+
+def test_a_loader_leases_its_reads_when_it_allocates_them_and_only_what_still_holds():
+    """A lookup can answer without leases (``lease=False``: a request waiting in vLLM's
+    queue pins nothing); the loader leases the locations it reads when vLLM allocated the
+    destinations (``lease``, one id per location).  No lease for vLLM's cache read in
+    place, for a slot reused or forgotten since the answer, for a rank gone; past
+    ``max_leases`` none at all (the reads are still checked).  The holder is recorded: a
+    dead loader's leases go with it."""
+    from xinference.model.llm.vllm.xavier.planning.load_batch import NO_LEASE
+
+    d = BlockDirectory(max_leases=4)
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, CPU, 1, 1), (0, 12, GPU, 2, 1)])
+    d.register(3, [(0, 13, VLLM, 7, 3)])
+    answer = d.query_many([0], [[10, 11, 12]], exclude_rank=2, lease=False)[0]
+    assert answer.num_hits == 3 and answer.lease_ids == (NO_LEASE,) * 3
+    assert d.outstanding_leases == 0
+    in_place = d.query(0, [13], exclude_rank=2, lease=False).locations[0]
+    d.register(1, [(0, 14, GPU, 2, 2)])  # slot 2 reused meanwhile
+    ids = d.lease(2, list(answer.locations) + [in_place])
+    assert ids[0] != NO_LEASE and ids[1] != NO_LEASE
+    assert ids[2:] == [NO_LEASE, NO_LEASE]  # reused slot; read in place
+    assert d.outstanding_leases == 2 and d.claim(1, GPU, 0, [0]) == []  # held
+    d.unregister_rank(2)  # the loader dies: its leases go, the slot can be reused
+    assert d.outstanding_leases == 0 and d.claim(1, GPU, 0, [0]) == [0]
+    assert d.lease(2, [answer.locations[0]]) == [NO_LEASE]  # claimed: no longer holds
+    d.unregister_rank(1)
+    assert d.lease(2, [answer.locations[1]]) == [NO_LEASE]  # its rank is gone
+    d.register(1, [(0, k, GPU, k, 1) for k in range(5)])
+    locs = d.query(0, list(range(5)), exclude_rank=2, lease=False).locations
+    assert d.lease(2, locs) == [NO_LEASE] * 5  # past max_leases: none
+    assert d.stats.leases_refused == 5 and d.outstanding_leases == 0
+    with pytest.raises(DirectoryError, match="^holder: "):
+        d.lease(-3, locs)

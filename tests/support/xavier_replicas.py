@@ -226,6 +226,13 @@ class ReplicaActor(xo.StatelessActor):
         """Each worker's device memory (``vllm_side/device_memory.py``), plain replicas too."""
         return list(await self.engine.collective_rpc("xavier_device_memory"))
 
+    async def actor_device_memory(self) -> Dict[str, int]:
+        """This actor's own process's device memory (the transfer actor lives here, and
+        with it Xavier's GPU tier); zero when it never touched CUDA."""
+        from _xinference_xavier_fork.vllm_side.device_memory import device_memory
+
+        return device_memory(None)
+
     async def engine_num_blocks(self) -> int:
         return await self.hook("engine_num_blocks", 0)
 

@@ -16,6 +16,7 @@ import numpy as np
 import xoscar as xo
 
 from .planning.block_directory import BlockDirectory, QueryResult
+from .planning.directory_types import Location
 from .planning.hash_seed import new_launch_seed
 from .planning.log_names import package_logger
 
@@ -88,11 +89,19 @@ class VLLMBlockTracker(xo.StatelessActor):
         return self._directory.query(group, keys, exclude_rank)
 
     def query_many(self, groups: Sequence[int], requests: Sequence[Any],
-                   exclude_rank: Optional[int] = None) -> List[QueryResult]:
+                   exclude_rank: Optional[int] = None, lease: bool = True
+                   ) -> List[QueryResult]:
         """One scheduler step's lookups: for each request's keys, the longest prefix held
-        by other ranks in every group, leased (:meth:`BlockDirectory.query_many`)."""
+        by other ranks in every group, leased unless ``lease`` is false
+        (:meth:`BlockDirectory.query_many`)."""
         reqs = [r.tolist() if isinstance(r, np.ndarray) else list(r) for r in requests]
-        return self._directory.query_many([int(g) for g in groups], reqs, exclude_rank)
+        return self._directory.query_many([int(g) for g in groups], reqs, exclude_rank,
+                                          bool(lease))
+
+    def lease(self, holder: int, locations: Sequence[Any]) -> List[int]:
+        """Leases for ``holder``'s load of ``locations``, taken when it allocated the
+        destinations (:meth:`BlockDirectory.lease`)."""
+        return self._directory.lease(int(holder), [Location(*loc) for loc in locations])
 
     def release(self, lease_ids: Sequence[int]) -> int:
         return self._directory.release(lease_ids)

@@ -105,6 +105,8 @@ class DirectoryStats:
     leases_expired: int = 0
     leases_of_gone_holders: int = 0
     claims_refused: int = 0
+    #: leases :meth:`BlockDirectory.lease` could not grant (the bound reached)
+    leases_refused: int = 0
     #: entries dropped because their rank no longer held the block (:meth:`forget`)
     forgotten: int = 0
     stale_registrations: int = 0
@@ -278,9 +280,10 @@ class BlockDirectory:
         return self.claim(rank, tier, group, slots)
 
     def query(self, group: int, keys: Sequence[int],
-              exclude_rank: Optional[int] = None) -> QueryResult:
+              exclude_rank: Optional[int] = None, lease: bool = True) -> QueryResult:
         """Longest prefix of ``keys`` of ``group`` held by ranks other than ``exclude_rank``,
-        leased."""
+        leased (``lease``; else every lease id is ``NO_LEASE``: the loader takes its leases
+        when it allocates the destinations, :meth:`lease`)."""
         self.stats.queries += 1
         hit_keys: List[int] = []
         locs: List[Location] = []
@@ -299,17 +302,52 @@ class BlockDirectory:
                 break
             hit_keys.append(key)
             locs.append(best)
-        leased = sum(1 for loc in locs if loc.tier != Tier.VLLM)
-        if leased and len(self._leases) + leased > self.max_leases:
-            self.expire_leases()
-        if leased and len(self._leases) + leased > self.max_leases:
+        leased = sum(1 for loc in locs if loc.tier != Tier.VLLM) if lease else 0
+        if not self._room_for_leases(leased):
             # refuse rather than grow without bound: a miss is always safe
             hit_keys, locs = [], []
-        lease_ids = []
         holder = NO_HOLDER if exclude_rank is None else exclude_rank
+        lease_ids = self._grant(locs, holder) if lease else [NO_LEASE] * len(locs)
+        if not locs:
+            self.stats.missed_queries += 1
+        self.stats.hit_blocks += len(locs)
+        return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
+
+    def lease(self, holder: int, locations: Sequence[Location]) -> List[int]:
+        """Leases for ``holder``'s load of ``locations`` (taken when its destination blocks
+        are allocated, released when the load is done): one id per location, in order.
+        ``NO_LEASE`` for a location read in place (no lease needed), for one whose slot no
+        longer holds what it names (its rank gone, the slot forgotten or reused: the read
+        fails its check anyway), and for all of them when the lease bound is reached even
+        after expiry (the reads are then unprotected: still checked, at worst recomputed)."""
+        _check_int("holder", holder)
+        live = [self._names_its_slot(loc) for loc in locations]
+        if not self._room_for_leases(sum(live)):
+            self.stats.leases_refused += sum(live)
+            return [NO_LEASE] * len(locations)
+        granted = iter(self._grant([loc for loc, ok in zip(locations, live) if ok], holder))
+        return [next(granted) if ok else NO_LEASE for ok in live]
+
+    def _names_its_slot(self, loc: Location) -> bool:
+        """``loc`` is of Xavier's tiers and its slot still holds what it names."""
+        if loc.tier == Tier.VLLM or loc.rank not in self._ranks:
+            return False
+        held = self._by_slot.get(_sid(loc))
+        return held is not None and held[1:] == (loc.generation, loc.incarnation)
+
+    def _room_for_leases(self, n: int) -> bool:
+        """Whether ``n`` more leases fit under ``max_leases`` (expired ones dropped first)."""
+        if n and len(self._leases) + n > self.max_leases:
+            self.expire_leases()
+        return not n or len(self._leases) + n <= self.max_leases
+
+    def _grant(self, locs: Sequence[Location], holder: int) -> List[int]:
+        """A lease per location of Xavier's tiers, held by ``holder``; ``NO_LEASE`` for one
+        read in place (checked after the copy, nothing of Xavier's reused under it)."""
+        lease_ids = []
         now = self.clock() if locs else 0.0
         for loc in locs:
-            if loc.tier == Tier.VLLM:  # read in place: checked after the copy, no lease
+            if loc.tier == Tier.VLLM:
                 lease_ids.append(NO_LEASE)
                 continue
             lease_id = next(self._ids)
@@ -317,23 +355,20 @@ class BlockDirectory:
             self._leases[lease_id] = LeaseRecord(sid, holder, now)
             self._lease_count[sid] = self._lease_count.get(sid, 0) + 1
             lease_ids.append(lease_id)
-        if not locs:
-            self.stats.missed_queries += 1
-        self.stats.hit_blocks += len(locs)
         self.stats.leases_granted += sum(1 for i in lease_ids if i != NO_LEASE)
-        return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
+        return lease_ids
 
     def query_prefix(self, groups: Sequence[int], keys: Sequence[int],
-                     exclude_rank: Optional[int] = None) -> QueryResult:
+                     exclude_rank: Optional[int] = None, lease: bool = True) -> QueryResult:
         """The longest prefix of ``keys`` held by other ranks in EVERY group of ``groups``
         (a hybrid model needs each group's block of a position), leased.  Locations and
         lease ids are group-major: group ``groups[g]``'s ``j``-th block is at
         ``g * num_hits + j``.  The leases beyond the common prefix are given back here."""
         if not groups:
             raise DirectoryError("groups: at least one KV-cache group")
-        results = [self.query(groups[0], keys, exclude_rank)]
+        results = [self.query(groups[0], keys, exclude_rank, lease)]
         for group in groups[1:]:
-            results.append(self.query(group, keys[:results[0].num_hits], exclude_rank))
+            results.append(self.query(group, keys[:results[0].num_hits], exclude_rank, lease))
         n = min(r.num_hits for r in results)
         extra = [lid for r in results for lid in r.lease_ids[n:]]
         if extra:
@@ -343,10 +378,11 @@ class BlockDirectory:
                            tuple(lid for r in results for lid in r.lease_ids[:n]))
 
     def query_many(self, groups: Sequence[int], requests: Sequence[Sequence[int]],
-                   exclude_rank: Optional[int] = None) -> List[QueryResult]:
+                   exclude_rank: Optional[int] = None, lease: bool = True
+                   ) -> List[QueryResult]:
         """:meth:`query_prefix` for each request's keys: a scheduler step's new requests
         in one call."""
-        return [self.query_prefix(groups, keys, exclude_rank) for keys in requests]
+        return [self.query_prefix(groups, keys, exclude_rank, lease) for keys in requests]
 
     def release(self, lease_ids: Iterable[int]) -> int:
         """Release leases; unknown ids (already released, purged rank) are counted, not errors.

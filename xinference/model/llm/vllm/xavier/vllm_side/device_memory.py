@@ -31,8 +31,9 @@ def _kv_cache_tensors(worker: Any) -> Iterable[torch.Tensor]:
 
 
 def device_memory(worker: Any) -> Dict[str, int]:
-    """``reserved`` / ``max_reserved`` / ``allocated`` bytes of the worker's CUDA device
-    (zero on vLLM's CPU build) and ``kv_cache_bytes``: vLLM's own KV cache tensors."""
+    """``reserved`` / ``max_reserved`` / ``allocated`` bytes of this process's CUDA device
+    (zero on vLLM's CPU build, or in a process that never touched CUDA) and
+    ``kv_cache_bytes``: vLLM's own KV cache tensors of ``worker`` (0 for ``None``)."""
     out = {"reserved": 0, "max_reserved": 0, "allocated": 0,
            "kv_cache_bytes": _unique_bytes(_kv_cache_tensors(worker))}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
