@@ -1,5 +1,6 @@
 """DirectoryLookups: one call for the lookups queued since the last, bounded waits, late
-and dropped answers give their leases back, a failing directory is a miss."""
+and dropped answers forgotten, a failing directory is a miss.  Answers hold no lease (the
+scheduler half leases what a step loads: test_scheduler_side.py)."""
 
 import concurrent.futures
 import threading
@@ -23,7 +24,7 @@ class Directory:
     def send(self, batch):
         self.calls.append([rid for rid, _ in batch])
         fut = concurrent.futures.Future()
-        results = self.d.query_many([0], [keys for _, keys in batch], 2)
+        results = self.d.query_many([0], [keys for _, keys in batch], 2, False)
         if self.answer_now:
             fut.set_result(results)
         else:
@@ -40,15 +41,15 @@ class Directory:
         self.d.release(list(ids))
 
 
-def test_queued_lookups_leave_in_one_call_and_are_taken_with_their_leases():
+def test_queued_lookups_leave_in_one_call_and_are_taken_once():
     dr = Directory()
-    lk = DirectoryLookups(dr.send, dr.release)
+    lk = DirectoryLookups(dr.send)
     for rid in ("a", "b", "c"):
         lk.ask(rid, 0, [100, 101, 102])
     state, got = lk.take("b")
     assert state is State.DONE and got is not None and got.result.num_hits == 3
     assert dr.calls == [["a", "b", "c"]]  # one call carried all three
-    assert dr.d.outstanding_leases == 9  # each answer holds its leases until used
+    assert dr.d.outstanding_leases == 0  # an answer pins no source slot
     assert lk.take("a")[0] is State.DONE and lk.take("c")[0] is State.DONE
     assert lk.take("c")[0] is State.NONE  # taken once
     assert lk.take_stats()["lookup_calls"] == 1
@@ -58,7 +59,7 @@ def test_a_slow_directory_is_waited_for_once_per_step_then_pending_then_given_up
     dr = Directory()
     dr.answer_now = False
     clock = [0.0]
-    lk = DirectoryLookups(dr.send, dr.release, wait_budget_s=0.01, give_up_s=0.25,
+    lk = DirectoryLookups(dr.send, wait_budget_s=0.01, give_up_s=0.25,
                           clock=lambda: clock[0])
     lk.ask("a", 0, [100, 101])
     lk.ask("b", 0, [100])
@@ -73,17 +74,16 @@ def test_a_slow_directory_is_waited_for_once_per_step_then_pending_then_given_up
     assert lk.take("c")[0] is State.PENDING
     clock[0] += 0.3  # too long: proceed as a miss
     assert lk.take("c")[0] is State.MISS and lk.take_stats()["lookups_given_up"] == 1
-    dr.answer()  # the late answer's leases go back
-    lk.drop("b")  # b's answer was there but nobody took it: released too
-    lk.drop("a")
-    assert dr.d.outstanding_leases == 2  # only a's, taken by the caller
+    dr.answer()  # the late answer is dropped
+    assert lk.take("c")[0] is State.NONE
+    lk.drop("b")  # b's answer was there but nobody took it
     assert lk.outstanding == 0
 
 
 def test_the_wait_ends_when_the_answer_arrives():
     dr = Directory()
     dr.answer_now = False
-    lk = DirectoryLookups(dr.send, dr.release, wait_budget_s=5.0)
+    lk = DirectoryLookups(dr.send, wait_budget_s=5.0)
     lk.ask("a", 0, [100])
     threading.Timer(0.05, dr.answer).start()
     state, got = lk.take("a")
@@ -97,26 +97,23 @@ def test_a_failing_directory_is_a_miss_never_an_error():
         fut.set_exception(ConnectionError("directory gone"))
         return fut
 
-    lk = DirectoryLookups(broken, lambda ids: None)
+    lk = DirectoryLookups(broken)
     lk.ask("a", 0, [1, 2])
     assert lk.take("a")[0] is State.MISS
 
     def raising(batch):
         raise ConnectionError("no directory actor")
 
-    lk = DirectoryLookups(raising, lambda ids: None)
+    lk = DirectoryLookups(raising)
     lk.ask("a", 0, [1, 2])
     assert lk.take("a")[0] is State.MISS
 
 
-def test_asking_again_replaces_the_answer_and_releases_its_leases():
+def test_asking_again_replaces_the_answer():
     dr = Directory()
-    lk = DirectoryLookups(dr.send, dr.release)
+    lk = DirectoryLookups(dr.send)
     lk.ask("a", 0, [100, 101, 102, 103])
     lk.flush()
-    assert dr.d.outstanding_leases == 4
     lk.ask("a", 2, [102, 103])  # e.g. the local hit grew: only the rest is needed
-    assert dr.d.outstanding_leases == 0
     state, got = lk.take("a")
     assert state is State.DONE and got.start == 2 and got.result.num_hits == 2
-    assert dr.d.outstanding_leases == 2

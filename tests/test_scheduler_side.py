@@ -27,16 +27,33 @@ class World:
         self.directory.register(1, [(g, k, 1, 100 + i, 1) for g in range(num_groups)
                                     for i, k in enumerate(held_keys)])
         self.calls: List[int] = []
+        self.lease_calls = 0
+        self.answer_leases = True
+        self.pending: List = []
         groups = list(range(num_groups))
 
         def send(batch):
             self.calls.append(len(batch))
             fut = concurrent.futures.Future()
-            fut.set_result(self.directory.query_many(groups, [k for _, k in batch], 2))
+            fut.set_result(self.directory.query_many(groups, [k for _, k in batch], 2, False))
             return fut
 
-        self.side = SchedulerSide(2, BS, num_groups, DirectoryLookups(send, self.release),
-                                  self.release)
+        self.side = SchedulerSide(2, BS, num_groups, DirectoryLookups(send), self.release,
+                                  take_leases=self.take_leases)
+
+    def take_leases(self, locations):
+        self.lease_calls += 1
+        fut = concurrent.futures.Future()
+        if self.answer_leases:
+            fut.set_result(self.directory.lease(2, list(locations)))
+        else:
+            self.pending.append((fut, list(locations)))
+        return fut
+
+    def grant_pending(self) -> None:
+        for fut, locations in self.pending:
+            fut.set_result(self.directory.lease(2, locations))
+        self.pending = []
 
     def release(self, ids: Sequence[int]) -> None:
         self.directory.release(list(ids))
@@ -54,17 +71,17 @@ def test_match_queries_beyond_local_hit_and_never_the_last_token_block():
     w = World(held_keys=keys_of(8))
     w.side.track("r", lambda: keys_of(8), 128)
     # 8 full blocks, 128 tokens: the block holding token 127 is never offered; the lookup
-    # asked from block 0, the local hit covers 2: their leases go back at once
+    # asked from block 0, the local hit covers 2
     assert w.side.match("r", num_tokens=128, num_computed_tokens=32) == (7 - 2) * BS
-    assert w.leases == 5
     # asking again with the same local hit (vLLM could not allocate): the same answer
     assert w.side.match("r", num_tokens=128, num_computed_tokens=32) == 5 * BS
-    assert w.leases == 5 and w.calls == [1]
+    assert w.calls == [1]
     # another local hit (preempted, cache evicted): the old hit goes, a new lookup is made
     assert w.side.match("r", num_tokens=129, num_computed_tokens=0) == 8 * BS
-    assert w.leases == 8 and w.calls == [1, 1]
+    assert w.calls == [1, 1]
+    assert w.leases == 0  # a hit waiting for its blocks pins no source slot
     w.side.finished("r")
-    assert w.leases == 0
+    assert w.leases == 0 and w.lease_calls == 0
 
 
 def test_sharing_off_or_not_ready_is_a_miss_without_leases():
@@ -119,13 +136,14 @@ def test_fewer_external_tokens_than_offered_releases_the_rest():
     w.side.track("r", lambda: keys_of(6), 200)
     w.side.match("r", 200, 0)
     w.side.allocated("r", [list(range(1, 13))], [[False] * 12], 2 * BS)
-    assert w.leases == 2
     w.side.allocated("s", [[1]], [[False]], 0)  # unknown request: nothing happens
     with pytest.raises(ValueError, match="num_external_tokens"):
         w.side.track("t", lambda: keys_of(6), 200)
         w.side.match("t", 200, 0)
         w.side.allocated("t", [list(range(1, 13))], [[False] * 12], BS + 3)
-    assert w.leases == 2  # the bad call released its own leases
+    meta = w.side.build_step([], {})
+    assert meta.loads.num_rows == 2 and meta.stats.leases_asked == 2
+    assert w.leases == 2  # only the blocks vLLM took are leased
 
 
 def test_zero_external_tokens_releases_everything():
@@ -164,9 +182,9 @@ def test_multi_group_hits_are_the_common_prefix_of_all_groups():
     w.directory.register(1, [(1, k, 1, 50 + i, 1) for i, k in enumerate(keys_of(3))], 66)
     w.side.track("r", lambda: keys_of(5), 200)
     assert w.side.match("r", 200, 0) == 3 * BS
-    assert w.leases == 6  # three per group; the two extra group-0 leases were released
     w.side.allocated("r", [[1, 2, 3, 4], [5, 6, 7, 8]], [[False] * 4, [False] * 4], 3 * BS)
     meta = w.side.build_step([("r", 3 * BS, 10)], {})
+    assert w.leases == 6  # three per group
     rows: Dict[int, List[int]] = {}
     for g, _, _, _, _, dest, _, _ in meta.loads.table.tolist():
         rows.setdefault(g, []).append(dest)
@@ -179,7 +197,7 @@ def test_a_failing_directory_is_a_miss():
     def broken(batch):
         raise ConnectionError("directory gone")
 
-    side = SchedulerSide(2, BS, 1, DirectoryLookups(broken, lambda ids: None), lambda ids: None)
+    side = SchedulerSide(2, BS, 1, DirectoryLookups(broken), lambda ids: None)
     side.track("r", lambda: keys_of(4), 100)
     assert side.match("r", 100, 0) == 0
     assert side.held_leases == 0
@@ -202,7 +220,7 @@ def test_an_answer_that_covers_only_local_blocks_asks_again_from_the_local_hit()
     w.directory.register(1, [(0, k, 1, 50 + k, 1) for k in keys_of(6)[2:]])
     w.side.track("r", lambda: keys_of(6), 200)
     assert w.side.match("r", 200, num_computed_tokens=2 * BS) == 4 * BS
-    assert w.calls == [1, 1] and w.leases == 4
+    assert w.calls == [1, 1]
 
 
 def test_step_meta_table_is_int64_and_validates():
@@ -325,22 +343,25 @@ def test_a_hits_time_to_its_first_forward_is_split_into_lookup_and_load_wait():
     assert w.side.build_step([("r", 8 * BS, 1)], {}).stats.hits_started == 0  # once
 
 
-def test_a_loads_leases_are_released_once_vllm_reports_it_done_not_when_it_is_aborted():
-    """The one place a load's leases go: vLLM's ``finished_recving`` (every worker done,
-    copies complete).  An abort while the load is in flight (vLLM calls
-    ``request_finished`` at once, keeps the blocks and reports the load when it ends) keeps
-    them: releasing then would let the source reuse a slot under the copy.  Negative
-    control: a request that finished without a load releases its hit at once."""
+def test_leases_are_taken_with_the_step_and_released_when_vllm_reports_the_load_done():
+    """A request's reads are leased by the step that carries its load (one directory call
+    per step), not when it arrives: a request waiting in vLLM's queue pins nothing.  The
+    one place a load's leases go: vLLM's ``finished_recving`` (every worker done, copies
+    complete).  An abort while the load is in flight (vLLM calls ``request_finished`` at
+    once, keeps the blocks and reports the load when it ends) keeps them: releasing then
+    would let the source reuse a slot under the copy."""
     w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000))
     w.side.track("a", lambda: keys_of(5, 1000), 5 * BS + 1)
     w.side.track("b", lambda: keys_of(5, 2000), 5 * BS + 1)
     assert w.side.match("a", 5 * BS + 1, 0) == 4 * BS
     assert w.side.match("b", 5 * BS + 1, 0) == 4 * BS
+    assert w.leases == 0  # answered, waiting: nothing pinned
     w.side.allocated("a", [[1, 2, 3, 4, 5, 6]], [[False] * 6], 4 * BS)
+    assert w.leases == 0 and w.lease_calls == 0
     w.side.build_step([], {})
-    assert w.leases == 8
+    assert w.leases == 4 and w.lease_calls == 1
     w.side.finished("a")  # aborted while its load is in flight
-    w.side.finished("b")  # never allocated: its hit goes now
+    w.side.finished("b")  # never allocated
     assert w.leases == 4 and w.side.loads_in_flight == 1
     w.side.loads_finished(["b", "unknown"])  # not loads of this side: nothing happens
     assert w.leases == 4
@@ -350,9 +371,28 @@ def test_a_loads_leases_are_released_once_vllm_reports_it_done_not_when_it_is_ab
     assert w.leases == 0
 
 
+def test_a_load_reported_done_before_its_leases_were_granted_releases_them_on_arrival():
+    """The lease call is not waited for: when vLLM reports the load done first (a fast
+    copy, a slow directory), the leases are released as soon as they are granted; a
+    lease call that failed leaves nothing to release (the reads were checked anyway)."""
+    w = World(held_keys=keys_of(4))
+    w.answer_leases = False
+    w.side.track("r", lambda: keys_of(5), 5 * BS + 1)
+    assert w.side.match("r", 5 * BS + 1, 0) == 4 * BS
+    w.side.allocated("r", [[1, 2, 3, 4, 5]], [[False] * 5], 4 * BS)
+    w.side.build_step([], {})
+    w.side.loads_finished(["r"])
+    assert w.leases == 0 and w.side.held_leases == 0
+    w.grant_pending()  # granted now, released at once
+    assert w.leases == 0
+    failed = concurrent.futures.Future()
+    failed.set_exception(ConnectionError("directory gone"))
+    w.side._release_slice(0, 4, failed)  # nothing granted: nothing released, no error
+
+
 def test_close_releases_every_lease_still_held():
-    """Engine shutdown: no load report will come; answered lookups, unallocated hits,
-    loads of the step being built and loads in flight all give their leases back."""
+    """Engine shutdown: no load report will come; the loads in flight give their leases
+    back (the rest holds none)."""
     w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000) + keys_of(4, 3000)
               + keys_of(4, 4000))
     for rid, base in (("flight", 1000), ("building", 2000), ("hit", 3000), ("asked", 4000)):
@@ -363,7 +403,7 @@ def test_close_releases_every_lease_still_held():
     w.side.build_step([], {})
     w.side.allocated("building", [[6, 7, 8, 9, 10]], [[False] * 5], 4 * BS)
     w.side.lookups.flush()  # "asked": answered, never taken
-    assert w.leases == 16 and w.side.held_leases == 16
+    assert w.leases == 4 and w.side.held_leases == 4
     w.side.close()
     assert w.leases == 0 and w.side.held_leases == 0
     w.side.close()  # idempotent

@@ -48,11 +48,16 @@ class TPWorld:
         def send(batch):
             fut = concurrent.futures.Future()
             fut.set_result(self.directory.query_many(self.shards.directory_groups,
-                                                     [k for _, k in batch], 2))
+                                                     [k for _, k in batch], 2, False))
             return fut
 
-        self.side = SchedulerSide(2, BS, 1, DirectoryLookups(send, self.release),
-                                  self.release, tp_size=2)
+        def take_leases(locations):
+            fut = concurrent.futures.Future()
+            fut.set_result(self.directory.lease(2, list(locations)))
+            return fut
+
+        self.side = SchedulerSide(2, BS, 1, DirectoryLookups(send), self.release,
+                                  take_leases=take_leases, tp_size=2)
 
     def store(self, tp_rank: int, keys: Sequence[int], slot0: int) -> None:
         """Worker ``tp_rank`` of rank 1 publishes ``keys`` in its GPU tier (group 0)."""
@@ -71,8 +76,12 @@ def test_a_block_is_a_hit_only_when_every_shard_of_it_is_stored():
     w.store(1, KEYS[:4], slot0=50)  # shard 1 of the first four only
     w.side.track("r2", lambda: KEYS, 6 * BS + 1)
     assert w.side.match("r2", 6 * BS + 1, 0) == 4 * BS
+    w.side.allocated("r2", [[1, 2, 3, 4, 5, 6, 7]], [[False] * 7], 4 * BS)
+    w.side.build_step([], {})
     assert w.directory.outstanding_leases == 8  # 4 blocks x 2 shards, one lease each
-    w.side.finished("r2")
+    w.side.finished("r2")  # e.g. aborted: its load is still in flight
+    assert w.directory.outstanding_leases == 8
+    w.side.loads_finished(["r2"])
     assert w.directory.outstanding_leases == 0
 
 

@@ -21,7 +21,9 @@ each one is atomic with respect to the others.
 * :meth:`BlockDirectory.register` records blocks a rank has written and fenced.
 * :meth:`BlockDirectory.query` returns the longest prefix of a request's keys
   that OTHER ranks hold, choosing one source per key (device memory first, then the
-  least-leased), and takes a lease on every returned slot of Xavier's own tiers.  A
+  least-leased), and takes a lease on every returned slot of Xavier's own tiers -- unless
+  asked not to (``lease=False``: the connector's lookups); then the loader leases what it
+  reads once vLLM allocated the destinations (:meth:`BlockDirectory.lease`).  A
   location in a rank's own vLLM cache (``Tier.VLLM``, read in place) gets none
   (:data:`~.load_batch.NO_LEASE`): vLLM reuses its blocks without asking anyone, and the
   reader's check after its copy is what makes such a read safe.
@@ -48,7 +50,6 @@ location per (key, rank)); ``max_leases`` bounds outstanding leases.
 from __future__ import annotations
 
 import itertools
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import (
@@ -64,7 +65,14 @@ from typing import (
 )
 
 from .block_names import row_key
-from .directory_types import LeaseRecord, Location, QueryResult, SlotId
+from .directory_types import (
+    DirectoryStats,
+    LeaseRecord,
+    Location,
+    QueryResult,
+    SlotId,
+    fresh_lease_ids,
+)
 from .load_batch import NO_LEASE, Tier, read_preference
 
 BlockId = Tuple[int, int]  # (group, key)
@@ -77,41 +85,6 @@ LEASE_TTL_S = 120.0
 
 class DirectoryError(ValueError):
     """Bad input to the directory; the message names the field."""
-
-
-#: lease ids of one directory incarnation start at a random offset below this bound, so
-#: that the ranges of two incarnations overlap with a chance of about (leases granted) / 2**62
-LEASE_ID_SPACE = 2 ** 62
-
-
-def fresh_lease_ids() -> itertools.count[int]:
-    """Lease ids of a new directory incarnation: consecutive from a random start, so that a
-    release that outlived an older incarnation (a re-created supervisor actor) names no
-    lease of this one and is counted as unknown.  Stays within ``int64``."""
-    return itertools.count(1 + secrets.randbelow(LEASE_ID_SPACE))
-
-
-@dataclass
-class DirectoryStats:
-    """The directory's counters (``VLLMBlockTracker.stats``)."""
-    registered: int = 0
-    queries: int = 0
-    hit_blocks: int = 0
-    missed_queries: int = 0
-    leases_granted: int = 0
-    leases_released: int = 0
-    unknown_releases: int = 0
-    #: leases dropped because they outlived ``lease_ttl_s``, or their holder went
-    leases_expired: int = 0
-    leases_of_gone_holders: int = 0
-    claims_refused: int = 0
-    #: leases :meth:`BlockDirectory.lease` could not grant (the bound reached)
-    leases_refused: int = 0
-    #: entries dropped because their rank no longer held the block (:meth:`forget`)
-    forgotten: int = 0
-    stale_registrations: int = 0
-    #: lookups that found another block name with the same low 63 bits (a miss)
-    identity_mismatches: int = 0
 
 
 @dataclass

@@ -1,10 +1,12 @@
 """The nouns the block directory answers with (pure): a block's :class:`Location`, a
-query's :class:`QueryResult` (with its compact wire form), a :class:`LeaseRecord`.
-Used by :mod:`.block_directory` and by everything that reads its answers."""
+query's :class:`QueryResult` (with its compact wire form), a :class:`LeaseRecord`, the
+:class:`DirectoryStats`, lease ids (:func:`fresh_lease_ids`).  Used by
+:mod:`.block_directory` and by everything that reads its answers."""
 
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Tuple
 
@@ -61,3 +63,38 @@ def _query_result(keys: Tuple[int, ...], locations: np.ndarray,
     """:class:`QueryResult` from its wire form (:meth:`QueryResult.__reduce__`)."""
     rows = locations.reshape(-1, len(Location._fields)).tolist()
     return QueryResult(keys, tuple(map(Location._make, rows)), tuple(lease_ids.tolist()))
+
+
+#: lease ids of one directory incarnation start at a random offset below this bound, so
+#: that the ranges of two incarnations overlap with a chance of about (leases granted) / 2**62
+LEASE_ID_SPACE = 2 ** 62
+
+
+def fresh_lease_ids() -> itertools.count[int]:
+    """Lease ids of a new directory incarnation: consecutive from a random start, so that a
+    release that outlived an older incarnation (a re-created supervisor actor) names no
+    lease of this one and is counted as unknown.  Stays within ``int64``."""
+    return itertools.count(1 + secrets.randbelow(LEASE_ID_SPACE))
+
+
+@dataclass
+class DirectoryStats:
+    """The directory's counters (``VLLMBlockTracker.stats``)."""
+    registered: int = 0
+    queries: int = 0
+    hit_blocks: int = 0
+    missed_queries: int = 0
+    leases_granted: int = 0
+    leases_released: int = 0
+    unknown_releases: int = 0
+    #: leases dropped because they outlived ``lease_ttl_s``, or their holder went
+    leases_expired: int = 0
+    leases_of_gone_holders: int = 0
+    claims_refused: int = 0
+    #: leases :meth:`BlockDirectory.lease` could not grant (the bound reached)
+    leases_refused: int = 0
+    #: entries dropped because their rank no longer held the block (:meth:`forget`)
+    forgotten: int = 0
+    stale_registrations: int = 0
+    #: lookups that found another block name with the same low 63 bits (a miss)
+    identity_mismatches: int = 0

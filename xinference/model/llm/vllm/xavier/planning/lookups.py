@@ -32,7 +32,6 @@ logger = package_logger(__name__)
 #: :class:`QueryResult` per lookup, in order
 SendFn = Callable[[Sequence[Tuple[str, Sequence[int]]]],
                   "concurrent.futures.Future[List[QueryResult]]"]
-ReleaseFn = Callable[[Sequence[int]], None]
 
 
 class State(enum.Enum):
@@ -56,12 +55,11 @@ class Lookup:
 class DirectoryLookups:
     """Batched directory lookups of the scheduler: all requests that arrived since the last
     send go in ONE ``query_many``; a step waits for answers at most ``wait_budget_s``; a
-    lookup unanswered after ``give_up_s`` is a miss.  Leases of answers nobody takes are
-    released."""
-    def __init__(self, send: SendFn, release: ReleaseFn, wait_budget_s: float = 0.01,
+    lookup unanswered after ``give_up_s`` is a miss.  An answer holds no lease (the
+    scheduler half leases what a step loads)."""
+    def __init__(self, send: SendFn, wait_budget_s: float = 0.01,
                  give_up_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
         self._send = send
-        self._release = release
         self._wait_budget_s = wait_budget_s
         self._give_up_s = give_up_s
         self._clock = clock
@@ -78,7 +76,7 @@ class DirectoryLookups:
     # ----------------------------------------------------------------- asking
     def ask(self, request_id: str, start: int, keys: Sequence[int]) -> None:
         """Queue a lookup of ``keys`` (the request's blocks from ``start``); replaces an
-        earlier lookup of the request (its leases are released)."""
+        earlier lookup of the request."""
         self.drop(request_id)
         with self._lock:
             self._lookups[request_id] = Lookup(start, tuple(int(k) for k in keys),
@@ -114,18 +112,13 @@ class DirectoryLookups:
         if error is not None:
             logger.warning("xavier: directory lookup of %d requests failed (%r); treating "
                            "them as misses", len(batch), error)
-        orphaned: List[int] = []
         with self._lock:
             for i, (rid, lk) in enumerate(batch):
                 res = results[i] if results is not None and i < len(results) else None
                 if self._lookups.get(rid) is not lk:  # dropped or replaced meanwhile
-                    if res is not None:
-                        orphaned.extend(res.lease_ids)
                     continue
                 lk.result, lk.failed = res, res is None
             self._lock.notify_all()
-        if orphaned:
-            self._release(orphaned)
 
     # ----------------------------------------------------------------- taking
     def new_step(self) -> None:
@@ -133,10 +126,9 @@ class DirectoryLookups:
         self._budget = self._wait_budget_s
 
     def take(self, request_id: str) -> Tuple[State, Optional[Lookup]]:
-        """The lookup of ``request_id``: ``DONE`` with its answer (the caller now owns its
-        leases), ``PENDING`` (ask again later), ``MISS`` (proceed without a hit) or
-        ``NONE`` (never asked).  Sends queued lookups first; may wait within the step's
-        budget."""
+        """The lookup of ``request_id``: ``DONE`` with its answer, ``PENDING`` (ask again
+        later), ``MISS`` (proceed without a hit) or ``NONE`` (never asked).  Sends queued
+        lookups first; may wait within the step's budget."""
         with self._lock:
             queued = request_id in self._queued
         if queued:
@@ -158,7 +150,7 @@ class DirectoryLookups:
                     return State.MISS, None
                 return State.DONE, lk
             if self._clock() - lk.asked_at > self._give_up_s:
-                del self._lookups[request_id]  # a late answer is released in _settle
+                del self._lookups[request_id]  # a late answer is dropped in _settle
                 self.given_up += 1
                 logger.warning("xavier: directory lookup of %s took over %.0f ms; treating it "
                                "as a miss", request_id, 1000 * self._give_up_s)
@@ -167,20 +159,15 @@ class DirectoryLookups:
             return State.PENDING, None
 
     def drop(self, request_id: str) -> None:
-        """Forget the lookup of ``request_id``; leases of its answer are released (now, or
-        when a late answer arrives)."""
+        """Forget the lookup of ``request_id`` (a late answer is dropped on arrival)."""
         with self._lock:
-            lk = self._lookups.pop(request_id, None)
-        if lk is not None and lk.result is not None and lk.result.lease_ids:
-            self._release(lk.result.lease_ids)
+            self._lookups.pop(request_id, None)
 
     def close(self) -> None:
-        """Forget every lookup (engine shutdown): answered ones' leases are released now,
-        late answers' when they arrive."""
+        """Forget every lookup (engine shutdown)."""
         with self._lock:
-            ids = list(self._lookups)
-        for rid in ids:
-            self.drop(rid)
+            self._lookups.clear()
+            self._queued = []
 
     def take_stats(self) -> Dict[str, int]:
         out = {"lookup_calls": self.calls, "lookups_deferred": self.deferred,
@@ -193,9 +180,3 @@ class DirectoryLookups:
         """Lookups asked and not yet taken or dropped."""
         with self._lock:
             return len(self._lookups)
-
-    @property
-    def held_leases(self) -> int:
-        with self._lock:
-            return sum(len(lk.result.lease_ids) for lk in self._lookups.values()
-                       if lk.result is not None)

@@ -9,25 +9,24 @@ role), which translates vLLM's objects into plain values.  Contract:
 * :meth:`SchedulerSide.match` answers vLLM's ``get_num_new_matched_tokens``: the blocks
   beyond the local hit that other ranks hold (never the block holding the prompt's last
   token: vLLM must compute at least one token), or ``None`` while the lookup is still
-  out (vLLM asks again next step; the wait is bounded per step).  The leases of the hit
-  are held until the request is allocated; asking again for the same request reuses the
-  hit when the local hit did not move, else releases it and looks again.  A request is
+  out (vLLM asks again next step; the wait is bounded per step).  A hit holds no lease;
+  asking again for the same request reuses the hit when the local hit did not move, else
+  drops it and looks again.  A request is
   offered at most ONE load: once its hit was allocated, vLLM asking again means the load
   failed (or the request was preempted) and the answer is 0, so vLLM recomputes.  (Else a
   source that died keeps being offered until the directory drops it: a request retried
   its failed load ~1,300 times in 6 s on simulated hosts.)
 * :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
-  rows for the destination blocks vLLM allocated (null blocks skipped and their leases
-  released at once, like those of blocks vLLM did not take); with no external tokens
-  every lease is released at once.
+  rows for the destination blocks vLLM allocated (null blocks skipped).
 * :meth:`SchedulerSide.build_step` returns everything of one step in a
   :class:`StepMeta`: ONE load batch carrying every request's loads, the newly full
-  blocks to export after the forward, and the step's figures.
+  blocks to export after the forward, and the step's figures; it asks the directory,
+  in ONE call that nobody waits for, for leases on the step's reads of Xavier's tiers.
 * :meth:`SchedulerSide.loads_finished` (vLLM's ``update_connector_output``: the loads
   every worker reported done, ``finished_recving``) releases those loads' leases.
-* :meth:`SchedulerSide.finished` drops a request and releases the leases of a hit it was
-  never allocated; the leases of a load in flight stay until vLLM reports the load done
-  (vLLM keeps an aborted request's blocks until then too).
+* :meth:`SchedulerSide.finished` drops a request; the leases of a load in flight stay
+  until vLLM reports the load done (vLLM keeps an aborted request's blocks until then
+  too).
 * :meth:`SchedulerSide.close` releases every lease still held (engine shutdown).
 
 Where a hit's time goes before its first forward, in the step figures: ``hit_lookup_us``
@@ -36,18 +35,23 @@ and load sent, to the request's first forward: vLLM's asynchronous load path), s
 over ``hits_started``.
 
 Leases: every lease this replica takes is taken and released here, in one place, like
-vLLM's offloading ``prepare_load`` / ``complete_load``.  None travels to a worker: the
-directory grants them with a lookup's answer, :meth:`SchedulerSide.allocated` keeps
-those of the blocks it loads, and :meth:`SchedulerSide.loads_finished` releases them once
-vLLM's aggregation of the workers' ``get_finished`` says every worker is done with the
-request's load -- after its copies completed and its reads were checked (a worker reports
-a load only then, ``LoadCompletion``).  A lease only keeps Xavier's own tiers from reusing
-a slot during the copy; a read is correct without it, since every read is checked after
-its copy (a reused slot fails its check and is recomputed).
+vLLM's offloading ``prepare_load`` / ``complete_load``.  None travels to a worker.  A
+lookup's answer holds none (a request waiting in vLLM's queue pins no source slot); the
+step that carries a load asks for leases on its reads of Xavier's own tiers (vLLM's cache
+read in place needs none), once vLLM allocated the destinations
+(:meth:`SchedulerSide.build_step`), and :meth:`SchedulerSide.loads_finished` releases them
+once vLLM's aggregation of the workers' ``get_finished`` says every worker is done with
+the request's load -- after its copies completed and its reads were checked (a worker
+reports a load only then, ``LoadCompletion``).  A lease only keeps Xavier's own tiers
+from reusing a slot during the copy; a read is correct without it, since every read is
+checked after its copy (a slot reused before the lease arrived fails its check and is
+recomputed).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -56,7 +60,8 @@ import numpy as np
 
 from .block_directory import QueryResult
 from .block_names import row_key
-from .load_batch import COLUMNS, BlockLoad, LoadBatch, LoadBatchError
+from .directory_types import Location
+from .load_batch import COLUMNS, BlockLoad, LoadBatch, LoadBatchError, Tier
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
@@ -66,6 +71,11 @@ logger = package_logger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
+#: asks the directory for leases on these locations; the future gives one id per location
+#: (``NO_LEASE`` where none was granted)
+TakeLeasesFn = Callable[[Sequence[Location]], "concurrent.futures.Future[List[int]]"]
+#: the leases of one request's load: the step's lease call and the request's slice of it
+_Held = Tuple["concurrent.futures.Future[List[int]]", int, int]
 
 
 @dataclass
@@ -99,6 +109,7 @@ class SchedulerSide:
 
     def __init__(self, rank: int, block_size: int, num_groups: int,
                  lookups: DirectoryLookups, release: ReleaseFn,
+                 take_leases: Optional[TakeLeasesFn] = None,
                  clock: Callable[[], float] = time.monotonic, tp_size: int = 1) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
@@ -109,13 +120,14 @@ class SchedulerSide:
         self.shards = Shards(num_groups, tp_size)
         self.lookups = lookups
         self._release = release
+        self._take_leases = take_leases
         self._clock = clock
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
-        #: (request, rows, the rows' block names, lease ids) of the step being built
-        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[int]]] = []
-        #: the lease ids of loads sent to the workers, until vLLM reports them finished
-        self._in_flight: Dict[str, List[int]] = {}
+        #: (request, rows, the rows' block names, the reads to lease) of the step being built
+        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[Location]]] = []
+        #: the leases of loads sent to the workers, until vLLM reports them finished
+        self._in_flight: Dict[str, List[_Held]] = {}
         self._stats = StepStats()
 
     # ----------------------------------------------------------------- lookup
@@ -170,7 +182,6 @@ class SchedulerSide:
         result, start = lookup.result, lookup.start
         end = min(start + result.num_hits, last)
         if start > first or end <= first:
-            self._release(result.lease_ids)
             if start != first and end <= first and last > first:
                 # the answer covers only blocks this replica has itself: ask from `first`
                 self.lookups.ask(request_id, first, keys[first:last])
@@ -182,27 +193,22 @@ class SchedulerSide:
                     end = min(start + result.num_hits, last)
                     if end > first:
                         return self._keep(request_id, keys, first, end, start, result)
-                    self._release(result.lease_ids)
             return 0
         return self._keep(request_id, keys, first, end, start, result)
 
     def _keep(self, request_id: str, keys: Sequence[int], first: int, end: int, start: int,
               result: QueryResult) -> int:
         """Hold the hit of blocks ``[first, end)`` from ``result`` (which starts at block
-        ``start``); release the leases outside."""
+        ``start``)."""
         hits = result.num_hits
         groups = len(result.locations) // max(1, hits)
-        keep_locs, keep_ids, drop = [], [], []
+        keep_locs, keep_ids = [], []
         for g in range(groups):
             for j in range(hits):
                 i = g * hits + j
                 if first <= start + j < end:
                     keep_locs.append(result.locations[i])
                     keep_ids.append(result.lease_ids[i])
-                else:
-                    drop.append(result.lease_ids[i])
-        if drop:
-            self._release(drop)
         kept = tuple(int(k) for k in keys[first:end])
         self._hits[request_id] = _Hit(first, kept,
                                       QueryResult(kept, tuple(keep_locs), tuple(keep_ids)))
@@ -223,45 +229,36 @@ class SchedulerSide:
         if hit is None:
             return 0
         if num_external_tokens <= 0:
-            self._release(hit.result.lease_ids)
             return 0
         n = num_external_tokens // self.block_size
         if n > len(hit.keys) or num_external_tokens % self.block_size:
-            self._release(hit.result.lease_ids)
             raise ValueError(f"num_external_tokens: {num_external_tokens} is not a block "
                              f"multiple of at most {len(hit.keys)} offered blocks")
         rows: List[BlockLoad] = []
         names: List[int] = []
-        leases: List[int] = []
+        to_lease: List[Location] = []
         per_group = len(hit.result.locations) // max(1, len(hit.keys))
-        drop: List[int] = []
         tp_size = self.shards.tp_size
         for g in range(per_group):
-            for j in range(len(hit.keys)):
-                i = g * len(hit.keys) + j
-                loc, lease = hit.result.locations[i], hit.result.lease_ids[i]
-                if j >= n:
-                    drop.append(lease)
-                    continue
+            for j in range(n):
+                loc = hit.result.locations[g * len(hit.keys) + j]
                 pos = hit.first_block + j
                 # the directory group names the KV-cache group and the shard (.shards)
                 group, shard = divmod(loc.group, tp_size)
                 if pos >= len(block_ids[group]) or null[group][pos]:
-                    drop.append(lease)  # nothing reads it
                     if shard == 0:  # counted once per block position
                         self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
                     continue
-                leases.append(int(lease))
+                if loc.tier != Tier.VLLM:  # Xavier's own tiers: leased while it is read
+                    to_lease.append(loc)
                 rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
                                       loc.slot, int(block_ids[group][pos]), loc.generation,
                                       loc.incarnation))
                 names.append(hit.keys[j])
-        if drop:
-            self._release(drop)
         if tracked is not None:
             tracked.loaded = True
             tracked.allocated_at = self._clock()
-        self._step_loads.append((request_id, rows, names, leases))
+        self._step_loads.append((request_id, rows, names, to_lease))
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
         self._stats.requests_with_hits += 1
@@ -324,8 +321,7 @@ class SchedulerSide:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
         ids = tuple(rid for rid, _, _, _ in loads)
-        for rid, _, _, leases in loads:  # held until every worker reported the load done
-            self._in_flight.setdefault(rid, []).extend(leases)
+        self._lease_reads(loads, stats)
         clashed = _name_clashes(loads)
         failed = tuple(int(r.dest) for i in clashed for r in loads[i][1])
         if clashed:
@@ -346,19 +342,49 @@ class SchedulerSide:
                               np.zeros((0, len(COLUMNS)), np.int64))
             return StepMeta(empty, (), stats, dests)
 
+    def _lease_reads(self, loads: Sequence[Tuple[str, List[BlockLoad], List[int],
+                                                 List[Location]]], stats: StepStats) -> None:
+        """ONE directory call for the leases of the step's reads of Xavier's tiers (nobody
+        waits for it); each request keeps its slice until its load is reported done."""
+        wanted = [loc for *_, locs in loads for loc in locs]
+        if not wanted or self._take_leases is None:
+            return
+        stats.leases_asked += len(wanted)
+        try:
+            fut = self._take_leases(wanted)
+        except Exception as exc:  # unprotected reads: still checked, at worst recomputed
+            logger.warning("xavier: rank %d: asking for %d leases failed: %r", self.rank,
+                           len(wanted), exc)
+            return
+        start = 0
+        for rid, _, _, locs in loads:
+            if locs:
+                self._in_flight.setdefault(rid, []).append((fut, start, start + len(locs)))
+            start += len(locs)
+
     # ----------------------------------------------------------------- finish
     def loads_finished(self, request_ids: Iterable[str]) -> None:
         """vLLM's ``finished_recving``: every worker reported these requests' loads done
-        (copies complete, reads checked); their leases are released."""
+        (copies complete, reads checked); their leases are released (once granted, if
+        the directory's answer is still on its way)."""
         for rid in request_ids:
-            leases = self._in_flight.pop(rid, None)
-            if leases:
-                self._release(leases)
+            for held in self._in_flight.pop(rid, ()):
+                self._release_when_granted(held)
+
+    def _release_when_granted(self, held: _Held) -> None:
+        fut, start, end = held
+        fut.add_done_callback(functools.partial(self._release_slice, start, end))
+
+    def _release_slice(self, start: int, end: int,
+                       fut: concurrent.futures.Future[List[int]]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # nothing was granted
+        self._release(fut.result()[start:end])
 
     def finished(self, request_id: str) -> None:
-        """The request is done or aborted: its tracking, lookup and unallocated hit go.  A
-        load in flight keeps its leases until :meth:`loads_finished` (vLLM reports an
-        aborted request's load when it ends, and frees its blocks only then)."""
+        """The request is done or aborted: its tracking, lookup and hit go.  A load in
+        flight keeps its leases until :meth:`loads_finished` (vLLM reports an aborted
+        request's load when it ends, and frees its blocks only then)."""
         self._drop_hit(request_id)
         self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
@@ -366,28 +392,19 @@ class SchedulerSide:
     def close(self) -> None:
         """Release every lease still held (engine shutdown: no load report will come).
         Idempotent."""
-        for rid in list(self._hits):
-            self._drop_hit(rid)
-        held = [x for _, _, _, ls in self._step_loads for x in ls]
-        held += [x for ls in self._in_flight.values() for x in ls]
-        self._step_loads.clear()
-        self._in_flight.clear()
-        if held:
-            self._release(held)
+        self._hits.clear()
+        self._step_loads.clear()  # not leased yet
+        self.loads_finished(list(self._in_flight))
         self.lookups.close()
 
     def _drop_hit(self, request_id: str) -> None:
-        hit = self._hits.pop(request_id, None)
-        if hit is not None and hit.result.lease_ids:
-            self._release(hit.result.lease_ids)
+        self._hits.pop(request_id, None)
 
     @property
     def held_leases(self) -> int:
-        """Leases held: by answered lookups and unallocated hits, by loads of the step being
-        built and by loads in flight."""
-        return (sum(len(h.result.lease_ids) for h in self._hits.values())
-                + sum(len(ls) for *_, ls in self._step_loads)
-                + sum(len(ls) for ls in self._in_flight.values()) + self.lookups.held_leases)
+        """Leases asked for loads in flight and not yet released (some may not have been
+        granted)."""
+        return sum(end - start for ls in self._in_flight.values() for _, start, end in ls)
 
     @property
     def loads_in_flight(self) -> int:
@@ -399,7 +416,7 @@ class SchedulerSide:
         return len(self._tracked)
 
 
-def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[int]]]
+def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[Location]]]
                   ) -> Set[int]:
     """Indexes of the step's requests with a row whose ``(group, key)`` another row of the
     step (earlier, or of the same request) reads under a different block name: the load

@@ -55,6 +55,8 @@ class StepStats:
     in_place_published: int = 0
     in_place_reused: int = 0
     in_place_victims: int = 0
+    #: reads of Xavier's tiers leased (asked for when their step was built)
+    leases_asked: int = 0
     #: directory calls releasing leases that failed (each is tried again)
     lease_release_failures: int = 0
 

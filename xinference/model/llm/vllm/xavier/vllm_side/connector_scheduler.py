@@ -26,6 +26,7 @@ from typing import (
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
+from ..planning.directory_types import Location
 from ..planning.hash_seed import user_seed
 from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
@@ -89,9 +90,9 @@ class XavierConnectorScheduler:
         self._releaser = releaser = BatchingReleaser(
             directory_sender(self._directory, bridge.start), bridge.schedule)
         self._release_failures_counted = 0
-        lookups = DirectoryLookups(self._send_lookups, releaser.release_many)
-        self.side = SchedulerSide(options.rank, block_size, max(1, num_groups), lookups,
-                                  releaser.release_many, tp_size=tp_size)
+        self.side = SchedulerSide(options.rank, block_size, max(1, num_groups),
+                                  DirectoryLookups(self._send_lookups), releaser.release_many,
+                                  take_leases=self._take_leases, tp_size=tp_size)
         #: vLLM's cache read in place (``options.in_place``): the book of published blocks
         #: once the workers' block generations are known (:meth:`_open_in_place`)
         self._book: Optional[InPlaceBook] = None
@@ -136,7 +137,17 @@ class XavierConnectorScheduler:
         groups = self.side.shards.directory_groups
         requests = [list(keys) for _, keys in batch]
         rank = self.options.rank
-        return self._bridge.start(lambda: ref.query_many(groups, requests, rank))
+        # no lease with the answer: a step leases what it loads (_take_leases)
+        return self._bridge.start(lambda: ref.query_many(groups, requests, rank, False))
+
+    def _take_leases(self, locations: Sequence[Location]
+                     ) -> concurrent.futures.Future[List[int]]:
+        """Leases for this rank's load of ``locations`` (one directory call, not waited
+        for)."""
+        ref = self._directory.get()
+        rank = self.options.rank
+        rows = [tuple(loc) for loc in locations]
+        return self._bridge.start(lambda: ref.lease(rank, rows))
 
     def is_ready(self) -> bool:
         """Whether this rank's worker has attached to its transfer actor (the actor is
