@@ -36,6 +36,14 @@ plain replicas one at a time, and the row reports ``tokens_equal_plain`` (how ma
 sampled requests produced the same tokens): a fast wrong peer cannot win.  The plain rows'
 own figure is the noise floor (vLLM's batch-dependent arithmetic).
 
+``--chat 32,96`` adds rows of a multi-turn chat (issue #34) for ``plain``, ``local-hit``,
+``none`` and ``batched`` (those asked for): that many users of one assistant, a system
+prompt all share (``--chat-shape TURNS,SYSTEM,MESSAGE``, default 4 turns, 1024 and 768
+tokens), each user in a closed loop whose next prompt is its whole history (earlier
+messages and the engine's answers) plus a new message, every request routed round robin
+over the two replicas (``local-hit``: each user stays on one).  The row's follow-ups are
+the later turns; ``conc`` is the number of users, ``prefix`` the system prompt.
+
 ``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
 for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` when asked): what Xavier costs
 when there is nothing to share.
@@ -87,6 +95,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -95,7 +104,7 @@ import shutil
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -130,6 +139,93 @@ def workload(seed: int, groups: int, per_group: int, prefix: int, suffix: int,
         for g in range(groups):
             prompts.append(prefixes[g] + [rng.randrange(10, vocab) for _ in range(suffix)])
     return prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatWorkload:
+    """Users of one assistant (issue #34's ``chat`` rows): a system prompt every user
+    shares, then per user ``turns`` messages of ``message`` tokens; each turn's prompt is
+    the system prompt, the user's whole history (earlier messages and the answers the
+    engine gave) and the new message."""
+
+    system: Tuple[int, ...]
+    messages: Tuple[Tuple[Tuple[int, ...], ...], ...]  # [user][turn]
+
+    @property
+    def users(self) -> int:
+        return len(self.messages)
+
+    @property
+    def turns(self) -> int:
+        return len(self.messages[0]) if self.messages else 0
+
+
+def chat_workload(seed: int, users: int, turns: int, system: int, message: int,
+                  vocab: int) -> ChatWorkload:
+    rng = random.Random(seed)
+
+    def text(n: int) -> Tuple[int, ...]:
+        return tuple(rng.randrange(10, vocab) for _ in range(n))
+
+    return ChatWorkload(text(system), tuple(tuple(text(message) for _ in range(turns))
+                                            for _ in range(users)))
+
+
+async def run_chat(r: Replicas, chat: ChatWorkload, max_tokens: int, xavier: bool,
+                   sticky: bool = False) -> Tuple[Dict[str, Any], List[List[int]]]:
+    """Every user in a closed loop (the next turn leaves when the answer came back), all
+    users at once; a router sends each request to the next replica in turn (round robin
+    over all requests), so a user's next turn lands on either replica; ``sticky``: each
+    user always on one replica (the local-hit floor).  Returns the row (the later turns are
+    its follow-ups) and the prompts sent, indexed ``turn * users + user``."""
+    before = [await x.counters() for x in r.replicas]
+    n = chat.users * chat.turns
+    prompts: List[List[int]] = [[] for _ in range(n)]
+    results: List[Optional[Dict[str, Any]]] = [None] * n
+    rr = itertools.count()
+
+    async def user(u: int) -> None:
+        history = list(chat.system)
+        for t in range(chat.turns):
+            i = t * chat.users + u
+            prompts[i] = history + list(chat.messages[u][t])
+            replica = r.replicas[(u if sticky else next(rr)) % len(r.replicas)]
+            out = (await replica.generate([prompts[i]], max_tokens=max_tokens,
+                                          xavier=xavier))[0]
+            results[i] = out
+            history = prompts[i] + list(out["ids"])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user(u) for u in range(chat.users)))
+    wall = time.perf_counter() - t0
+    after = [await x.counters() for x in r.replicas]
+    done = [x for x in results if x is not None]
+    later = [x for x in results[chat.users:] if x is not None]
+    ttft = sorted(x["ttft_s"] for x in done if x["ttft_s"] is not None)
+    later_ttft = sorted(x["ttft_s"] for x in later if x["ttft_s"] is not None)
+    delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
+    prompt_tokens = sum(len(p) for p in prompts)
+    calls = sum(d.get("batch_calls", 0) for d in delta)
+    nan = float("nan")
+    row = {
+        "requests": len(done), "wall_s": wall, "users": chat.users, "turns": chat.turns,
+        "output_tokens_per_s": sum(len(x["ids"]) for x in done) / wall,
+        "ttft_p50_ms": 1000 * _pct(ttft, 50), "ttft_p95_ms": 1000 * _pct(ttft, 95),
+        # the later turns: a history the user built, on whichever replica the router picked
+        "followup_tokens_per_s": nan,
+        "followup_ttft_p50_ms": 1000 * _pct(later_ttft, 50),
+        "followup_ttft_p95_ms": 1000 * _pct(later_ttft, 95),
+        "external_hit_rate": sum(d.get("hit_tokens", 0) for d in delta) / prompt_tokens,
+        "local_or_external_cached_rate": sum(x["cached"] for x in done) / prompt_tokens,
+        "load_calls": calls, "load_calls_per_request": calls / max(1, len(done)),
+        "load_launch_us_per_call": sum(d.get("load_launch_us", 0) for d in delta)
+        / max(1, calls),
+        "export_launch_share": sum(d.get("export_launch_us", 0) for d in delta) / 1e6
+        / (2 * wall),
+        "counters": delta,
+        "_ids": [None if x is None else x["ids"] for x in results],
+    }
+    return row, prompts
 
 
 def unique_workload(seed: int, n: int, length: int, vocab: int) -> List[List[int]]:
@@ -250,7 +346,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       peer_cpu_bytes: int = 0, peer_fs_dir: str = "", check_groups: int = 8,
                       report: Optional[Dict[str, Any]] = None,
                       gpu_memory_utilization: Optional[float] = None,
-                      dummy_weights: bool = False) -> List[Dict[str, Any]]:
+                      dummy_weights: bool = False, chat_users: Sequence[int] = (),
+                      chat_shape: Tuple[int, int, int] = (4, 1024, 768)
+                      ) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
     ``local-hit`` on a pair of plain vLLM engines started beside them; rows interleaved per
     (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
@@ -268,7 +366,10 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     if want_fs and device != "cuda":
         raise SystemExit("vllm-offload-fs: vLLM's offloading runs on CUDA, ROCm and XPU "
                          "only (vllm/v1/kv_offload/cpu/spec.py: get_worker)")
-    opts = EngineOptions(model=model, max_model_len=max(prefixes) + 512, max_num_seqs=64)
+    turns, system, message = chat_shape
+    chat_len = system + turns * (message + max_tokens) if chat_users else 0
+    opts = EngineOptions(model=model, max_model_len=max(max(prefixes) + 512, chat_len + 64),
+                         max_num_seqs=64)
     if tp > 1:  # every pair (plain too) of tensor-parallel replicas, vLLM's mp executor
         opts.extra.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         if device == "cuda":  # each replica on all TP GPUs (as Xinference places them)
@@ -400,6 +501,21 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,
                                   max(prefixes), "unique")
+        for users in chat_users:  # issue #34's chat rows
+            for mode in [m for m in modes if m in ("plain", "local-hit", "none", "batched")]:
+                seed += 1
+                chat = chat_workload(seed, users, turns, system, message, vocab)
+                r = pairs["plain" if mode in PLAIN_MODES else "xavier"]
+                if mode not in PLAIN_MODES:
+                    await _set_mode(r, mode)
+                res, sent = await run_chat(r, chat, max_tokens, xavier=mode != "none",
+                                           sticky=mode == "local-hit")
+                res.update(mode=mode, concurrency=users, prefix_tokens=system,
+                           workload="chat")
+                checks.append((res, sent, users))
+                rows.append(res)
+                print(_row(res), flush=True)
+                on_row(rows)
         if settings:
             for row in rows:
                 if row["mode"] in settings:
@@ -535,6 +651,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--per-group", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chat", default="",
+                    help="users of the chat rows, e.g. 32,96 (issue #34): a shared system "
+                         "prompt, growing per-user histories, a closed loop per user, round "
+                         "robin; --chat-shape TURNS,SYSTEM,MESSAGE tokens (default 4,1024,768)")
+    ap.add_argument("--chat-shape", default="4,1024,768")
     ap.add_argument("--unique", action="store_true",
                     help="add rows of a workload with no shareable prefix (plain, batched)")
     ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs")
@@ -577,6 +698,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  else build_tiny_qwen2)
         model = build(os.path.join(REPO, ".cache", args.shape), SHAPES[args.shape])
     modes = (args.modes or "plain,local-hit,none,per_request,batched").split(",")
+    chat_shape = tuple(int(x) for x in args.chat_shape.split(","))
+    if len(chat_shape) != 3 or min(chat_shape) < 1:
+        ap.error(f"--chat-shape: TURNS,SYSTEM,MESSAGE positive token counts, got "
+                 f"{args.chat_shape!r}")
     conc = [int(x) for x in args.concurrency.split(",")]
     prefixes = [int(x) for x in args.prefix_tokens.split(",")]
     gpus = args.gpus.split(",") if args.gpus else None
@@ -620,7 +745,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    peer_fs_dir=args.peer_fs_dir,
                                    check_groups=args.check_groups, report=report,
                                    gpu_memory_utilization=args.gpu_memory_utilization,
-                                   dummy_weights=args.shape in DUMMY_WEIGHT_SHAPES))
+                                   dummy_weights=args.shape in DUMMY_WEIGHT_SHAPES,
+                                   chat_users=[int(x) for x in args.chat.split(",") if x],
+                                   chat_shape=chat_shape))
     write(rows)
     print()
     print(HEADER)

@@ -101,3 +101,12 @@ def test_a_counters_path_named_by_another_process_must_be_a_xavier_counters_file
         os.unlink(link)
         real.close()
         small.close()
+
+
+def test_every_figure_of_the_scheduler_s_step_is_a_counter():
+    """The worker adds each ``StepStats`` field to its counters by name (an unknown name
+    raises there, in vLLM's step): every field must be one."""
+    from xinference.model.llm.vllm.xavier.planning.counters import COUNTER_NAMES
+    from xinference.model.llm.vllm.xavier.planning.step_meta import StepStats
+
+    assert set(StepStats().as_dict()) - set(COUNTER_NAMES) == set()

@@ -46,6 +46,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
     "lookup_wait_us", "scheduler_steps", "scheduler_us", "identity_clashes",
     "hits_started", "hit_lookup_us", "hit_load_wait_us", "null_blocks_skipped",
+    # reads of Xavier's tiers the scheduler leased when their step was built
+    "leases_asked",
     # vLLM's cache read in place: blocks published (scheduler), published blocks vLLM
     # handed out again and those of them saved into Xavier's tier; the worker's
     # registrations of published blocks (after their forward) and their failures
