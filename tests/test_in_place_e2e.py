@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from .support.processes import tokens
-from .support.scenarios import assert_loaded_bytes_exact, delta, leases
+from .support.scenarios import assert_loaded_bytes_exact, delta, leases, leases_settled
 from .support.worlds import CHURN_BLOCKS, World
 
 BLOCK = 16
@@ -115,7 +115,9 @@ def test_negative_control_unchecked_reads_load_the_new_prompts_kv(prefix_on_a, t
 
 def test_reused_published_blocks_are_saved_into_xaviers_tier_first(prefix_on_a):
     """A hands the prefix's blocks out again: they were saved into A's Xavier tier before
-    anything wrote them, and B loads the prefix from there, bit-exact, tokens equal."""
+    anything wrote them, and B loads the prefix from there, bit-exact, tokens equal.  Those
+    reads are of Xavier's own tier: B's scheduler leased each of them with the step that
+    loaded them, and released them all when vLLM reported the load done."""
     world, asked, base = prefix_on_a
     lt, r = world.pair
     a, b = r.replicas
@@ -133,4 +135,5 @@ def test_reused_published_blocks_are_saved_into_xaviers_tier_first(prefix_on_a):
     assert cb["rows_from_cpu_tier"] + cb.get("rows_from_gpu_tier", 0) == PREFIX // BLOCK
     assert cb["validation_failures"] == 0 and out["ids"] == base
     assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
-    assert leases(lt, r) == 0
+    assert cb["leases_asked"] == PREFIX // BLOCK
+    assert leases_settled(lt, r) == 0

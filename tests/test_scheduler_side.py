@@ -131,7 +131,7 @@ def test_a_request_is_offered_one_load_and_recomputes_after_it_failed():
     w.side.finished("r")
 
 
-def test_fewer_external_tokens_than_offered_releases_the_rest():
+def test_fewer_external_tokens_than_offered_leases_only_the_blocks_taken():
     w = World(held_keys=keys_of(6))
     w.side.track("r", lambda: keys_of(6), 200)
     w.side.match("r", 200, 0)
@@ -146,13 +146,13 @@ def test_fewer_external_tokens_than_offered_releases_the_rest():
     assert w.leases == 2  # only the blocks vLLM took are leased
 
 
-def test_zero_external_tokens_releases_everything():
+def test_zero_external_tokens_loads_and_leases_nothing():
     w = World(held_keys=keys_of(3))
     w.side.track("r", lambda: keys_of(3), 200)
-    w.side.match("r", 100, 0)
+    assert w.side.match("r", 100, 0) == 3 * BS
     w.side.allocated("r", [[1, 2, 3, 4]], [[False] * 4], 0)
-    assert w.leases == 0
     assert not w.side.build_step([("r", 0, 64)], {}).has_loads
+    assert w.lease_calls == 0 and w.leases == 0
 
 
 def test_one_step_carries_every_request_and_exports_newly_full_blocks():
@@ -255,8 +255,8 @@ def test_per_request_split_keeps_each_requests_rows():
 def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch):
     """A defect the scheduler side cannot be made to produce with real inputs (a fake makes
     the batch invalid): the step carries the requests with no rows, their destinations as
-    failed (the worker reports them: vLLM recomputes); the leases are released when vLLM
-    reports the (failed) load done; counted."""
+    failed (the worker reports them: vLLM recomputes); nothing is read, so nothing is
+    leased; counted."""
     from xinference.model.llm.vllm.xavier.planning import scheduler_side
     from xinference.model.llm.vllm.xavier.planning.load_batch import LoadBatchError
 
@@ -272,8 +272,9 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     meta = w.side.build_step([("a", 3 * BS, 5)], {})
     assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
     assert meta.failed_dests == (1, 2, 3)
-    assert meta.stats.rejected_metadata == 1 and w.leases == 3
-    w.side.loads_finished(["a"])
+    assert meta.stats.rejected_metadata == 1 and meta.stats.leases_asked == 0
+    assert w.leases == 0 and w.lease_calls == 0
+    w.side.loads_finished(["a"])  # the worker reports the (failed) load: nothing to do
     assert w.leases == 0
 
 
@@ -300,6 +301,8 @@ def test_names_with_equal_low_bits_never_share_a_step():
     assert step.loads.rows_of("a")[:, DEST].tolist() == [10, 11, 12]
     assert step.loads.rows_of("c")[:, DEST].tolist() == [30, 31, 32]  # the control
     assert all(0 <= k < short for k in step.loads.table[:, KEY].tolist())
+    # the dropped request reads nothing, so it leases nothing; a and c hold their reads
+    assert step.stats.leases_asked == 6 and w.leases == 6
     w.side.loads_finished(["a", "b", "c"])  # the dropped request's (failed) load too
     assert w.leases == 0
 
@@ -404,7 +407,23 @@ def test_close_releases_every_lease_still_held():
     w.side.allocated("building", [[6, 7, 8, 9, 10]], [[False] * 5], 4 * BS)
     w.side.lookups.flush()  # "asked": answered, never taken
     assert w.leases == 4 and w.side.held_leases == 4
-    w.side.close()
+    assert w.side.close() == []  # no lease call left unanswered
     assert w.leases == 0 and w.side.held_leases == 0
     w.side.close()  # idempotent
     assert w.leases == 0
+
+
+def test_close_hands_back_the_lease_calls_still_unanswered_and_releases_them_on_arrival():
+    """At shutdown a step's lease call may still be on its way: ``close`` returns it (the
+    connector waits for it, bounded, before its last flush), and the leases it grants are
+    released as they arrive."""
+    w = World(held_keys=keys_of(4))
+    w.answer_leases = False
+    w.side.track("r", lambda: keys_of(5), 5 * BS + 1)
+    assert w.side.match("r", 5 * BS + 1, 0) == 4 * BS
+    w.side.allocated("r", [[1, 2, 3, 4, 5]], [[False] * 5], 4 * BS)
+    w.side.build_step([], {})
+    pending = w.side.close()
+    assert len(pending) == 1 and not pending[0].done()
+    w.grant_pending()
+    assert pending[0].done() and w.leases == 0

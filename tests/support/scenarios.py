@@ -17,6 +17,7 @@ exporting every block.  Prompts of a scenario come from one ``seed``: the shared
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -33,6 +34,18 @@ def delta(before: Dict[str, int], after: Dict[str, int]) -> Dict[str, int]:
 def leases(lt: LoopThread, r: Replicas) -> int:
     """Leases the directory holds now (0 after every finished load)."""
     return int(lt.run(r.tracker.stats())["outstanding_leases"])
+
+
+def leases_settled(lt: LoopThread, r: Replicas, timeout: float = 10.0) -> int:
+    """Leases the directory holds once the releases on their way arrived: the scheduler
+    half sends a load's releases when vLLM reports the load done, without waiting; polls
+    until 0 or ``timeout``."""
+    end = time.monotonic() + timeout
+    while True:
+        held = leases(lt, r)
+        if held == 0 or time.monotonic() > end:
+            return held
+        time.sleep(0.1)
 
 
 def baseline_then_prime(lt: LoopThread, r: Replicas, asked: List[List[int]],

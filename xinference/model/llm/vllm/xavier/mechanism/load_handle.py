@@ -108,7 +108,9 @@ class LoadHandle:
       running on the engine's stream are ordered before anything the caller queues next;
       a load that read anything is reportable only once the completion thread finished it:
       its copies completed on the host and its reads checked (:mod:`.read_checks`) --
-      what lets the scheduler half release the load's leases when vLLM reports it done;
+      what lets the scheduler half release the load's leases when vLLM reports it done
+      (a load whose launch failed is reportable at once, every destination failed: the
+      copies queued before the failure can only spoil blocks vLLM recomputes, after them);
     * :meth:`wait`: everything finished; the result, or the
       error of a load that failed after it started (:class:`LoadError`).
     """

@@ -1,8 +1,8 @@
 """Coalesced lease releases: one directory call for the releases of many threads' moments.
 
-A step of 512 loaded blocks holds 512 leases; the load engine releases them one by one
-(so that one failure cannot keep the others) from its completion thread, the scheduler
-side releases unused ones from vLLM's scheduling loop.  :class:`BatchingReleaser` turns
+A step of 512 loaded blocks holds up to 512 leases; the scheduler half releases a load's
+when vLLM reports it done, from vLLM's scheduling loop or, for a lease granted after that
+report, from the bridge's thread.  :class:`BatchingReleaser` turns
 the releases asked between two runs of the bridge's event loop into ONE
 ``release(ids)`` call to the block directory; nobody waits for it (a late release only
 delays an eviction).  A call that fails (the directory restarting, say) is tried again a

@@ -42,10 +42,12 @@ read in place needs none), once vLLM allocated the destinations
 (:meth:`SchedulerSide.build_step`), and :meth:`SchedulerSide.loads_finished` releases them
 once vLLM's aggregation of the workers' ``get_finished`` says every worker is done with
 the request's load -- after its copies completed and its reads were checked (a worker
-reports a load only then, ``LoadCompletion``).  A lease only keeps Xavier's own tiers
-from reusing a slot during the copy; a read is correct without it, since every read is
-checked after its copy (a slot reused before the lease arrived fails its check and is
-recomputed).
+reports a load only then, ``LoadCompletion``; except a load whose launch failed: reported
+at once with every destination failed, its queued copies still ordered before vLLM's
+stream, so a slot reused under them can only spoil blocks vLLM recomputes).  A lease only
+keeps Xavier's own tiers from reusing a slot during the copy; a read is correct without
+it, since every read is checked after its copy (a slot reused before the lease arrived
+fails its check and is recomputed).
 """
 
 from __future__ import annotations
@@ -321,7 +323,6 @@ class SchedulerSide:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
         ids = tuple(rid for rid, _, _, _ in loads)
-        self._lease_reads(loads, stats)
         clashed = _name_clashes(loads)
         failed = tuple(int(r.dest) for i in clashed for r in loads[i][1])
         if clashed:
@@ -332,7 +333,6 @@ class SchedulerSide:
         try:
             batch = LoadBatch.from_requests(
                 (rid, [] if i in clashed else rows) for i, (rid, rows, _, _) in enumerate(loads))
-            return StepMeta(batch, (), stats, failed)
         except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
             logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
                          "vLLM recomputes them", self.rank, exc)
@@ -341,6 +341,9 @@ class SchedulerSide:
             empty = LoadBatch(ids, np.zeros(len(ids) + 1, np.int64),
                               np.zeros((0, len(COLUMNS)), np.int64))
             return StepMeta(empty, (), stats, dests)
+        # the reads this step really makes (a dropped request reads nothing)
+        self._lease_reads([x for i, x in enumerate(loads) if i not in clashed], stats)
+        return StepMeta(batch, (), stats, failed)
 
     def _lease_reads(self, loads: Sequence[Tuple[str, List[BlockLoad], List[int],
                                                  List[Location]]], stats: StepStats) -> None:
@@ -349,13 +352,13 @@ class SchedulerSide:
         wanted = [loc for *_, locs in loads for loc in locs]
         if not wanted or self._take_leases is None:
             return
-        stats.leases_asked += len(wanted)
         try:
             fut = self._take_leases(wanted)
         except Exception as exc:  # unprotected reads: still checked, at worst recomputed
             logger.warning("xavier: rank %d: asking for %d leases failed: %r", self.rank,
                            len(wanted), exc)
             return
+        stats.leases_asked += len(wanted)
         start = 0
         for rid, _, _, locs in loads:
             if locs:
@@ -389,13 +392,17 @@ class SchedulerSide:
         self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
 
-    def close(self) -> None:
-        """Release every lease still held (engine shutdown: no load report will come).
-        Idempotent."""
+    def close(self) -> List[concurrent.futures.Future[List[int]]]:
+        """Release every lease still held (engine shutdown: no load report will come);
+        returns the lease calls still unanswered (their leases go when they are, which a
+        caller may wait for).  Idempotent."""
         self._hits.clear()
         self._step_loads.clear()  # not leased yet
+        pending = [fut for ls in self._in_flight.values() for fut, _, _ in ls
+                   if not fut.done()]
         self.loads_finished(list(self._in_flight))
         self.lookups.close()
+        return pending
 
     def _drop_hit(self, request_id: str) -> None:
         self._hits.pop(request_id, None)

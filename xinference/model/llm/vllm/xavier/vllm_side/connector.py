@@ -228,8 +228,8 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM added ``request`` to the scheduler.
 
         May: start the request's directory lookup (sent with the others of this moment,
-        never waited for here).  Side effects: the directory may grant the lookup leases;
-        they are released if the request goes.  Must not block the scheduler loop.  The
+        never waited for here; the answer holds no lease).  Must not block the scheduler
+        loop.  The
         first request also checks that vLLM seeded its block hashes with the launch's
         secret seed (:mod:`.none_hash`); if not, sharing is off for the engine."""
         if self.scheduler is None or self.disabled:
@@ -246,11 +246,11 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         replicas hold, to be loaded asynchronously: ``(n, n > 0)``; ``(None, False)`` while
         the request's lookup is still out (vLLM asks again next step).
 
-        Not side-effect free, unlike what vLLM suggests: the answer holds leases on the
-        source slots (so that no peer reuses them) until :meth:`update_state_after_alloc`
-        hands them to a load or releases them; asking again for the same request and the
-        same local hit gives the same answer without a new lookup.  Waits for the
-        directory at most a bounded time per step (``planning.lookups``)."""
+        Not side-effect free, unlike what vLLM suggests: the request's hit is kept until
+        :meth:`update_state_after_alloc` binds it to blocks (no source slot is leased
+        before the step that loads it); asking again for the same request and the same
+        local hit gives the same answer without a new lookup.  Waits for the directory at
+        most a bounded time per step (``planning.lookups``)."""
         assert self.scheduler is not None
         if self.disabled:
             return 0, False
@@ -260,10 +260,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
                                  num_external_tokens: int) -> None:
         """vLLM allocated ``blocks`` for the request.
 
-        The hit's destinations are the blocks at its positions (null blocks get no load and
-        their leases are released); with
-        ``num_external_tokens == 0`` (no load, or vLLM's second call after an async load)
-        nothing is loaded and held leases are released.  Does not modify ``blocks``."""
+        The hit's destinations are the blocks at its positions (null blocks get no load);
+        with ``num_external_tokens == 0`` (no load, or vLLM's second call after an async
+        load) nothing is loaded.  Does not modify ``blocks``."""
         assert self.scheduler is not None
         if self.disabled:
             return
@@ -298,8 +297,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
 
         ``finished_recving`` lists the requests whose loads every worker reported done
         through :meth:`get_finished` -- after the load's copies completed and its reads were
-        checked: the leases of those loads are released here, the one place a lease is
-        released after a load.  Changes nothing of ``connector_output``."""
+        checked (a load whose launch failed: at once, every destination failed): the
+        leases of those loads are released here, the one place a lease is released after
+        a load.  Changes nothing of ``connector_output``."""
         if self.scheduler is not None and not self.disabled:
             self.scheduler.loads_finished(connector_output.finished_recving or ())
 

@@ -9,6 +9,7 @@ leave as ONE :class:`~..planning.step_meta.StepMeta`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from typing import (
     TYPE_CHECKING,
@@ -75,9 +76,8 @@ class XavierConnectorScheduler:
     """Scheduler-side state of one replica: lookups, hits and their leases, step metadata.
 
     Owns the replica's leases, their releaser and the directory lookups: every lease the
-    replica takes is released here, when vLLM reports the load done on every worker
-    (:meth:`loads_finished`), when the request goes without a load
-    (:meth:`request_finished`), or at :meth:`shutdown`."""
+    replica takes (when a step that loads is built) is released here, when vLLM reports the
+    load done on every worker (:meth:`loads_finished`), or at :meth:`shutdown`."""
 
     def __init__(self, options: XavierOptions, block_size: int, num_groups: int,
                  bridge: ActorBridge, tp_size: int = 1) -> None:
@@ -184,7 +184,7 @@ class XavierConnectorScheduler:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        """``(n, n > 0)`` or ``(None, False)`` while the lookup is out; holds leases."""
+        """``(n, n > 0)`` or ``(None, False)`` while the lookup is out (no lease held)."""
         with elapsed_us(self.side.add_time):
             ready = self.is_ready()
             self.side.track(request.request_id, _key_source(request), request.num_tokens,
@@ -197,7 +197,7 @@ class XavierConnectorScheduler:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        """Bind the hit to its allocated blocks, or release its leases."""
+        """Bind the hit to its allocated blocks (its loads go out with the next step)."""
         with elapsed_us(self.side.add_time):
             block_ids = blocks.get_block_ids()
             null = [[bool(b.is_null) for b in group] for group in blocks.blocks]
@@ -328,9 +328,12 @@ class XavierConnectorScheduler:
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Release every lease still held and wait (bounded) for the releases to reach the
-        directory.  Idempotent."""
-        self.side.close()
-        if not self._releaser.flush(timeout):
+        directory (lease calls still unanswered first).  Idempotent."""
+        deadline = time.monotonic() + timeout
+        pending = self.side.close()
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout)
+        if not self._releaser.flush(max(0.0, deadline - time.monotonic())):
             logger.warning("xavier: rank %d: lease releases still unsent at shutdown (the "
                            "directory drops them with the rank, or after their expiry)",
                            self.options.rank)
