@@ -243,16 +243,21 @@ class LoadCompletion:
         return None
 
     def _write_staged(self, t: Transfer, staging: Sequence[torch.Tensor]) -> None:
+        """Write staged rows into the destination blocks on the engine's copy stream, and
+        wait for them -- also when a copy fails half way: the ones already queued must not
+        land after vLLM was told the blocks failed and started recomputing them."""
         parts = self._parts
         assert parts is not None
-        with on_stream(parts.stream):
-            dst_blocks = torch.from_numpy(t.dst_blocks).to(parts.device)
-            for s, d in zip(staging, parts.layers[t.group]):
-                values = slab_as(s, t.rows, d)
-                if not t.identity_rows:
-                    values = values.index_select(0, torch.from_numpy(t.dst_rows))
-                d.index_copy_(0, dst_blocks, values.to(parts.device, non_blocking=True))
+        try:
+            with on_stream(parts.stream):
+                dst_blocks = torch.from_numpy(t.dst_blocks).to(parts.device)
+                for s, d in zip(staging, parts.layers[t.group]):
+                    values = slab_as(s, t.rows, d)
+                    if not t.identity_rows:
+                        values = values.index_select(0, torch.from_numpy(t.dst_rows))
+                    d.index_copy_(0, dst_blocks, values.to(parts.device, non_blocking=True))
+        finally:
             event = record_event(parts.stream)
-        if event is not None:
-            event.synchronize()
+            if event is not None:
+                event.synchronize()
         self.sink.add("loads_in_background")
