@@ -93,6 +93,11 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert c.get("peer_map_us", 0) == 0 and c.get("load_launch_cpu_us", 0) > 0
     assert c["batch_calls"] == 1 == c["steps_with_loads"]
     assert c["load_failures"] == 0 and c["rejected_batches"] == 0
+    # the load read device memory (A's cache, mapped), unordered after B's forward in
+    # flight: it was reported when vLLM first asked, or counted as late
+    print(f"\nreported at once {c.get('loads_reported_at_once', 0)}, late "
+          f"{c.get('report_wait_missed', 0)}, waited {c.get('report_wait_us', 0)} us")
+    assert c.get("loads_reported_at_once", 0) + c.get("report_wait_missed", 0) == 1
     # every read was checked after its copy against A's generations file, and held
     assert c["reads_validated"] == PREFIX // BLOCK and c["validation_failures"] == 0
     # read straight from A's own vLLM cache (CUDA IPC on the GPU machine; on the CPU

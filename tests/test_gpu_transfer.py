@@ -216,6 +216,35 @@ def test_background_load_is_reportable_only_after_its_copy_and_close_waits():
     assert eng.counters.batch_calls == 1
 
 
+def test_only_a_load_of_device_memory_ordered_after_named_events_is_quick():
+    """``ordered_after`` (the worker's asynchronous loads): a load that reads mapped memory
+    and is ordered after the events named only is *quick* (the plane may wait for it when
+    vLLM first asks); ordered after the caller's stream (the default) it is not; nor is a
+    load the completion thread runs (another host's); the bytes are the same either way."""
+    world, local = _simple()
+    s = world.slot_of
+    dest_key = {(0, 3): 5, (0, 4): 6, (1, 5): 7}
+    rows = [[(g, k, 1, 0, s[(1, 0, g, k)], d) for (g, d), k in dest_key.items()]]
+    expected = expected_after(local, world, dest_key)
+    eng = engine_with(world, local)
+    quick = eng.load_gpu_requests_v1(loads(rows), ordered_after=[])
+    plain = eng.load_gpu_requests_v1(loads(rows))
+    assert quick.quick and not plain.quick
+    assert quick.wait(30).blocks_written == plain.wait(30).blocks_written == 3
+    assert_equal_bits(local, expected)
+    eng.close()
+
+    gate = threading.Event()
+    gate.set()
+    eng = GPUTransfer(rank=0, slab_config=CFG)
+    eng.set_local_caches(local, BLOCK_DIM)
+    eng.map_remote_storage(1, Tier.GPU, layout_of(world.storages[(1, 0)], BLOCK_DIM),
+                           _remote(world, 1, 0, gate))
+    remote = eng.load_gpu_requests_v1(loads(rows), ordered_after=[])
+    assert not remote.quick and remote.wait(30).blocks_written == 3
+    eng.close()
+
+
 def test_a_failed_remote_transfer_fails_only_its_blocks():
     world, local = _simple()
     s = world.slot_of

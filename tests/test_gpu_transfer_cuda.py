@@ -122,6 +122,89 @@ def test_launch_does_not_wait_and_order_makes_the_stream_see_the_bytes():
     eng.close()
 
 
+def test_a_load_ordered_after_named_events_only_does_not_wait_for_the_callers_stream():
+    """``ordered_after``: the worker's loads (vLLM's asynchronous-load blocks, which no step
+    in flight touches) wait for the step's victim saves only, not for the forward still
+    running on vLLM's stream: with the caller's stream spinning ~1 s, such a load is
+    checked and reportable within a fraction of it, its bytes exact; the default order
+    (negative control) is still waiting, so the spin was real; a load ordered after an
+    event of a busy side stream waits for that event."""
+    local, peer = storage(128, 31), storage(128, 32)
+    eng = GPUTransfer(0, SlabConfig(64, 8, 2))
+    eng.set_local_caches({0: local})
+    eng.map_storage(1, Tier.GPU, {0: peer})
+    eng.load_gpu_requests_v1(loads([[(0, 60, 1, 0, 100, 120)]])).wait(60)  # first-use
+    torch.cuda.synchronize()
+
+    caller = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the caller's stream busy
+    unordered = eng.load_gpu_requests_v1(loads([[(0, 200 + i, 1, 0, 40 + i, 50 + i)
+                                                 for i in range(32)]]), ordered_after=[])
+    # (after it: the engine's one stream is in order, so this one's wait comes second)
+    ordered = eng.load_gpu_requests_v1(loads([[(0, 70 + i, 1, 0, i, 10 + i)
+                                               for i in range(32)]]))
+    assert unordered.quick and not ordered.quick
+    assert unordered.wait_reportable(0.3)
+    assert not ordered.reportable and not caller.query()  # the spin still runs
+    torch.cuda.synchronize()
+    assert ordered.wait_reportable(60)
+    for a, b in zip(local, peer):
+        assert torch.equal(bits(a[10:42]), bits(b[:32]))
+        assert torch.equal(bits(a[50:82]), bits(b[40:72]))
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)
+        busy = torch.cuda.Event()
+        busy.record(side)
+    after = eng.load_gpu_requests_v1(loads([[(0, 300 + i, 1, 0, 80 + i, 90 + i)
+                                             for i in range(8)]]), ordered_after=[busy])
+    assert not after.wait_reportable(0.3)  # behind the side stream's spin
+    assert after.wait_reportable(60) and not after.failed
+    eng.close()
+
+
+def test_victims_are_saved_without_waiting_for_the_forward_in_flight():
+    """A step's victims (``after_forward=False``) are copied on the writer's save stream,
+    not behind vLLM's forward in flight: with the caller's stream spinning, the save's
+    event completes within a fraction of the spin and the tier holds the blocks' bytes;
+    an export after the forward (the default, negative control) waits for the spin; the
+    caller's stream is ordered after both (vLLM writes none of them before)."""
+    from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
+    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
+        SnapshotStorage,
+        TierConfig,
+    )
+    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
+    from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
+
+    cache = {0: storage(32, 41)}
+    layout = layout_of(cache)
+    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 16 * layout.groups[0].block_bytes,
+                                                device="cuda")])
+    writer = StorageWriter(1, layout, {Tier.GPU: st.caches(Tier.GPU)}, LocalDirectory(),
+                           torch.device("cuda"), stream=torch.cuda.Stream(), room_blocks=0)
+    views = {0: [block_view(t, 0) for t in cache[0]]}
+    writer.export(views, [(0, 1, 1)])  # first use (pointer tables, kernel)
+    assert writer.flush(30)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # vLLM's forward in flight, ~1 s
+    saved = writer.export(views, [(0, 500 + i, 3 + i) for i in range(4)], after_forward=False)
+    exported = writer.export(views, [(0, 600 + i, 10 + i) for i in range(4)])
+    assert saved.event is not None and exported.event is not None
+    deadline = time.monotonic() + 0.3
+    while not saved.event.query() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert saved.event.query() and not exported.event.query()
+    assert writer.flush(60)
+    tier = st.caches(Tier.GPU)[0]
+    for i in range(4):
+        slot = writer.lookup(0, 500 + i)[1]
+        assert all(torch.equal(bits(t[slot]), bits(c[3 + i])) for t, c in zip(tier, cache[0]))
+    writer.close()
+
+
 def export_gpu_tier(queue, done):
     """Child process: a snapshot storage with a CUDA tier exports blocks, shares IPC handles."""
     from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view

@@ -10,9 +10,15 @@ The call
 2. validates the whole plan against the mapped storages and the local KV caches (groups,
    slot and block ranges) -- nothing is written when any of this fails
    (:class:`LoadRejected`);
-3. launches the copies that read device memory on the engine's CUDA stream of its own,
-   after the work already queued on the caller's stream (the blocks' previous users), and
-   records an event; it does NOT wait for them (a CPU engine copies right away);
+3. launches the copies that read device memory on the engine's high-priority CUDA stream,
+   after the work already queued on the caller's stream (the blocks' previous users) --
+   or, given ``ordered_after`` events, after those only: the caller vouches that nothing
+   queued on its stream touches the destinations, which vLLM guarantees for an
+   asynchronous load's blocks (it defers freeing a block a step in flight may write, for a
+   KV consumer with batches in flight, ``defer_block_free``, and never zeroes them), so a
+   worker names its victim saves only and the load is :attr:`~.load_handle.LoadHandle.
+   quick` when nothing of it runs on the completion thread -- and records an event; it does
+   NOT wait for them (a CPU engine copies right away);
 4. hands the rest to the completion thread (other hosts; host memory without a CUDA view,
    :mod:`.uva`), which starts them after the event (one is recorded for them too);
 5. the completion thread waits for the event and the background copies, checks every
@@ -49,8 +55,8 @@ from ..planning.plan import (
     Transfer,
     plan_step,
 )
-from . import block_copy_triton
 from .block_copy import block_views, copy_transfer, layer_tensor
+from .fused_loads import FusedLoads
 from .index_upload import IndexUploader
 from .kv_schema import KVLayout, LayerTensors, layout_of
 from .load_checks import check_plan
@@ -92,8 +98,7 @@ class GPUTransfer:
         self._slab_state = SlabState()
         self._local_layout: Optional[KVLayout] = None
         self._local_layers: Dict[int, List[torch.Tensor]] = {}
-        self._local_pointer_tables: Dict[int, torch.Tensor] = {}
-        self._fused_cache: Dict[Tuple[int, Tier, int], bool] = {}
+        self._fused = FusedLoads(kernel, self.sink)
         self._indices = IndexUploader(torch.device("cpu"))
         self._local_release: Optional[Callable[[], None]] = None
         self._slabs: Optional[SlabPool] = None  # the step thread's
@@ -157,8 +162,7 @@ class GPUTransfer:
                     pool.close()
             self._device = devices.pop()
             self._local_layers = block_views(caches, layout)
-            self._local_pointer_tables = {}
-            self._fused_cache.clear()
+            self._fused.forget(local_caches=True)
             self._indices = IndexUploader(self._device)
             self._local_layout = layout
             self._local_release = release
@@ -167,7 +171,9 @@ class GPUTransfer:
             self._bg_slabs = SlabPool(layout, self.slab_config.full_rows,
                                       self.slab_config.small_rows, self._device)
             if self._device.type == "cuda":
-                self._stream = stream or torch.cuda.Stream(device=self._device)
+                # high priority: a load's copies are short, and the request waits on them
+                # (CUDA maps -1 to its highest priority)
+                self._stream = stream or torch.cuda.Stream(device=self._device, priority=-1)
             self._completion.start(EngineParts(self._local_layers, layout, self._device,
                                                self._stream, self._bg_slabs))
             logger.info("rank %d: local KV caches registered: %d groups, fingerprint %s, "
@@ -215,7 +221,7 @@ class GPUTransfer:
                     f"{what}: local KV caches are not registered yet (set_local_caches)")
             self._local_layout.check_compatible(st.layout,
                                                 f"rank {st.rank} {st.tier.name} storage")
-            self._fused_cache.clear()
+            self._fused.forget()
             old = self._storages.get((st.rank, st.tier))
             self._storages[(st.rank, st.tier)] = st
             logger.info("rank %d: mapped %s rank %d %s storage (%s)", self.rank,
@@ -230,7 +236,7 @@ class GPUTransfer:
         already launched keep what they captured until they finish."""
         with self._lock:
             keys = [k for k in self._storages if k[0] == rank and (tier is None or k[1] == tier)]
-            self._fused_cache.clear()
+            self._fused.forget()
             gone = [self._storages.pop(k) for k in keys]
         self._let_go(gone)
         return len(keys)
@@ -256,9 +262,11 @@ class GPUTransfer:
             return sorted(self._storages)
 
     # ------------------------------------------------------------------- load
-    def load_gpu_requests_v1(self, batch: LoadBatch) -> LoadHandle:
-        """Launch every load of one step; see the module docstring for the contract.
-        Raises when the batch is refused before any copy."""
+    def load_gpu_requests_v1(self, batch: LoadBatch,
+                             ordered_after: Optional[Sequence[torch.cuda.Event]] = None
+                             ) -> LoadHandle:
+        """Launch every load of one step; see the module docstring for the contract
+        (``ordered_after``: step 3).  Raises when the batch is refused before any copy."""
         with self._lock:
             self._check_open("load_gpu_requests_v1")
             plan = self._plan(batch)
@@ -266,10 +274,10 @@ class GPUTransfer:
             event: Optional[torch.cuda.Event] = None
             error: Optional[BaseException] = None
             try:
-                event = self._launch(local)
+                event = self._launch(local, ordered_after)
                 if event is None and background and self._stream is not None:  # after e.g.
                     # a victim saved out of a destination block (the completion thread waits)
-                    self._stream.wait_stream(torch.cuda.current_stream(self._device))
+                    self._order_stream(ordered_after)
                     event = record_event(self._stream)
             except BaseException as exc:  # some copies may be queued: the fence waits
                 error = exc
@@ -280,7 +288,8 @@ class GPUTransfer:
             # launch that failed is reportable at once, every destination failed (vLLM's
             # stream still waits for the copies queued before the failure: the fence)
             handle = LoadHandle(plan.request_ids, plan.written, event,
-                                bool(reads) and error is None)
+                                bool(reads) and error is None,
+                                quick=ordered_after is not None and not background)
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)
@@ -305,7 +314,8 @@ class GPUTransfer:
         if self._local_layout is None:
             raise LoadRejected("local KV caches are not registered (set_local_caches)")
         for st, group in check_plan(plan, self._local_layout, self._storages):
-            self._fused_ok(st, group)  # copy_kernel="triton" refuses here, before any copy
+            # copy_kernel="triton" refuses here, before any copy
+            self._fused.applies(st, group, self._local_layers[group])
 
     def _split(self, plan: LoadPlan) -> Tuple[List[Tuple[Transfer, MappedStorage]],
                                               List[Tuple[Transfer, MappedStorage]]]:
@@ -321,14 +331,25 @@ class GPUTransfer:
             (background if on_host else local).append((t, st))
         return local, background
 
-    def _launch(self, jobs: Sequence[Tuple[Transfer, MappedStorage]]
+    def _order_stream(self, ordered_after: Optional[Sequence[torch.cuda.Event]]) -> None:
+        """After the caller's stream, or ``ordered_after`` only (module docstring, 3)."""
+        assert self._stream is not None
+        if ordered_after is None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            return
+        for event in ordered_after:
+            self._stream.wait_event(event)
+
+    def _launch(self, jobs: Sequence[Tuple[Transfer, MappedStorage]],
+                ordered_after: Optional[Sequence[torch.cuda.Event]] = None
                 ) -> Optional[torch.cuda.Event]:
-        """Queue the copies of ``jobs`` on the engine's stream (after the caller's stream's
-        work) and return the event that marks their end; on a CPU engine copy now."""
+        """Queue the copies of ``jobs`` on the engine's stream (:meth:`_order_stream`) and
+        return the event that marks their end; on a CPU engine copy now."""
         if not jobs:
             return None
         assert self._slabs is not None and self._device is not None
-        fused = [self._fused_ok(st, t.group) for t, st in jobs]
+        fused = [self._fused.applies(st, t.group, self._local_layers[t.group])
+                 for t, st in jobs]
         arrays: List[np.ndarray] = []
         for (t, _), f in zip(jobs, fused):
             if f:
@@ -338,7 +359,7 @@ class GPUTransfer:
         if self._stream is None:  # CPU: copies happen here and now
             self._run(jobs, fused, self._indices.upload(arrays), self._slabs)
             return None
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        self._order_stream(ordered_after)
         with torch.cuda.stream(self._stream):
             self._run(jobs, fused, self._indices.upload(arrays), self._slabs)
             event = torch.cuda.Event()
@@ -350,7 +371,7 @@ class GPUTransfer:
         it = iter(indices)
         for (t, st), f in zip(jobs, fused):
             if f:
-                self._run_fused(st, t, next(it), next(it))
+                self._fused.run(st, t, self._local_layers[t.group], next(it), next(it))
                 continue
             src_slots, dst_blocks, dst_rows = next(it), next(it), next(it)
             src = st.layers[t.group]
@@ -361,33 +382,6 @@ class GPUTransfer:
         """The completion thread is done with ``handle`` (called before it completes)."""
         with self._lock:
             self._inflight.discard(handle)
-
-    def _fused_ok(self, st: MappedStorage, group: int) -> bool:
-        key = (st.rank, st.tier, group)
-        ok = self._fused_cache.get(key)
-        if ok is None:
-            ok = st.fetch is None and self.copy_kernel != "torch" and block_copy_triton.supports(
-                st.layers[group], self._local_layers[group])
-            self._fused_cache[key] = ok
-        if not ok and self.copy_kernel == "triton":
-            raise LoadRejected("copy_kernel: the fused Triton kernel does not apply to rank "
-                               f"{st.rank} {st.tier.name} group {group} (needs contiguous "
-                               "block-first CUDA layers)")
-        return ok
-
-    def _run_fused(self, st: MappedStorage, t: Transfer, src_idx: torch.Tensor,
-                   dst_idx: torch.Tensor) -> None:
-        src, dst = st.layers[t.group], self._local_layers[t.group]
-        src_table = st.pointer_tables.get(t.group)
-        if src_table is None:
-            src_table = st.pointer_tables[t.group] = block_copy_triton.pointer_table(src)
-        dst_table = self._local_pointer_tables.get(t.group)
-        if dst_table is None:
-            dst_table = self._local_pointer_tables[t.group] = block_copy_triton.pointer_table(dst)
-        block_copy_triton.gather_scatter(
-            src_table, dst_table, len(dst), int(dst[0].shape[1]), src[0].stride(0),
-            dst[0].stride(0), src_idx, dst_idx)
-        self.sink.add("fused_transfers")
 
     # ------------------------------------------------------------------ close
     def _check_open(self, what: str) -> None:
@@ -441,7 +435,7 @@ class GPUTransfer:
                 logger.error("rank %d: close incomplete: %s", self.rank, "; ".join(errors))
                 raise CloseError("close incomplete, call close() again: " + "; ".join(errors))
             self._local_layers.clear()
-            self._local_pointer_tables.clear()
+            self._fused.forget(local_caches=True)
             self._indices.close()
             self._stream = None
             self._closed = True

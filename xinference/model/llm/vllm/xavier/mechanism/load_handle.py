@@ -116,10 +116,14 @@ class LoadHandle:
     """
 
     def __init__(self, request_ids: Tuple[str, ...], planned: Mapping[int, np.ndarray],
-                 event: Optional[torch.cuda.Event], has_background: bool) -> None:
+                 event: Optional[torch.cuda.Event], has_background: bool,
+                 quick: bool = False) -> None:
         self.request_ids = request_ids
         self.planned = planned
         self.event = event
+        #: its copies wait for nothing the caller queued and none runs on the completion
+        #: thread: it becomes reportable within about a copy's time (a caller may wait)
+        self.quick = quick
         self._has_background = has_background
         self._background_done = threading.Event()
         self._done = threading.Event()

@@ -12,7 +12,9 @@ computed the blocks, and never waits:
    later miss, never a stalled step: ``export_skipped_no_slot``);
 3. the copies are queued on the engine's copy stream after the forward (one fused gather
    per group on CUDA), and the caller's stream is made to wait for them, so vLLM cannot
-   hand a block to a new request and overwrite it before it was read;
+   hand a block to a new request and overwrite it before it was read.  A step's victims
+   (``after_forward=False``) are copied on a stream of their own, not after the forward in
+   flight (which writes none: vLLM defers freeing a block a step in flight may write);
 4. the publisher thread waits for the copies' event, then registers the blocks with the
    block directory (one call per export): a block is never visible before its bytes.
 
@@ -70,6 +72,8 @@ class ExportResult:
     exported: int = 0
     already_stored: int = 0
     skipped_no_slot: int = 0
+    #: the end of its copies on the engine's copy stream (CUDA, when anything was copied)
+    event: Optional[torch.cuda.Event] = None
 
 
 class StorageWriter:
@@ -118,6 +122,11 @@ class StorageWriter:
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
+        #: victims' copies: a stream of their own, not behind the exports that wait for
+        #: the forward in flight (high priority: a load may wait for them)
+        self._save_stream: Optional[torch.cuda.Stream] = None if stream is None else (
+            torch.cuda.Stream(device=device, priority=-1))
+        self._last_save_event: Optional[torch.cuda.Event] = None
         self._room_target = min(room_blocks, self._slots[self._order[0]] // 4)
         self._wake = threading.Event()
         self._idle = threading.Event()
@@ -166,9 +175,10 @@ class StorageWriter:
 
     # ----------------------------------------------------------------- export
     def export(self, engine_views: Dict[int, List[torch.Tensor]],
-               rows: Sequence[ExportRow]) -> ExportResult:
+               rows: Sequence[ExportRow], after_forward: bool = True) -> ExportResult:
         """Store newly computed full blocks ``(group, key, engine block)`` (engine views as
-        :func:`~.block_copy.block_view` gives); see the module docstring.  Never waits."""
+        :func:`~.block_copy.block_view` gives), or victims (``after_forward=False``); see
+        the module docstring.  Never waits."""
         if self._closed:
             raise RuntimeError(f"export: the storage writer of rank {self.rank} is closed")
         res = ExportResult()
@@ -196,7 +206,7 @@ class StorageWriter:
                     self._pending.add((group, key))
             if entries:
                 pub = Publication(entries, [(g, k) for g, k, _, _, _ in entries])
-                self._copy_out(engine_views, top, placed, pub)
+                res.event = self._copy_out(engine_views, top, placed, pub, after_forward)
                 with self._lock:
                     self._unpublished += 1
                 self._publisher.put(pub)
@@ -211,15 +221,20 @@ class StorageWriter:
         return res
 
     def _copy_out(self, engine_views: Dict[int, List[torch.Tensor]], tier: Tier,
-                  placed: Dict[int, Tuple[List[int], List[int]]], pub: Publication) -> None:
-        """Queue the copies engine blocks -> ``tier`` slots (see the module docstring)."""
+                  placed: Dict[int, Tuple[List[int], List[int]]], pub: Publication,
+                  after_forward: bool = True) -> Optional[torch.cuda.Event]:
+        """Queue the copies engine blocks -> ``tier`` slots (see the module docstring);
+        the event that marks their end (None on a CPU engine: copied now)."""
         if self.stream is None:  # CPU engine: copy now
             for group, (blocks, slots) in placed.items():
                 copy_rows(engine_views[group], self._views[tier][group], blocks, slots)
-            return
+            return None
         caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
-        with torch.cuda.stream(self.stream):
+        stream = self.stream if after_forward else self._save_stream
+        assert stream is not None
+        if after_forward:  # (a victim's copy need not wait: the module docstring)
+            stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
             for group, (blocks, slots) in placed.items():
                 src, dst = engine_views[group], self._views[tier][group]
                 if dst[0].device.type == "cuda":
@@ -230,10 +245,14 @@ class StorageWriter:
                     host = gather_to_pinned(src, blocks, self.device)
                     pub.scatter.append((dst, torch.tensor(slots, dtype=torch.int64), host))
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         caller.wait_event(event)  # vLLM reuses none of these blocks before they were read
         pub.event = event
-        self._last_event = event
+        if after_forward:
+            self._last_event = event
+        else:
+            self._last_save_event = event
+        return event
 
     # ------------------------------------------------------------ publication
     def publish_after(self, entries: List[Entry], incarnation: int,
@@ -377,9 +396,9 @@ class StorageWriter:
             copy_rows(src, dst, src_slots, dst_slots)
             return
         with torch.cuda.stream(self._room_stream):
-            last = self._last_event
-            if last is not None:
-                self._room_stream.wait_event(last)
+            for last in (self._last_event, self._last_save_event):
+                if last is not None:
+                    self._room_stream.wait_event(last)
             if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
                 self._copier.copy((src_tier, group), src, (dst_tier, group), dst,
                                      src_slots, dst_slots)

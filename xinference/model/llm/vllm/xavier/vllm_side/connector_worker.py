@@ -98,9 +98,9 @@ class XavierConnectorWorker:
             plane.attach()
         if self._tp_rank == 0:  # the scheduler's figures, counted once per replica
             plane.add_step_stats(step.stats.as_dict())
-        if step.saves:  # before the loads and the forward write any of these blocks
-            plane.export(step.saves)
-        plane.load(step)
+        # the victims, before the loads and the forward write any of them
+        saved = plane.save(step.saves) if step.saves else None
+        plane.load(step, saved)
 
     def export(self, step: Optional[StepMeta]) -> None:
         """After the forward: publish ``step``'s newly full blocks in place, or export them

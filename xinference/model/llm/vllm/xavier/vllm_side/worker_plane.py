@@ -31,11 +31,10 @@ of the :class:`PlaneHooks` shape only when ``XAVIER_TEST_HOOKS`` names one
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -58,50 +57,28 @@ from ..planning.shards import Shards
 from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
+from .plane_hooks import PlaneHooks, load_test_hooks
 from .tracker_link import TrackerLink
 
 logger = package_logger(__name__)
 
 #: longest an actor call of the plane may take (attach; registering waits ten times this)
 CALL_TIMEOUT_S = 30.0
-#: ``module:Class`` of a :class:`PlaneHooks` observer (tests only; unset in production)
-TEST_HOOKS_ENV = "XAVIER_TEST_HOOKS"
-
+#: longest vLLM's ask for finished loads waits for the step's quick loads (a load's copies
+#: into a 0.5B model's KV cache take ~0.15 ms for 512 blocks on an H200)
+REPORT_WAIT_S = 0.002
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
 
-class PlaneHooks(Protocol):
-    """What the plane tells a test observer (faults a real engine cannot make on demand,
-    digests).  Production planes have none; see :data:`TEST_HOOKS_ENV`."""
-
-    def before_load(self, batch: LoadBatch) -> None: ...
-
-    def apply_faults(self, batch: LoadBatch, failed: Set[int]) -> Optional[LoadBatch]: ...
-
-    def holding(self) -> bool: ...
-
-    def loaded_failed(self, failed: Set[int]) -> None: ...
-
-    def exported(self, rows: Sequence[Tuple[int, int, int]]) -> None: ...
-
-    def published_in_place(self, rows: Sequence[Tuple[int, int, int, int]]) -> None: ...
-
-
-def load_test_hooks(plane: WorkerDataPlane) -> Optional[PlaneHooks]:
-    """The observer named by :data:`TEST_HOOKS_ENV` (``module:Class``), built for ``plane``;
-    ``None`` when unset.  A bad name raises naming the variable (the worker connector then
-    turns sharing off on this worker and logs why)."""
-    spec = os.environ.get(TEST_HOOKS_ENV, "").strip()
-    if not spec:
-        return None
-    module_name, _, class_name = spec.partition(":")
+def vllm_defers_block_frees() -> bool:
+    """Whether this vLLM keeps a freed block out of the pool while a step in flight may
+    write it (``Scheduler._drain_deferred_frees``, vLLM >= 0.26, for a KV consumer with
+    batches in flight): what lets a load and a victim save skip the forward in flight."""
     try:
-        factory = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{TEST_HOOKS_ENV}={spec!r}: expected module:Class of an importable "
-                         f"hooks class ({exc})") from exc
-    hooks: PlaneHooks = factory(plane)
-    return hooks
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:  # (ordered after the forward then: always correct)
+        return False
+    return hasattr(Scheduler, "_drain_deferred_frees")
 
 
 @dataclass
@@ -113,9 +90,16 @@ class _StepLoad:
     failed: Set[int] = field(default_factory=set)
     #: why (part of) the step's loads were refused, if they were
     error: Optional[str] = None
+    #: quick, but not checked yet when vLLM first asked (reported a step later)
+    late: bool = False
 
     def reportable(self) -> bool:
         return all(h.reportable for h in self.handles)
+
+    def quick(self) -> bool:
+        """Every load of it reads device memory, unordered after the forward in flight:
+        checked within about a copy's time of its launch."""
+        return bool(self.handles) and all(h.quick for h in self.handles)
 
 
 class WorkerDataPlane:
@@ -142,6 +126,8 @@ class WorkerDataPlane:
         self.engine.set_local_caches(caches, block_dims)
         self.writer: Optional[StorageWriter] = None
         self.batched_loads = options.batched_loads
+        #: loads and victim saves not ordered after the forward in flight (:meth:`load`)
+        self.unordered = vllm_defers_block_frees()
         self._attached = False
         self._own_releases: List[Any] = []
         self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
@@ -245,14 +231,29 @@ class WorkerDataPlane:
         self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
-    def load(self, step: StepMeta) -> None:
+    def save(self, rows: Sequence[Tuple[int, int, int]]) -> Optional[torch.cuda.Event]:
+        """Copy the step's victims (published blocks vLLM hands out now) into Xavier's
+        tier before the forward and the loads write them (the loads wait for the returned
+        event); not behind the forward in flight, which writes none of them."""
+        if not rows or self.writer is None:
+            return None
+        result = self.writer.export(self.engine_views, rows, after_forward=not self.unordered)
+        if self.hooks is not None:
+            self.hooks.exported(rows)
+        return result.event
+
+    def load(self, step: StepMeta, saved: Optional[torch.cuda.Event] = None) -> None:
         """Launch every load of ``step`` (vLLM's ``start_load_kv``); never waits for a copy
-        (a CPU engine copies right away).  Failures become failed blocks for vLLM."""
+        (a CPU engine copies right away).  Failures become failed blocks for vLLM.  The
+        copies wait for the step's victim saves (``saved``) only, not for the forward in
+        flight (``GPUTransfer.load_gpu_requests_v1``'s ``ordered_after``), so
+        :meth:`finished` can report them in the step that launched them."""
         if not step.has_loads:
             return
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            self._pending.append(self._load(step))
+            after = None if not self.unordered else [] if saved is None else [saved]
+            self._pending.append(self._load(step, after))
         finally:
             cpu_us = int(1e6 * (time.thread_time() - cpu))
             wall_us = int(1e6 * (time.perf_counter() - wall))
@@ -264,7 +265,7 @@ class WorkerDataPlane:
     def run_detached(self, step: StepMeta) -> Tuple[_StepLoad, Optional[str]]:
         """Launch ``step``'s loads outside vLLM's bookkeeping (never reported through
         :meth:`finished`): the test hooks' ``raw_load``."""
-        pending = self._load(step)
+        pending = self._load(step, None)
         return pending, pending.error
 
     def refuse(self, why: str) -> None:
@@ -273,7 +274,8 @@ class WorkerDataPlane:
         self.counters.add("rejected_metadata")
         logger.warning("xavier: rank %d: malformed step metadata: %s", self.rank, why)
 
-    def _load(self, step: StepMeta) -> _StepLoad:
+    def _load(self, step: StepMeta,
+              ordered_after: Optional[Sequence[torch.cuda.Event]]) -> _StepLoad:
         step = step.for_shard(self.tp_rank, self.tp_size)
         batch: Optional[LoadBatch] = step.loads
         assert batch is not None
@@ -309,7 +311,7 @@ class WorkerDataPlane:
         calls = [batch] if self.batched_loads else step.per_request(batch)
         for part in calls:
             try:
-                pending.handles.append(self.engine.load_gpu_requests_v1(part))
+                pending.handles.append(self.engine.load_gpu_requests_v1(part, ordered_after))
             except Exception as exc:  # refused before any copy
                 logger.warning("xavier: rank %d: load of %d blocks refused: %s", self.rank,
                                part.num_rows, exc)
@@ -331,6 +333,7 @@ class WorkerDataPlane:
         failed: Set[int] = set()
         if self.hooks is not None and self.hooks.holding():
             return done, failed
+        self._wait_quick()
         still: List[_StepLoad] = []
         for p in self._pending:
             if not p.reportable():
@@ -341,10 +344,29 @@ class WorkerDataPlane:
                 failed.update(h.failed)
             failed.update(p.failed)
             done.update(p.request_ids)
+            if p.quick() and not p.late:
+                self.counters.add("loads_reported_at_once")
         self._pending = still
         if failed and self.hooks is not None:
             self.hooks.loaded_failed(failed)
         return done, failed
+
+    def _wait_quick(self) -> None:
+        """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
+        launched): one reported in this step's output is computed a step sooner."""
+        waiting = [p for p in self._pending if p.quick() and not p.reportable()]
+        if not waiting:
+            return
+        start = time.perf_counter()
+        deadline = start + REPORT_WAIT_S
+        for p in waiting:
+            for h in p.handles:
+                h.wait_reportable(max(0.0, deadline - time.perf_counter()))
+        self.counters.add("report_wait_us", int(1e6 * (time.perf_counter() - start)))
+        for p in waiting:
+            if not p.reportable():
+                p.late = True
+                self.counters.add("report_wait_missed")
 
     def wait_pending(self, timeout: float = 60.0) -> bool:
         """Wait until every launched load can be reported (tests, shutdown)."""
