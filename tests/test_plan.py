@@ -224,10 +224,11 @@ def test_slab_config_validation_names_field():
 @st.composite
 def distinct_row_steps(draw):
     """Steps of the common kind: distinct (group, key) and (group, destination) pairs, no
-    null block, from one or several (source rank, tier, group) buckets; several requests."""
-    n = draw(st.integers(1, 60))
+    null block, from one or several (source rank, tier, group) buckets; several requests;
+    up to 12 full slabs (the fast path takes steps of any size)."""
+    n = draw(st.integers(1, 200))
     keys = draw(st.lists(st.integers(1, 2**40), min_size=n, max_size=n, unique=True))
-    dests = draw(st.lists(st.integers(1, 500), min_size=n, max_size=n, unique=True))
+    dests = draw(st.lists(st.integers(1, 900), min_size=n, max_size=n, unique=True))
     slots = draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
     buckets = draw(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 1), st.integers(0, 1)),
                             min_size=1, max_size=4))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
+from xinference.model.llm.vllm.xavier.planning.directory_types import Location
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide
@@ -44,10 +45,11 @@ class World:
     def take_leases(self, locations):
         self.lease_calls += 1
         fut = concurrent.futures.Future()
+        locations = [Location(*row) for row in locations.tolist()]  # as the actor does
         if self.answer_leases:
-            fut.set_result(self.directory.lease(2, list(locations)))
+            fut.set_result(self.directory.lease(2, locations))
         else:
-            self.pending.append((fut, list(locations)))
+            self.pending.append((fut, locations))
         return fut
 
     def grant_pending(self) -> None:
@@ -265,10 +267,10 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     w.side.match("a", 100, 0)
     w.side.allocated("a", [[1, 2, 3, 4]], [[False] * 4], 3 * BS)
 
-    def invalid(requests):
+    def invalid(request_ids, tables):
         raise LoadBatchError("dest: made invalid by the test")
 
-    monkeypatch.setattr(scheduler_side.LoadBatch, "from_requests", invalid)
+    monkeypatch.setattr(scheduler_side.LoadBatch, "from_tables", invalid)
     meta = w.side.build_step([("a", 3 * BS, 5)], {})
     assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
     assert meta.failed_dests == (1, 2, 3)

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 
 from ..planning.counters import CounterSink
@@ -63,6 +64,11 @@ def record_event(stream: Optional[torch.cuda.Stream]) -> Optional[torch.cuda.Eve
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def _any_in(blocks: np.ndarray, failed: Set[int]) -> bool:
+    """Whether one of ``blocks`` is in ``failed`` (nothing to look up when none failed)."""
+    return bool(failed) and bool(np.isin(blocks, list(failed)).any())
 
 
 class LoadCompletion:
@@ -157,7 +163,7 @@ class LoadCompletion:
         else:
             layout = self._parts.layout if self._parts is not None else None
             block_bytes = {g.group: g.block_bytes for g in layout.groups} if layout else {}
-            ok = [t for t in plan.transfers if not set(t.dst_blocks.tolist()) & failed]
+            ok = [t for t in plan.transfers if not _any_in(t.dst_blocks, failed)]
             useful = sum(t.rows * block_bytes.get(t.group, 0) for t in ok)
             padded = sum(t.padded_rows * block_bytes.get(t.group, 0) for t in plan.transfers)
             written = plan.blocks_written - len(failed)
@@ -181,7 +187,7 @@ class LoadCompletion:
         generations here, or as the source sent it with the bytes (``fetched``)."""
         bad: Set[int] = set()
         for t, st in reads:
-            if failed.intersection(t.dst_blocks.tolist()):
+            if _any_in(t.dst_blocks, failed):
                 continue  # already failed: recomputed whatever it holds
             try:
                 if st.fetch is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -35,34 +35,65 @@ class Location(NamedTuple):
     incarnation: int = 0
 
 
-@dataclass(frozen=True)
-class QueryResult:
-    """Hits of one query, in key order (a prefix of the asked keys), and their leases."""
+#: columns of :attr:`QueryResult.table`: :class:`Location`'s fields in order
+LOCATION_COLUMNS = len(Location._fields)
 
-    keys: Tuple[int, ...]
-    locations: Tuple[Location, ...]
-    lease_ids: Tuple[int, ...]
+
+class QueryResult:
+    """Hits of one query, in key order (a prefix of the asked keys), and their leases.
+
+    Held as arrays (:attr:`table`: one int64 row of :class:`Location` fields per hit,
+    :attr:`lease_table`), which is also its wire form: a scheduler slices and loads them
+    without one Python object per block.  :attr:`locations` and :attr:`lease_ids` give
+    the same as tuples (built when first asked)."""
+
+    __slots__ = ("keys", "table", "lease_table", "_locations")
+
+    def __init__(self, keys: Sequence[int], locations: Union[Sequence[Location], np.ndarray],
+                 lease_ids: Union[Sequence[int], np.ndarray]) -> None:
+        self.keys: Tuple[int, ...] = tuple(keys)
+        self._locations: Optional[Tuple[Location, ...]] = None
+        if isinstance(locations, np.ndarray):
+            table = locations.astype(np.int64, copy=False).reshape(-1, LOCATION_COLUMNS)
+        else:
+            self._locations = tuple(Location(*x) for x in locations)
+            flat = itertools.chain.from_iterable(self._locations)
+            table = np.fromiter(flat, np.int64, len(self._locations) * LOCATION_COLUMNS
+                                ).reshape(-1, LOCATION_COLUMNS)
+        self.table: np.ndarray = table
+        self.lease_table: np.ndarray = np.asarray(lease_ids, np.int64).reshape(-1)
 
     @property
     def num_hits(self) -> int:
         return len(self.keys)
 
+    @property
+    def locations(self) -> Tuple[Location, ...]:
+        if self._locations is None:
+            self._locations = tuple(map(Location._make, self.table.tolist()))
+        return self._locations
+
+    @property
+    def lease_ids(self) -> Tuple[int, ...]:
+        return tuple(self.lease_table.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, QueryResult):
+            return NotImplemented
+        return (self.keys == other.keys and np.array_equal(self.table, other.table)
+                and np.array_equal(self.lease_table, other.lease_table))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"QueryResult(keys={self.keys!r}, locations={self.locations!r}, "
+                f"lease_ids={self.lease_ids!r})")
+
     def __reduce__(self) -> Tuple[Any, Tuple[Tuple[int, ...], np.ndarray, np.ndarray]]:
         """A compact wire form (each lookup's answer crosses from the directory to a
-        scheduler): locations and leases as int64 arrays.  Pickled object by object, 512
-        hits took ~2.2 ms (dumps + loads) on the CPU machine, on every hit's path to its
-        first token."""
-        flat = itertools.chain.from_iterable(self.locations)
-        locations = np.fromiter(flat, np.int64, len(self.locations) * len(Location._fields))
-        return _query_result, (self.keys, locations,
-                               np.fromiter(self.lease_ids, np.int64, len(self.lease_ids)))
-
-
-def _query_result(keys: Tuple[int, ...], locations: np.ndarray,
-                  lease_ids: np.ndarray) -> QueryResult:
-    """:class:`QueryResult` from its wire form (:meth:`QueryResult.__reduce__`)."""
-    rows = locations.reshape(-1, len(Location._fields)).tolist()
-    return QueryResult(keys, tuple(map(Location._make, rows)), tuple(lease_ids.tolist()))
+        scheduler): its arrays.  Pickled object by object, 512 hits took ~2.2 ms (dumps
+        + loads) on the CPU machine, on every hit's path to its first token."""
+        return QueryResult, (self.keys, self.table, self.lease_table)
 
 
 #: lease ids of one directory incarnation start at a random offset below this bound, so

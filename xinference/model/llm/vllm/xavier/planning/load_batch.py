@@ -117,15 +117,15 @@ class LoadBatch:
         if offsets[0] != 0 or offsets[-1] != table.shape[0] or np.any(np.diff(offsets) < 0):
             raise LoadBatchError(
                 f"offsets: must start at 0, be non-decreasing and end at {table.shape[0]}")
-        for col, name in enumerate(COLUMNS):
-            if table.shape[0] and table[:, col].min() < 0:
-                bad = int(np.argmax(table[:, col] < 0))
-                raise LoadBatchError(f"{name}: negative value {int(table[bad, col])} in row {bad}")
         if table.shape[0]:
+            lowest = table.min(axis=0)  # one pass over the table, not one per column
+            for col in np.flatnonzero(lowest < 0).tolist()[:1]:
+                bad = int(np.argmax(table[:, col] < 0))
+                raise LoadBatchError(f"{COLUMNS[col]}: negative value {int(table[bad, col])} "
+                                     f"in row {bad}")
             tiers = table[:, TIER]
-            bad_tier = ~np.isin(tiers, [t.value for t in Tier])
-            if bad_tier.any():
-                row = int(np.argmax(bad_tier))
+            if int(tiers.max()) > max(Tier):  # (none negative: checked above)
+                row = int(np.argmax(tiers > max(Tier)))
                 raise LoadBatchError(f"tier: unknown tier {int(tiers[row])} in row {row}")
         offsets.setflags(write=False)
         table.setflags(write=False)
@@ -147,6 +147,15 @@ class LoadBatch:
             offsets.append(len(rows))
         table = np.asarray(rows, dtype=np.int64).reshape(len(rows), len(COLUMNS))
         return cls(tuple(ids), np.asarray(offsets, dtype=np.int64), table)
+
+    @classmethod
+    def from_tables(cls, request_ids: Sequence[str], tables: Sequence[np.ndarray]
+                    ) -> LoadBatch:
+        """Build a batch from each request's rows (an int64 ``[n, 8]`` array each)."""
+        offsets = np.cumsum([0] + [len(t) for t in tables], dtype=np.int64)
+        table = (np.concatenate(tables) if tables
+                 else np.zeros((0, len(COLUMNS)), np.int64))
+        return cls(tuple(request_ids), offsets, table)
 
     @classmethod
     def concat(cls, batches: Sequence[LoadBatch]) -> LoadBatch:

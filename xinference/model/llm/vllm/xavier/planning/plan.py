@@ -299,7 +299,7 @@ def _plan_distinct_rows(batch: LoadBatch, cfg: SlabConfig,
     this kind."""
     table = batch.table
     n = len(table)
-    if n == 0 or n > cfg.full_rows * 4 or bool(np.any(table[:, DEST] == NULL_BLOCK_ID)):
+    if n == 0 or bool(np.any(table[:, DEST] == NULL_BLOCK_ID)):
         return None
     if _repeats(table[:, GROUP], table[:, DEST]) or _repeats(table[:, GROUP], table[:, KEY]):
         return None

@@ -56,26 +56,26 @@ import concurrent.futures
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .block_directory import QueryResult
-from .block_names import row_key
-from .directory_types import Location
-from .load_batch import COLUMNS, BlockLoad, LoadBatch, LoadBatchError, Tier
+from .directory_types import LOCATION_COLUMNS
+from .load_batch import COLUMNS, DEST, LoadBatch, LoadBatchError
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
+from .step_loads import StepLoad, hit_rows, name_clashes
 from .step_meta import ExportRow, StepMeta, StepStats
 
 logger = package_logger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
-#: asks the directory for leases on these locations; the future gives one id per location
-#: (``NO_LEASE`` where none was granted)
-TakeLeasesFn = Callable[[Sequence[Location]], "concurrent.futures.Future[List[int]]"]
+#: asks the directory for leases on these locations (rows of :class:`Location` fields);
+#: the future gives one id per location (``NO_LEASE`` where none was granted)
+TakeLeasesFn = Callable[[np.ndarray], "concurrent.futures.Future[List[int]]"]
 #: the leases of one request's load: the step's lease call and the request's slice of it
 _Held = Tuple["concurrent.futures.Future[List[int]]", int, int]
 
@@ -126,8 +126,8 @@ class SchedulerSide:
         self._clock = clock
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
-        #: (request, rows, the rows' block names, the reads to lease) of the step being built
-        self._step_loads: List[Tuple[str, List[BlockLoad], List[int], List[Location]]] = []
+        #: the loads of the step being built, one per request
+        self._step_loads: List[StepLoad] = []
         #: the leases of loads sent to the workers, until vLLM reports them finished
         self._in_flight: Dict[str, List[_Held]] = {}
         self._stats = StepStats()
@@ -203,17 +203,13 @@ class SchedulerSide:
         """Hold the hit of blocks ``[first, end)`` from ``result`` (which starts at block
         ``start``)."""
         hits = result.num_hits
-        groups = len(result.locations) // max(1, hits)
-        keep_locs, keep_ids = [], []
-        for g in range(groups):
-            for j in range(hits):
-                i = g * hits + j
-                if first <= start + j < end:
-                    keep_locs.append(result.locations[i])
-                    keep_ids.append(result.lease_ids[i])
+        groups = len(result.table) // max(1, hits)
+        lo, hi = first - start, end - start
+        table = result.table.reshape(groups, hits, LOCATION_COLUMNS)[:, lo:hi]
+        leases = result.lease_table.reshape(groups, hits)[:, lo:hi]
         kept = tuple(int(k) for k in keys[first:end])
-        self._hits[request_id] = _Hit(first, kept,
-                                      QueryResult(kept, tuple(keep_locs), tuple(keep_ids)))
+        self._hits[request_id] = _Hit(first, kept, QueryResult(
+            kept, table.reshape(-1, LOCATION_COLUMNS), leases.reshape(-1)))
         tracked = self._tracked.get(request_id)
         if tracked is not None and tracked.answered_at is None:
             tracked.answered_at = self._clock()
@@ -236,35 +232,17 @@ class SchedulerSide:
         if n > len(hit.keys) or num_external_tokens % self.block_size:
             raise ValueError(f"num_external_tokens: {num_external_tokens} is not a block "
                              f"multiple of at most {len(hit.keys)} offered blocks")
-        rows: List[BlockLoad] = []
-        names: List[int] = []
-        to_lease: List[Location] = []
-        per_group = len(hit.result.locations) // max(1, len(hit.keys))
-        tp_size = self.shards.tp_size
-        for g in range(per_group):
-            for j in range(n):
-                loc = hit.result.locations[g * len(hit.keys) + j]
-                pos = hit.first_block + j
-                # the directory group names the KV-cache group and the shard (.shards)
-                group, shard = divmod(loc.group, tp_size)
-                if pos >= len(block_ids[group]) or null[group][pos]:
-                    if shard == 0:  # counted once per block position
-                        self._stats.null_blocks_skipped += 1  # e.g. outside a sliding window
-                    continue
-                if loc.tier != Tier.VLLM:  # Xavier's own tiers: leased while it is read
-                    to_lease.append(loc)
-                rows.append(BlockLoad(loc.group, row_key(hit.keys[j]), loc.rank, loc.tier,
-                                      loc.slot, int(block_ids[group][pos]), loc.generation,
-                                      loc.incarnation))
-                names.append(hit.keys[j])
+        load, skipped = hit_rows(request_id, hit.keys, hit.first_block, hit.result.table, n,
+                                 block_ids, null, self.shards.tp_size)
+        self._stats.null_blocks_skipped += skipped
         if tracked is not None:
             tracked.loaded = True
             tracked.allocated_at = self._clock()
-        self._step_loads.append((request_id, rows, names, to_lease))
+        self._step_loads.append(load)
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
         self._stats.requests_with_hits += 1
-        return len(rows)
+        return len(load.rows)
 
     # ------------------------------------------------------------------ steps
     def build_step(self, scheduled: Sequence[Tuple[str, int, int]],
@@ -322,36 +300,35 @@ class SchedulerSide:
         if not loads:
             return StepMeta(stats=stats)
         stats.steps_with_loads = 1
-        ids = tuple(rid for rid, _, _, _ in loads)
-        clashed = _name_clashes(loads)
-        failed = tuple(int(r.dest) for i in clashed for r in loads[i][1])
+        ids = tuple(x.request_id for x in loads)
+        clashed = name_clashes(loads)
+        failed = tuple(int(d) for i in sorted(clashed) for d in loads[i].rows[:, DEST])
         if clashed:
             stats.identity_clashes += len(clashed)
             logger.warning("xavier: rank %d: %d requests' loads dropped (recomputed): two "
                            "block names with equal low 63 bits in one step", self.rank,
                            len(clashed))
+        empty = np.zeros((0, len(COLUMNS)), np.int64)
+        tables = [empty if i in clashed else x.rows for i, x in enumerate(loads)]
         try:
-            batch = LoadBatch.from_requests(
-                (rid, [] if i in clashed else rows) for i, (rid, rows, _, _) in enumerate(loads))
+            batch = LoadBatch.from_tables(ids, tables)
         except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
             logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
                          "vLLM recomputes them", self.rank, exc)
             stats.rejected_metadata += 1
-            dests = tuple(int(r.dest) for _, rows, _, _ in loads for r in rows)
-            empty = LoadBatch(ids, np.zeros(len(ids) + 1, np.int64),
-                              np.zeros((0, len(COLUMNS)), np.int64))
-            return StepMeta(empty, (), stats, dests)
+            dests = tuple(int(d) for x in loads for d in x.rows[:, DEST])
+            return StepMeta(LoadBatch(ids, np.zeros(len(ids) + 1, np.int64), empty), (),
+                            stats, dests)
         # the reads this step really makes (a dropped request reads nothing)
         self._lease_reads([x for i, x in enumerate(loads) if i not in clashed], stats)
         return StepMeta(batch, (), stats, failed)
 
-    def _lease_reads(self, loads: Sequence[Tuple[str, List[BlockLoad], List[int],
-                                                 List[Location]]], stats: StepStats) -> None:
+    def _lease_reads(self, loads: Sequence[StepLoad], stats: StepStats) -> None:
         """ONE directory call for the leases of the step's reads of Xavier's tiers (nobody
         waits for it); each request keeps its slice until its load is reported done."""
-        wanted = [loc for *_, locs in loads for loc in locs]
-        if not wanted or self._take_leases is None:
+        if self._take_leases is None or not any(len(x.lease_rows) for x in loads):
             return
+        wanted = np.concatenate([x.lease_rows for x in loads])
         try:
             fut = self._take_leases(wanted)
         except Exception as exc:  # unprotected reads: still checked, at worst recomputed
@@ -360,10 +337,11 @@ class SchedulerSide:
             return
         stats.leases_asked += len(wanted)
         start = 0
-        for rid, _, _, locs in loads:
-            if locs:
-                self._in_flight.setdefault(rid, []).append((fut, start, start + len(locs)))
-            start += len(locs)
+        for x in loads:
+            if len(x.lease_rows):
+                self._in_flight.setdefault(x.request_id, []).append(
+                    (fut, start, start + len(x.lease_rows)))
+            start += len(x.lease_rows)
 
     # ----------------------------------------------------------------- finish
     def loads_finished(self, request_ids: Iterable[str]) -> None:
@@ -421,23 +399,3 @@ class SchedulerSide:
     @property
     def tracked(self) -> int:
         return len(self._tracked)
-
-
-def _name_clashes(loads: Sequence[Tuple[str, List[BlockLoad], List[int], List[Location]]]
-                  ) -> Set[int]:
-    """Indexes of the step's requests with a row whose ``(group, key)`` another row of the
-    step (earlier, or of the same request) reads under a different block name: the load
-    table carries only a name's low 63 bits, so the planner would read one source for
-    both.  The first name seen keeps its loads."""
-    seen: Dict[Tuple[int, int], int] = {}
-    clashed: Set[int] = set()
-    for i, (_, rows, names, _) in enumerate(loads):
-        mine: Dict[Tuple[int, int], int] = {}
-        for row, name in zip(rows, names):
-            gk = (row.group, row.key)
-            if seen.get(gk, name) != name or mine.setdefault(gk, name) != name:
-                clashed.add(i)
-                break
-        else:
-            seen.update(mine)
-    return clashed

@@ -24,10 +24,11 @@ from typing import (
     Tuple,
 )
 
+import numpy as np
+
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
-from ..planning.directory_types import Location
 from ..planning.hash_seed import user_seed
 from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
@@ -140,13 +141,12 @@ class XavierConnectorScheduler:
         # no lease with the answer: a step leases what it loads (_take_leases)
         return self._bridge.start(lambda: ref.query_many(groups, requests, rank, False))
 
-    def _take_leases(self, locations: Sequence[Location]
-                     ) -> concurrent.futures.Future[List[int]]:
-        """Leases for this rank's load of ``locations`` (one directory call, not waited
-        for)."""
+    def _take_leases(self, locations: np.ndarray) -> concurrent.futures.Future[List[int]]:
+        """Leases for this rank's load of ``locations`` (rows of :class:`Location` fields;
+        one directory call, not waited for)."""
         ref = self._directory.get()
         rank = self.options.rank
-        rows = [tuple(loc) for loc in locations]
+        rows = locations.tolist()
         return self._bridge.start(lambda: ref.lease(rank, rows))
 
     def is_ready(self) -> bool:

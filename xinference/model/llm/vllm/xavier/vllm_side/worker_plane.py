@@ -287,14 +287,15 @@ class WorkerDataPlane:
             return pending
         if self.hooks is not None:
             self.hooks.before_load(batch)
-        tiers = batch.table[:, TIER]
-        self.counters.add("rows_from_gpu_tier", int((tiers == Tier.GPU).sum()))
-        self.counters.add("rows_from_cpu_tier", int((tiers == Tier.CPU).sum()))
-        self.counters.add("rows_from_vllm_cache", int((tiers == Tier.VLLM).sum()))
+        per_tier = np.bincount(batch.table[:, TIER], minlength=len(Tier)).tolist()
+        self.counters.add("rows_from_gpu_tier", per_tier[Tier.GPU])
+        self.counters.add("rows_from_cpu_tier", per_tier[Tier.CPU])
+        self.counters.add("rows_from_vllm_cache", per_tier[Tier.VLLM])
         self.peers.follow_world()
-        unreachable = self.peers.ensure_mapped({int(r) for r in batch.table[:, RANK]})
+        codes = np.unique(batch.table[:, RANK] * len(Tier) + batch.table[:, TIER]).tolist()
+        pairs = [divmod(code, len(Tier)) for code in codes]
+        unreachable = self.peers.ensure_mapped({r for r, _ in pairs})
         mapped = set(self.engine.mapped())
-        pairs = np.unique(batch.table[:, [RANK, TIER]], axis=0).tolist()  # a few per step
         unmapped = {(r, t) for r, t in pairs if r not in unreachable and (r, Tier(t)) not in mapped}
         if unreachable or unmapped:  # (a tier the peer published after it was mapped)
             drop = np.isin(batch.table[:, RANK], sorted(unreachable))
