@@ -58,3 +58,13 @@ def test_tensor_parallel_replicas_share_pipeline_parallel_ones_do_not():
     why = sharing_problem([full()], BS, tensor_parallel=2, pipeline_parallel=2)
     assert why is not None and why.startswith("pipeline_parallel_size=2")
     assert sharing_problem([full()], BS, 1, 1) is None
+
+
+def test_blocks_named_by_a_non_cryptographic_prefix_hash_are_not_shared():
+    """Block names cross replicas (and tenants): vLLM's xxhash prefix hashes would let a
+    crafted prompt collide with another's blocks; sha256 (vLLM's default) is shared."""
+    for algo in (None, "sha256", "sha256_cbor"):
+        assert sharing_problem([full()], BS, hash_algo=algo) is None
+    why = sharing_problem([full()], BS, hash_algo="xxhash")
+    assert why is not None and why.startswith("prefix_caching_hash_algo: ")
+    assert "got 'xxhash'" in why

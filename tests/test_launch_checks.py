@@ -44,6 +44,10 @@ def test_the_cli_spelling_and_the_strict_switch():
     normalize_launch({"enable_xavier": True, "tensor_parallel_size": 2}, 2, None)
     normalize_launch({"enable_xavier": True, "tensor-parallel-size": "4"}, 2, None)
     normalize_launch({"pipeline_parallel_size": 4}, 2, None)
+    # vLLM's cryptographic prefix hashes name shared blocks; xxhash without Xavier: vLLM's
+    for algo in ("sha256", "sha256_cbor"):
+        normalize_launch({"enable_xavier": True, "prefix_caching_hash_algo": algo}, 2, None)
+    normalize_launch({"prefix_caching_hash_algo": "xxhash"}, 2, None)
 
 
 @pytest.mark.parametrize("kwargs, replica, envs, message", [
@@ -59,7 +63,11 @@ def test_the_cli_spelling_and_the_strict_switch():
      "^pipeline_parallel_size: Xavier does not share the KV of pipeline-parallel replicas "
      ".* got pipeline_parallel_size=2"),
     ({"enable_xavier": True, "pipeline-parallel-size": "2"}, 2, None,
-     "^pipeline_parallel_size: .* got pipeline_parallel_size='2'")])
+     "^pipeline_parallel_size: .* got pipeline_parallel_size='2'"),
+    ({"enable_xavier": True, "prefix_caching_hash_algo": "xxhash"}, 2, None,
+     "^prefix_caching_hash_algo: .* must be collision resistant .* got 'xxhash'"),
+    ({"enable_xavier": True, "prefix-caching-hash-algo": "xxhash_cbor"}, 2, None,
+     "^prefix_caching_hash_algo: .* got 'xxhash_cbor'")])
 def test_bad_launches_fail_naming_the_option(kwargs, replica, envs, message):
     with pytest.raises(ValueError, match=message):
         normalize_launch(dict(kwargs), replica, envs)

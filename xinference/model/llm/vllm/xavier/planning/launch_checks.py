@@ -6,7 +6,8 @@ which fails only after the engines started.  The overlay wraps the supervisor's
 ``launch_builtin_model`` to run :func:`normalize_launch` on its keyword arguments first:
 Xavier's own keys in either spelling, ``enable_xavier`` as a strict switch, and, when it is
 on, the replica count, vLLM's pipeline parallel size (1 only: tensor parallelism is shared
-shard by shard, pipeline stages are not) and the ``XAVIER_*`` launch envs, each failing at
+shard by shard, pipeline stages are not), vLLM's prefix hash (a cryptographic one: block
+names cross replicas) and the ``XAVIER_*`` launch envs, each failing at
 once with a message that starts with the option's name.  Nothing else of the launch is touched.
 """
 
@@ -31,6 +32,21 @@ from .options import (
 #: Xavier's own launch keys: the dashed spelling (the CLI's ``--enable-xavier``) is accepted
 XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_type",
                "xavier_transfer_block_num")
+
+
+#: vLLM's prefix-caching hashes Xavier accepts: block names are shared between replicas
+#: (and tenants), so a crafted collision must be infeasible (``doc/security.md``)
+COLLISION_RESISTANT_HASHES = ("sha256", "sha256_cbor")
+
+
+def prefix_hash_problem(algo: Any) -> Optional[str]:
+    """Why vLLM's ``prefix_caching_hash_algo`` ``algo`` cannot name shared blocks, or None
+    (None too when unset: vLLM's default is sha256)."""
+    if algo is None or str(algo) in COLLISION_RESISTANT_HASHES:
+        return None
+    return (f"prefix_caching_hash_algo: Xavier shares blocks between replicas by vLLM's "
+            f"prefix hashes, which must be collision resistant "
+            f"({' or '.join(COLLISION_RESISTANT_HASHES)}), got {str(algo)!r}")
 
 
 #: vLLM's parallelism options Xavier cannot share (``tensor_parallel_size`` is shared: each
@@ -71,6 +87,10 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             raise ValueError(f"{key}: Xavier does not share the KV of pipeline-parallel "
                              f"replicas (tensor parallelism is supported), got {key}="
                              f"{value!r}; launch with {key}=1 or without enable_xavier")
+    problem = prefix_hash_problem(kwargs.get("prefix_caching_hash_algo",
+                                             kwargs.get("prefix-caching-hash-algo")))
+    if problem is not None:
+        raise ValueError(f"{problem}; launch without it or with sha256")
     env = dict(envs or {})
     check_env_names(env)
     for name, option in ((ENV_GPU_BUDGET, "xavier_gpu_budget"),

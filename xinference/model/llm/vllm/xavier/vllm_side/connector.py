@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ..planning.launch_checks import prefix_hash_problem
 from ..planning.log_names import PUBLIC_PACKAGE, package_logger
 from ..planning.options import XavierOptions
 from ..planning.step_meta import StepMeta
@@ -125,20 +126,26 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1,
-                    pipeline_parallel: int = 1) -> Optional[str]:
+                    pipeline_parallel: int = 1, hash_algo: Optional[str] = None
+                    ) -> Optional[str]:
     """Why the engine's KV caches cannot be shared, or None.  Shared: attention caches
     (full, sliding-window, chunked-local; several groups with vLLM's hybrid KV-cache
     manager) of one block size, held by one worker or split over the workers of a
     tensor-parallel replica (each stores and loads its own shard, :mod:`..planning.
     shards`).  Not shared: state caches (Mamba-style SSM layers: a request's state is not
     a sequence of per-token blocks), encoder and cross-attention caches, and
-    pipeline-parallel replicas (a stage holds some layers of every block: not built)."""
+    pipeline-parallel replicas (a stage holds some layers of every block: not built), nor
+    blocks named by a non-cryptographic prefix hash (``hash_algo``, vLLM's
+    ``prefix_caching_hash_algo``: xxhash)."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         CrossAttentionSpec,
         EncoderOnlyAttentionSpec,
     )
 
+    hash_problem = prefix_hash_problem(hash_algo)
+    if hash_problem is not None:
+        return hash_problem
     if pipeline_parallel > 1:
         return (f"pipeline_parallel_size={pipeline_parallel}: Xavier shares the KV of "
                 "replicas without pipeline parallelism only (tensor parallelism is "
@@ -187,7 +194,9 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         parallel = vllm_config.parallel_config
         tp_size = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         problem = sharing_problem(groups, self.block_size, tp_size,
-                                  int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
+                                  int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
+                                  getattr(vllm_config.cache_config,
+                                          "prefix_caching_hash_algo", None))
         if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
             why = install_hybrid_recompute()
             if why is not None:
