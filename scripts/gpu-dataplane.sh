@@ -3,7 +3,7 @@
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
 #   carry: .vbundle .whl            (or .vbmla .whl for `mla`: see below)
-#   command: bash scripts/gpu-dataplane.sh [units|tests|e2e|hybrid|fp8|mla|models|bench|tp|tpbench|all]...
+#   command: bash scripts/gpu-dataplane.sh [units|tests|e2e|hybrid|fp8|mla|models|bench|chat|peers|tp|tpbench|all]...
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
@@ -30,6 +30,8 @@
 #        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
 #        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
 #        call each (a call lasts at most 600 s).
+# chat:  issue #34: serving_bench's chat rows (32 users, 4 turns of 768 tokens after a
+#        1024-token system prompt; XAVIER_CHAT_USERS, XAVIER_CHAT_SHAPE) (not in `all`).
 # peers: issue #35: serving_bench with vLLM's own tiered offloading (vllm-offload-fs) beside
 #        plain, local-hit and batched, 8K prefixes, C1/C8/C32, steady state (not in `all`).
 # Logs and JSON go to $OUT.
@@ -102,6 +104,18 @@ if has bench; then
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
+fi
+if only chat; then
+  # issue #34: the chat workload (a shared system prompt, growing per-user histories, closed
+  # loop per user, round robin) at 32 users, beside a minimal shared-prefix section
+  timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+    --prefix-tokens 8192 --concurrency 1 --groups 4 --max-tokens 32 \
+    --chat "${XAVIER_CHAT_USERS:-32}" --chat-shape "${XAVIER_CHAT_SHAPE:-4,1024,768}" \
+    --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,batched}" ${XAVIER_BENCH_ARGS:-} \
+    --out "$out/serving_bench-cuda-qwen2.5-0.5b-chat.json" 2>&1 \
+    | grep -v "it/s]" > "$out/serving_bench-chat.log"
+  rc=$((rc | PIPESTATUS[0]))
+  grep -E "^\[serving|^(plain|local-hit|none|batched)|tokens equal" "$out/serving_bench-chat.log"
 fi
 if only peers; then
   # issue #35: Xavier beside vLLM's own tiered offloading (OffloadingConnector: CPU tier +
