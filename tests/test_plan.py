@@ -261,6 +261,13 @@ def test_the_distinct_rows_fast_path_makes_the_same_copies_as_the_general_path(b
                       for t in plan.transfers for r, d in zip(t.dst_rows, t.dst_blocks))
 
     assert copies(fp) == copies(gp)
+
+    def identities(plan):  # what the loader checks after the copy, per copy
+        return sorted((t.source_rank, int(t.tier), t.group, t.incarnation,
+                       int(t.src_slots[r]), int(t.src_generations[r]))
+                      for t in plan.transfers for r in t.dst_rows)
+
+    assert identities(fp) == identities(gp)
     assert {g: v.tolist() for g, v in fp.written.items()} == \
         {g: v.tolist() for g, v in gp.written.items()}
     assert (fp.padded_rows, fp.blocks_written, fp.request_ids) == \

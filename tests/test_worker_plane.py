@@ -1,6 +1,8 @@
 """The worker's data plane: loads the scheduler could not express are reported failed, and its
 peers (retries after a failed mapping, world updates) through :class:`PeerMaps`."""
 
+import time
+
 import numpy as np
 
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
@@ -17,12 +19,13 @@ from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPl
 from .kvfixtures import engine_cache, opts
 
 
-def plane_of(rank=2, **kw):
+def plane_of(rank=2, defers_block_frees=False, **kw):
     cache, _, _ = engine_cache(16)
     options = opts(**kw)
     options = XavierOptions(**{**vars(options), "rank": rank})
     return WorkerDataPlane(options, ActorBridge.shared(), {0: [(f"l{i}", t) for i, t in
-                                                               enumerate(cache[0])]}, {0: 0})
+                                                               enumerate(cache[0])]}, {0: 0},
+                           defers_block_frees=defers_block_frees)
 
 
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
@@ -202,3 +205,96 @@ def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
     finally:
         plane.close()
         sets.close()
+
+
+def test_loads_skip_the_forward_in_flight_only_where_vllms_scheduler_defers_frees():
+    """A load and a victim save may skip the forward in flight only where this engine's
+    scheduler keeps freed blocks out of the pool while a step in flight may write them:
+    vLLM's condition (a KV consumer with several batches in flight), not the mere presence
+    of the code; and only with vLLM's cache read in place."""
+    from types import SimpleNamespace
+
+    from xinference.model.llm.vllm.xavier.vllm_side.connector_worker import (
+        vllm_defers_block_frees,
+    )
+
+    def config(role_consumer, batches):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(is_kv_consumer=role_consumer),
+                               max_concurrent_batches=batches)
+
+    assert vllm_defers_block_frees(config(True, 2))  # Xavier's kv_both, async scheduling
+    assert not vllm_defers_block_frees(config(True, 1))  # no batch in flight: ordered
+    assert not vllm_defers_block_frees(config(False, 2))  # a producer: vLLM frees at once
+    assert not vllm_defers_block_frees(SimpleNamespace(kv_transfer_config=None))
+    assert plane_of(xavier_in_place=True, defers_block_frees=True).unordered
+    assert not plane_of(xavier_in_place=False, defers_block_frees=True).unordered
+    assert not plane_of(xavier_in_place=True, defers_block_frees=False).unordered
+
+
+def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
+    """The plane hands the engine the step's victim-save event (and nothing queued on
+    vLLM's stream) when it may skip the forward in flight; else the default order."""
+    cache, _, _ = engine_cache(16)
+    for unordered, expected in ((True, ["saved"]), (False, None)):
+        plane = plane_of()
+        plane.unordered = unordered
+        plane._attached, plane.writer = True, object()
+        plane.engine.map_storage(1, Tier.CPU, cache)
+        monkeypatch.setattr(plane.peers, "follow_world", lambda: None)
+        monkeypatch.setattr(plane.peers, "ensure_mapped", lambda ranks: set())
+        seen: list = []
+        monkeypatch.setattr(plane.engine, "load_gpu_requests_v1",
+                            lambda batch, ordered_after=None, seen=seen: seen.append(
+                                ordered_after))
+        rows = np.array([[0, 7, 1, int(Tier.CPU), 3, 5, 0, 0]], np.int64)
+        plane.load(StepMeta(LoadBatch(("r",), np.array([0, 1]), rows)), "saved")
+        assert seen == [expected]
+        plane.writer = None
+        plane.close()
+
+
+class _Handle:
+    """A launched load as the plane sees it, checked after ``delay`` s (None: never)."""
+
+    def __init__(self, delay):
+        import threading
+
+        self.quick, self.failed, self._done = True, set(), threading.Event()
+        if delay is not None:
+            threading.Timer(delay, self._done.set).start()
+
+    @property
+    def reportable(self):
+        return self._done.is_set()
+
+    def wait_reportable(self, timeout=None):
+        return self._done.wait(timeout)
+
+    def order(self, stream):
+        pass
+
+
+def test_a_quick_load_is_reported_when_vllm_first_asks_and_a_stuck_one_costs_one_wait():
+    """vLLM asks right after launching the forward: the plane waits (at most
+    ``REPORT_WAIT_S``) for the quick loads just launched, so they are reported in this
+    step; one not checked in time is reported later, counted late once, and not waited for
+    again at every later step."""
+    from xinference.model.llm.vllm.xavier.vllm_side import worker_plane
+    from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import _StepLoad
+
+    plane = plane_of()
+    plane._pending = [_StepLoad(("fast",), [_Handle(0.0005)]),
+                      _StepLoad(("stuck",), [_Handle(None)])]
+    t0 = time.perf_counter()
+    assert plane.finished() == ({"fast"}, set())
+    first = time.perf_counter() - t0
+    assert first >= worker_plane.REPORT_WAIT_S * 0.9  # it waited for the stuck one too
+    t0 = time.perf_counter()
+    assert plane.finished() == (set(), set())
+    assert time.perf_counter() - t0 < worker_plane.REPORT_WAIT_S / 2  # not again
+    c = plane.counters.snapshot()
+    assert c["loads_reported_at_once"] == 1 and c["report_wait_missed"] == 1
+    plane._pending[0].handles[0]._done.set()
+    assert plane.finished() == ({"stuck"}, set())
+    assert plane.counters.snapshot()["loads_reported_at_once"] == 1  # it was late
+    plane.close()

@@ -289,7 +289,8 @@ class GPUTransfer:
             # stream still waits for the copies queued before the failure: the fence)
             handle = LoadHandle(plan.request_ids, plan.written, event,
                                 bool(reads) and error is None,
-                                quick=ordered_after is not None and not background)
+                                quick=ordered_after is not None and not background
+                                and error is None)
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)

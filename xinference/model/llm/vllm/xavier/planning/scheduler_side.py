@@ -205,6 +205,8 @@ class SchedulerSide:
         hits = result.num_hits
         groups = len(result.table) // max(1, hits)
         lo, hi = first - start, end - start
+        if lo < 0:  # (match asks from `first`: an answer starting later holds no hit)
+            return 0
         table = result.table.reshape(groups, hits, LOCATION_COLUMNS)[:, lo:hi]
         leases = result.lease_table.reshape(groups, hits)[:, lo:hi]
         kept = tuple(int(k) for k in keys[first:end])

@@ -55,7 +55,7 @@ from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
 from .connector_scheduler import XavierConnectorScheduler
 from .connector_stats import XavierKVConnectorStats
-from .connector_worker import XavierConnectorWorker
+from .connector_worker import XavierConnectorWorker, vllm_defers_block_frees
 from .hybrid_failures import install as install_hybrid_recompute
 from .parent_watch import watch_parent
 
@@ -126,8 +126,8 @@ class XavierConnectorMetadata(KVConnectorMetadata):
 
 
 def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1,
-                    pipeline_parallel: int = 1, hash_algo: Optional[str] = None
-                    ) -> Optional[str]:
+                    pipeline_parallel: int = 1, hash_algo: Optional[str] = None,
+                    prefix_match_unit: Optional[int] = None) -> Optional[str]:
     """Why the engine's KV caches cannot be shared, or None.  Shared: attention caches
     (full, sliding-window, chunked-local; several groups with vLLM's hybrid KV-cache
     manager) of one block size, held by one worker or split over the workers of a
@@ -136,7 +136,9 @@ def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1
     a sequence of per-token blocks), encoder and cross-attention caches, and
     pipeline-parallel replicas (a stage holds some layers of every block: not built), nor
     blocks named by a non-cryptographic prefix hash (``hash_algo``, vLLM's
-    ``prefix_caching_hash_algo``: xxhash)."""
+    ``prefix_caching_hash_algo``: xxhash), nor prefix hashes finer than a block (vLLM's
+    ``prefix_match_unit``: its hashes then name parts of blocks, and vLLM copies partial
+    hits into fresh blocks on its own stream)."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         CrossAttentionSpec,
@@ -146,6 +148,9 @@ def sharing_problem(groups: List[Any], block_size: int, tensor_parallel: int = 1
     hash_problem = prefix_hash_problem(hash_algo)
     if hash_problem is not None:
         return hash_problem
+    if prefix_match_unit is not None and int(prefix_match_unit) != block_size:
+        return (f"prefix_match_unit={prefix_match_unit}: Xavier shares whole blocks named "
+                f"by vLLM's block hashes (prefix_match_unit unset or {block_size})")
     if pipeline_parallel > 1:
         return (f"pipeline_parallel_size={pipeline_parallel}: Xavier shares the KV of "
                 "replicas without pipeline parallelism only (tensor parallelism is "
@@ -196,7 +201,8 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
         problem = sharing_problem(groups, self.block_size, tp_size,
                                   int(getattr(parallel, "pipeline_parallel_size", 1) or 1),
                                   getattr(vllm_config.cache_config,
-                                          "prefix_caching_hash_algo", None))
+                                          "prefix_caching_hash_algo", None),
+                                  getattr(vllm_config.cache_config, "prefix_match_unit", None))
         if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
             why = install_hybrid_recompute()
             if why is not None:
@@ -213,7 +219,7 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
             num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
             self.worker = XavierConnectorWorker(
                 self.options, bridge, [list(g.layer_names) for g in groups], num_blocks,
-                tp_size)
+                tp_size, vllm_defers_block_frees(vllm_config))
         logger.info("xavier: connector (%s) for rank %d, block size %d, tensor parallel %d",
                     role.name, self.options.rank, self.block_size, tp_size)
 

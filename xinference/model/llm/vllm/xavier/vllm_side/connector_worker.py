@@ -7,7 +7,7 @@ forward, exports after it, finished loads and failed blocks reported back to vLL
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -24,13 +24,30 @@ from .worker_plane import WorkerDataPlane
 logger = package_logger(__name__)
 
 
+def vllm_defers_block_frees(vllm_config: Any) -> bool:
+    """Whether this engine's scheduler keeps a freed block out of the pool while a step in
+    flight may write it: vLLM >= 0.26 (``Scheduler._drain_deferred_frees``) does for a KV
+    consumer with several batches in flight (``scheduler.py``: ``defer_block_free``, the
+    same condition).  What lets a load and a victim save skip the forward in flight."""
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except ImportError:  # (ordered after the forward then: always correct)
+        return False
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    return (hasattr(Scheduler, "_drain_deferred_frees") and transfer is not None
+            and bool(getattr(transfer, "is_kv_consumer", False))
+            and int(getattr(vllm_config, "max_concurrent_batches", 1)) > 1)
+
+
 class XavierConnectorWorker:
     """Worker-side state of one vLLM worker: its data plane (once the caches are known) and
     the failed blocks not yet reported to vLLM."""
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge,
                  group_layer_names: List[List[str]], num_blocks: int,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, defers_block_frees: bool = False) -> None:
+        """``defers_block_frees``: vLLM's scheduler of this engine keeps freed blocks out of
+        the pool while a step in flight may write them (:func:`vllm_defers_block_frees`)."""
         self.options = options
         self._bridge = bridge
         self._group_layer_names = group_layer_names
@@ -40,6 +57,7 @@ class XavierConnectorWorker:
         #: requests whose loads failed without reaching a data plane: reported finished next
         self._failed_requests: Set[str] = set()
         self._tp_size = tp_size
+        self._defers_block_frees = defers_block_frees
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
         self._stats: Optional[CounterDeltas] = None
@@ -60,7 +78,8 @@ class XavierConnectorWorker:
             try:
                 self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
                                              tp_rank=self._tp_rank, tp_size=self._tp_size,
-                                             num_blocks=self._num_blocks, shared_host=shared)
+                                             num_blocks=self._num_blocks, shared_host=shared,
+                                             defers_block_frees=self._defers_block_frees)
             except BaseException:
                 if shared is not None:  # vLLM keeps serving on the moved memory; the
                     shared.close()  # files go (a mapping keeps its memory)

@@ -70,17 +70,6 @@ REPORT_WAIT_S = 0.002
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
 
-def vllm_defers_block_frees() -> bool:
-    """Whether this vLLM keeps a freed block out of the pool while a step in flight may
-    write it (``Scheduler._drain_deferred_frees``, vLLM >= 0.26, for a KV consumer with
-    batches in flight): what lets a load and a victim save skip the forward in flight."""
-    try:
-        from vllm.v1.core.sched.scheduler import Scheduler
-    except ImportError:  # (ordered after the forward then: always correct)
-        return False
-    return hasattr(Scheduler, "_drain_deferred_frees")
-
-
 @dataclass
 class _StepLoad:
     """One step's loads until vLLM is told they are done."""
@@ -107,7 +96,8 @@ class WorkerDataPlane:
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge, caches: GroupedLayers,
                  block_dims: Dict[int, int], tp_rank: int = 0, tp_size: int = 1,
-                 num_blocks: int = 0, shared_host: Optional[SharedHostCaches] = None) -> None:
+                 num_blocks: int = 0, shared_host: Optional[SharedHostCaches] = None,
+                 defers_block_frees: bool = False) -> None:
         self.options = options
         self.rank = options.rank
         #: this worker's place in its tensor-parallel replica (it holds shard ``tp_rank``)
@@ -126,8 +116,10 @@ class WorkerDataPlane:
         self.engine.set_local_caches(caches, block_dims)
         self.writer: Optional[StorageWriter] = None
         self.batched_loads = options.batched_loads
-        #: loads and victim saves not ordered after the forward in flight (:meth:`load`)
-        self.unordered = vllm_defers_block_frees()
+        #: loads and victim saves not ordered after the forward in flight (:meth:`load`):
+        #: only where vLLM defers frees, and with vLLM's cache read in place (else the
+        #: exports, on the loads' stream, wait for every forward anyway)
+        self.unordered = defers_block_frees and options.in_place
         self._attached = False
         self._own_releases: List[Any] = []
         self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
@@ -265,7 +257,7 @@ class WorkerDataPlane:
     def run_detached(self, step: StepMeta) -> Tuple[_StepLoad, Optional[str]]:
         """Launch ``step``'s loads outside vLLM's bookkeeping (never reported through
         :meth:`finished`): the test hooks' ``raw_load``."""
-        pending = self._load(step, None)
+        pending = self._load(step, [] if self.unordered else None)
         return pending, pending.error
 
     def refuse(self, why: str) -> None:
@@ -355,7 +347,8 @@ class WorkerDataPlane:
     def _wait_quick(self) -> None:
         """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
         launched): one reported in this step's output is computed a step sooner."""
-        waiting = [p for p in self._pending if p.quick() and not p.reportable()]
+        waiting = [p for p in self._pending
+                   if p.quick() and not p.late and not p.reportable()]
         if not waiting:
             return
         start = time.perf_counter()
