@@ -19,13 +19,13 @@ from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import WorkerDataPl
 from .kvfixtures import engine_cache, opts
 
 
-def plane_of(rank=2, defers_block_frees=False, **kw):
+def plane_of(rank=2, defers_block_frees=False, overlapped=True, **kw):
     cache, _, _ = engine_cache(16)
     options = opts(**kw)
     options = XavierOptions(**{**vars(options), "rank": rank})
     return WorkerDataPlane(options, ActorBridge.shared(), {0: [(f"l{i}", t) for i, t in
                                                                enumerate(cache[0])]}, {0: 0},
-                           defers_block_frees=defers_block_frees)
+                           defers_block_frees=defers_block_frees, overlapped=overlapped)
 
 
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
@@ -229,6 +229,10 @@ def test_loads_skip_the_forward_in_flight_only_where_vllms_scheduler_defers_free
     assert plane_of(xavier_in_place=True, defers_block_frees=True).unordered
     assert not plane_of(xavier_in_place=False, defers_block_frees=True).unordered
     assert not plane_of(xavier_in_place=True, defers_block_frees=False).unordered
+    # vLLM's ask waits for quick loads unless their copies wait for a forward in flight
+    assert plane_of(xavier_in_place=True, defers_block_frees=True).report_waits
+    assert not plane_of(xavier_in_place=False, defers_block_frees=True).report_waits
+    assert plane_of(xavier_in_place=False, overlapped=False).report_waits  # CPU: sync
 
 
 def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
@@ -283,6 +287,7 @@ def test_a_quick_load_is_reported_when_vllm_first_asks_and_a_stuck_one_costs_one
     from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import _StepLoad
 
     plane = plane_of()
+    plane.report_waits = True
     plane._pending = [_StepLoad(("fast",), [_Handle(0.0005)]),
                       _StepLoad(("stuck",), [_Handle(None)])]
     t0 = time.perf_counter()

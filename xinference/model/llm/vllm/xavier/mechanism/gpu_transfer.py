@@ -16,8 +16,8 @@ The call
    queued on its stream touches the destinations, which vLLM guarantees for an
    asynchronous load's blocks (it defers freeing a block a step in flight may write, for a
    KV consumer with batches in flight, ``defer_block_free``, and never zeroes them), so a
-   worker names its victim saves only and the load is :attr:`~.load_handle.LoadHandle.
-   quick` when nothing of it runs on the completion thread -- and records an event; it does
+   worker names its victim saves only -- and records an event (the load is
+   :attr:`~.load_handle.LoadHandle.quick` when nothing of it runs on the completion thread); it does
    NOT wait for them (a CPU engine copies right away);
 4. hands the rest to the completion thread (other hosts; host memory without a CUDA view,
    :mod:`.uva`), which starts them after the event (one is recorded for them too);
@@ -289,8 +289,7 @@ class GPUTransfer:
             # stream still waits for the copies queued before the failure: the fence)
             handle = LoadHandle(plan.request_ids, plan.written, event,
                                 bool(reads) and error is None,
-                                quick=ordered_after is not None and not background
-                                and error is None)
+                                quick=not background and error is None)
             if error is not None:  # known now: reportable at once, so failed at once
                 handle.failed = {int(b) for ids in plan.written.values() for b in ids}
             self._inflight.add(handle)

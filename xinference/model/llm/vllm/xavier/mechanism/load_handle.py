@@ -121,8 +121,8 @@ class LoadHandle:
         self.request_ids = request_ids
         self.planned = planned
         self.event = event
-        #: its copies wait for nothing the caller queued and none runs on the completion
-        #: thread: it becomes reportable within about a copy's time (a caller may wait)
+        #: none of its copies runs on the completion thread: unless they wait for work the
+        #: caller queued, it is reportable within about a copy's time (a caller may wait)
         self.quick = quick
         self._has_background = has_background
         self._background_done = threading.Event()

@@ -219,7 +219,8 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
             num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
             self.worker = XavierConnectorWorker(
                 self.options, bridge, [list(g.layer_names) for g in groups], num_blocks,
-                tp_size, vllm_defers_block_frees(vllm_config))
+                tp_size, vllm_defers_block_frees(vllm_config),
+                int(getattr(vllm_config, "max_concurrent_batches", 2)) > 1)
         logger.info("xavier: connector (%s) for rank %d, block size %d, tensor parallel %d",
                     role.name, self.options.rank, self.block_size, tp_size)
 

@@ -45,9 +45,11 @@ class XavierConnectorWorker:
 
     def __init__(self, options: XavierOptions, bridge: ActorBridge,
                  group_layer_names: List[List[str]], num_blocks: int,
-                 tp_size: int = 1, defers_block_frees: bool = False) -> None:
+                 tp_size: int = 1, defers_block_frees: bool = False,
+                 overlapped: bool = True) -> None:
         """``defers_block_frees``: vLLM's scheduler of this engine keeps freed blocks out of
-        the pool while a step in flight may write them (:func:`vllm_defers_block_frees`)."""
+        the pool while a step in flight may write them (:func:`vllm_defers_block_frees`);
+        ``overlapped``: several batches may be in flight (async scheduling)."""
         self.options = options
         self._bridge = bridge
         self._group_layer_names = group_layer_names
@@ -57,7 +59,7 @@ class XavierConnectorWorker:
         #: requests whose loads failed without reaching a data plane: reported finished next
         self._failed_requests: Set[str] = set()
         self._tp_size = tp_size
-        self._defers_block_frees = defers_block_frees
+        self._defers_block_frees, self._overlapped = defers_block_frees, overlapped
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
         self._stats: Optional[CounterDeltas] = None
@@ -79,7 +81,8 @@ class XavierConnectorWorker:
                 self.plane = WorkerDataPlane(self.options, self._bridge, groups, dims,
                                              tp_rank=self._tp_rank, tp_size=self._tp_size,
                                              num_blocks=self._num_blocks, shared_host=shared,
-                                             defers_block_frees=self._defers_block_frees)
+                                             defers_block_frees=self._defers_block_frees,
+                                             overlapped=self._overlapped)
             except BaseException:
                 if shared is not None:  # vLLM keeps serving on the moved memory; the
                     shared.close()  # files go (a mapping keeps its memory)

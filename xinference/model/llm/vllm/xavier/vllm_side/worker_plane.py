@@ -86,8 +86,9 @@ class _StepLoad:
         return all(h.reportable for h in self.handles)
 
     def quick(self) -> bool:
-        """Every load of it reads device memory, unordered after the forward in flight:
-        checked within about a copy's time of its launch."""
+        """No load of it runs on the completion thread (device memory, or a CPU engine's
+        copies): checked within about a copy's time of its launch, unless ordered after a
+        forward in flight."""
         return bool(self.handles) and all(h.quick for h in self.handles)
 
 
@@ -97,7 +98,7 @@ class WorkerDataPlane:
     def __init__(self, options: XavierOptions, bridge: ActorBridge, caches: GroupedLayers,
                  block_dims: Dict[int, int], tp_rank: int = 0, tp_size: int = 1,
                  num_blocks: int = 0, shared_host: Optional[SharedHostCaches] = None,
-                 defers_block_frees: bool = False) -> None:
+                 defers_block_frees: bool = False, overlapped: bool = True) -> None:
         self.options = options
         self.rank = options.rank
         #: this worker's place in its tensor-parallel replica (it holds shard ``tp_rank``)
@@ -120,6 +121,9 @@ class WorkerDataPlane:
         #: only where vLLM defers frees, and with vLLM's cache read in place (else the
         #: exports, on the loads' stream, wait for every forward anyway)
         self.unordered = defers_block_frees and options.in_place
+        #: whether vLLM's ask for finished loads waits for the quick ones (:meth:`finished`):
+        #: when their copies wait for no forward in flight (unordered, or none overlaps)
+        self.report_waits = self.unordered or not overlapped
         self._attached = False
         self._own_releases: List[Any] = []
         self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
@@ -337,7 +341,7 @@ class WorkerDataPlane:
                 failed.update(h.failed)
             failed.update(p.failed)
             done.update(p.request_ids)
-            if p.quick() and not p.late:
+            if self.report_waits and p.quick() and not p.late:
                 self.counters.add("loads_reported_at_once")
         self._pending = still
         if failed and self.hooks is not None:
@@ -348,7 +352,7 @@ class WorkerDataPlane:
         """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
         launched): one reported in this step's output is computed a step sooner."""
         waiting = [p for p in self._pending
-                   if p.quick() and not p.late and not p.reportable()]
+                   if self.report_waits and p.quick() and not p.late and not p.reportable()]
         if not waiting:
             return
         start = time.perf_counter()
