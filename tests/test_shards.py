@@ -10,6 +10,7 @@ import pytest
 
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory, ShardLink
+from xinference.model.llm.vllm.xavier.planning.directory_types import Location
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, GROUP, RANK, SLOT
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide
@@ -53,7 +54,8 @@ class TPWorld:
 
         def take_leases(locations):
             fut = concurrent.futures.Future()
-            fut.set_result(self.directory.lease(2, list(locations)))
+            # rows of Location fields, as the tracker actor receives them
+            fut.set_result(self.directory.lease(2, [Location(*r) for r in locations.tolist()]))
             return fut
 
         self.side = SchedulerSide(2, BS, 1, DirectoryLookups(send), self.release,
