@@ -164,12 +164,9 @@ def test_a_load_ordered_after_named_events_only_does_not_wait_for_the_callers_st
     eng.close()
 
 
-def test_victims_are_saved_without_waiting_for_the_forward_in_flight():
-    """A step's victims (``after_forward=False``) are copied on the writer's save stream,
-    not behind vLLM's forward in flight: with the caller's stream spinning, the save's
-    event completes within a fraction of the spin and the tier holds the blocks' bytes;
-    an export after the forward (the default, negative control) waits for the spin; the
-    caller's stream is ordered after both (vLLM writes none of them before)."""
+def gpu_tier_writer(cache, slots):
+    """Rank 1's snapshot storage with a CUDA tier of ``slots`` blocks, its storage writer
+    (no room thread) and the block views of the engine ``cache`` it exports from."""
     from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
     from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
     from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
@@ -179,13 +176,22 @@ def test_victims_are_saved_without_waiting_for_the_forward_in_flight():
     from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
     from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
 
-    cache = {0: storage(32, 41)}
     layout = layout_of(cache)
-    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 16 * layout.groups[0].block_bytes,
+    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, slots * layout.groups[0].block_bytes,
                                                 device="cuda")])
     writer = StorageWriter(1, layout, {Tier.GPU: st.caches(Tier.GPU)}, LocalDirectory(),
                            torch.device("cuda"), stream=torch.cuda.Stream(), room_blocks=0)
-    views = {0: [block_view(t, 0) for t in cache[0]]}
+    return st, writer, {g: [block_view(t, 0) for t in layers] for g, layers in cache.items()}
+
+
+def test_victims_are_saved_without_waiting_for_the_forward_in_flight():
+    """A step's victims (``after_forward=False``) are copied on the writer's save stream,
+    not behind vLLM's forward in flight: with the caller's stream spinning, the save's
+    event completes within a fraction of the spin and the tier holds the blocks' bytes;
+    an export after the forward (the default, negative control) waits for the spin; the
+    caller's stream is ordered after both (vLLM writes none of them before)."""
+    cache = {0: storage(32, 41)}
+    st, writer, views = gpu_tier_writer(cache, 16)
     writer.export(views, [(0, 1, 1)])  # first use (pointer tables, kernel)
     assert writer.flush(30)
     torch.cuda.synchronize()
@@ -207,23 +213,9 @@ def test_victims_are_saved_without_waiting_for_the_forward_in_flight():
 
 def export_gpu_tier(queue, done):
     """Child process: a snapshot storage with a CUDA tier exports blocks, shares IPC handles."""
-    from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
-    from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
-    from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
-        SnapshotStorage,
-        TierConfig,
-    )
-    from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
-    from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
-
     cache = {0: storage(32, 11)}
-    layout = layout_of(cache)
-    st = SnapshotStorage(1, layout, [TierConfig(Tier.GPU, 8 * layout.groups[0].block_bytes,
-                                                device="cuda")])
-    writer = StorageWriter(1, layout, {Tier.GPU: st.caches(Tier.GPU)}, LocalDirectory(),
-                           torch.device("cuda"), stream=torch.cuda.Stream(), room_blocks=0)
-    writer.export({0: [block_view(t, 0) for t in cache[0]]},
-                  [(0, 500 + i, 3 + i) for i in range(4)])
+    st, writer, views = gpu_tier_writer(cache, 8)
+    writer.export(views, [(0, 500 + i, 3 + i) for i in range(4)])
     assert writer.flush(30)  # published: the copies' event has completed
     slots = [writer.lookup(0, 500 + i)[1] for i in range(4)]
     queue.put((st.ipc_handles(Tier.GPU), slots))

@@ -376,16 +376,23 @@ def test_leases_are_taken_with_the_step_and_released_when_vllm_reports_the_load_
     assert w.leases == 0
 
 
-def test_a_load_reported_done_before_its_leases_were_granted_releases_them_on_arrival():
-    """The lease call is not waited for: when vLLM reports the load done first (a fast
-    copy, a slow directory), the leases are released as soon as they are granted; a
-    lease call that failed leaves nothing to release (the reads were checked anyway)."""
+def load_sent_leases_unanswered() -> World:
+    """A world whose request "r" loads 4 blocks, sent in a step whose lease call the
+    directory has not answered yet (``grant_pending`` answers it)."""
     w = World(held_keys=keys_of(4))
     w.answer_leases = False
     w.side.track("r", lambda: keys_of(5), 5 * BS + 1)
     assert w.side.match("r", 5 * BS + 1, 0) == 4 * BS
     w.side.allocated("r", [[1, 2, 3, 4, 5]], [[False] * 5], 4 * BS)
     w.side.build_step([], {})
+    return w
+
+
+def test_a_load_reported_done_before_its_leases_were_granted_releases_them_on_arrival():
+    """The lease call is not waited for: when vLLM reports the load done first (a fast
+    copy, a slow directory), the leases are released as soon as they are granted; a
+    lease call that failed leaves nothing to release (the reads were checked anyway)."""
+    w = load_sent_leases_unanswered()
     w.side.loads_finished(["r"])
     assert w.leases == 0 and w.side.held_leases == 0
     w.grant_pending()  # granted now, released at once
@@ -419,12 +426,7 @@ def test_close_hands_back_the_lease_calls_still_unanswered_and_releases_them_on_
     """At shutdown a step's lease call may still be on its way: ``close`` returns it (the
     connector waits for it, bounded, before its last flush), and the leases it grants are
     released as they arrive."""
-    w = World(held_keys=keys_of(4))
-    w.answer_leases = False
-    w.side.track("r", lambda: keys_of(5), 5 * BS + 1)
-    assert w.side.match("r", 5 * BS + 1, 0) == 4 * BS
-    w.side.allocated("r", [[1, 2, 3, 4, 5]], [[False] * 5], 4 * BS)
-    w.side.build_step([], {})
+    w = load_sent_leases_unanswered()
     pending = w.side.close()
     assert len(pending) == 1 and not pending[0].done()
     w.grant_pending()

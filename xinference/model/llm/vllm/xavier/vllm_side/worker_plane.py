@@ -248,7 +248,9 @@ class WorkerDataPlane:
             return
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            after = None if not self.unordered else [] if saved is None else [saved]
+            after: Optional[List[torch.cuda.Event]] = None  # None: after the forward too
+            if self.unordered:
+                after = [] if saved is None else [saved]
             self._pending.append(self._load(step, after))
         finally:
             cpu_us = int(1e6 * (time.thread_time() - cpu))
