@@ -36,7 +36,7 @@ KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, E
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
                "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
-               "XAVIER_BENCH_UNIQUE", "XAVIER_BENCH_ARGS",
+               "XAVIER_BENCH_UNIQUE", "XAVIER_BENCH_ARGS", "XAVIER_CHAT_USERS", "XAVIER_CHAT_SHAPE",
                "XAVIER_GPU_TEST_TIMEOUT", "XAVIER_EAGER_VLLM_VERSION")
 EXTRA_KEY = "xavier"
 #: Xinference's uid stem of a rank's transfer actor (``TransferActor.default_uid()``)
