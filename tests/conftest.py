@@ -23,6 +23,15 @@ from .support.tiny_model import (
 )
 from .support.xinference_server import Server
 
+#: every replica the tests start (engine worlds, xinference-local, simulated hosts: they
+#: inherit this process's environment) loads each hit it is offered: the tests check what a
+#: load does (tokens, bytes, counters, leases), on a tiny model whose recompute costs about
+#: what a load waits, so that the default ``cost`` policy would decline some hits by timing
+#: alone.  The cost model itself still measures there (its estimates and
+#: ``hits_not_paying`` are checked in test_connector_e2e.py); its decisions are tested in
+#: test_load_cost.py and test_scheduler_side.py.
+os.environ.setdefault("XAVIER_LOAD_POLICY", "always")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:

@@ -120,9 +120,23 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert 'xavier_blocks_written_total{rank="2"}' in metrics
     # a miss is counted too (its step has no load call: the figures ride on the export call)
     before = lt.run(b.counters())
+    started = time.monotonic()
     lt.run(b.generate([tokens(99, 200)]))
+    took_ns = 1e9 * (time.monotonic() - started)
     c = delta(before, lt.run(b.counters()))
     assert c["queries"] == 1 and c["queried_blocks"] == 12 and c["hit_blocks"] == 0
+    # the cost model measured B while it served (the tests load every hit they are offered:
+    # XAVIER_LOAD_POLICY=always, conftest.py): the hit's wait, and a prefill time per token
+    # that a 200-token prompt's whole request took longer than; nothing declined
+    for n in (40, 300, 120):  # steps of varied sizes for its fit, whatever ran before
+        lt.run(b.generate([tokens(100 + n, n)]))
+    now = lt.run(b.counters())
+    assert now.get("hits_declined", 0) == 0 and now.get("lookups_skipped_not_paying", 0) == 0
+    print(f"cost model: {now.get('cost_prefill_ns_per_token', 0)} ns a prefill token, "
+          f"{now.get('cost_step_fixed_us', 0)} us a step, a hit waits "
+          f"{now.get('cost_hit_wait_us', 0)} us")
+    assert now.get("cost_hit_wait_us", 0) > 0
+    assert 0 < now.get("cost_prefill_ns_per_token", 0) * 200 < took_ns
 
 
 def test_negative_control_copy_skipped_changes_tokens(world):

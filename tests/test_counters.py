@@ -105,8 +105,12 @@ def test_a_counters_path_named_by_another_process_must_be_a_xavier_counters_file
 
 def test_every_figure_of_the_scheduler_s_step_is_a_counter():
     """The worker adds each ``StepStats`` field to its counters by name (an unknown name
-    raises there, in vLLM's step): every field must be one."""
-    from xinference.model.llm.vllm.xavier.planning.counters import COUNTER_NAMES
+    raises there, in vLLM's step): every field must be one (the cost model's estimates are
+    levels: set, not added)."""
+    from xinference.model.llm.vllm.xavier.planning.counters import ALL_NAMES, GAUGE_NAMES
     from xinference.model.llm.vllm.xavier.planning.step_meta import StepStats
 
-    assert set(StepStats().as_dict()) - set(COUNTER_NAMES) == set()
+    names = set(StepStats().as_dict())
+    assert names - set(ALL_NAMES) == set()
+    assert names & set(GAUGE_NAMES) == {"cost_prefill_ns_per_token", "cost_step_fixed_us",
+                                        "cost_hit_wait_us"}

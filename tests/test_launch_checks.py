@@ -59,6 +59,8 @@ def test_the_cli_spelling_and_the_strict_switch():
      "^xavier_gpu_budget: 'lots' is not a size"),
     ({"enable_xavier": "true"}, 2, {"XAVIER_SWITCH_INTERVAL_US": "5ms"},
      "^xavier_switch_interval_us: expected whole microseconds"),
+    ({"enable_xavier": "true"}, 2, {"XAVIER_LOAD_POLICY": "never"},
+     "^xavier_load_policy: expected one of cost, always, got 'never'"),
     ({"enable_xavier": True, "pipeline_parallel_size": 2}, 2, None,
      "^pipeline_parallel_size: Xavier does not share the KV of pipeline-parallel replicas "
      ".* got pipeline_parallel_size=2"),

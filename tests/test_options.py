@@ -73,6 +73,19 @@ def test_batched_loads_switch():
         XavierOptions.from_xavier_config({**BASE, "xavier_batched_loads": "sometimes"}, {})
 
 
+def test_load_policy_default_environment_config_and_a_refused_value():
+    """``xavier_load_policy``: cost (a hit is loaded only when it pays) unless asked to
+    load every hit; a value that is neither fails naming the option."""
+    assert XavierOptions.from_xavier_config(BASE, {}).load_policy == "cost"
+    env = {"XAVIER_LOAD_POLICY": "Always"}
+    assert XavierOptions.from_xavier_config(BASE, env).load_policy == "always"
+    o = XavierOptions.from_xavier_config({**BASE, "xavier_load_policy": "cost"}, env)
+    assert o.load_policy == "cost"
+    with pytest.raises(ValueError, match="^xavier_load_policy: expected one of cost, always, "
+                                         "got 'sometimes'"):
+        XavierOptions.from_xavier_config(BASE, {"XAVIER_LOAD_POLICY": "sometimes"})
+
+
 @pytest.mark.parametrize("name, hint", [
     ("XAVIER_CPU_BUGDET", "did you mean XAVIER_CPU_BUDGET?"),
     ("XAVIER_GPU_BUDGE", "did you mean XAVIER_GPU_BUDGET?"),

@@ -4,7 +4,7 @@ destinations (null blocks skipped), one load batch per step, exports of newly fu
 test_lookups.py; here the directory answers at once.)"""
 
 import concurrent.futures
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.directory_types import Location
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
+from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide
 
@@ -21,7 +22,8 @@ BS = 16
 class World:
     """A real in-process directory where rank 1 holds some blocks; rank 2 asks."""
 
-    def __init__(self, held_keys: Sequence[int], num_groups: int = 1) -> None:
+    def __init__(self, held_keys: Sequence[int], num_groups: int = 1,
+                 cost: Optional[LoadCost] = None, decline: bool = False) -> None:
         self.directory = BlockDirectory()
         self.directory.register_rank(1)
         self.directory.register_rank(2)
@@ -40,7 +42,7 @@ class World:
             return fut
 
         self.side = SchedulerSide(2, BS, num_groups, DirectoryLookups(send), self.release,
-                                  take_leases=self.take_leases)
+                                  take_leases=self.take_leases, cost=cost, decline=decline)
 
     def take_leases(self, locations):
         self.lease_calls += 1
@@ -431,3 +433,91 @@ def test_close_hands_back_the_lease_calls_still_unanswered_and_releases_them_on_
     assert len(pending) == 1 and not pending[0].done()
     w.grant_pending()
     assert pending[0].done() and w.leases == 0
+
+
+def measured_cost(wait_s: float = 0.008, per_token: float = 8e-6) -> LoadCost:
+    """A cost model that has seen steps of a prefill time ``per_token`` and one hit wait
+    ``wait_s`` with nothing else running: a lone hit pays from ``wait_s / per_token``
+    tokens on (1000 with the defaults)."""
+    cost = LoadCost(lag=0)
+    now = 0.0
+    for i in range(64):
+        tokens = (1, 512, 8, 2048)[i % 4]
+        cost.step(now, tokens)
+        now += 0.004 + per_token * tokens
+    cost.hit_waited(wait_s, others=0)
+    return cost
+
+
+def test_a_hit_that_would_wait_longer_than_its_recompute_is_declined_and_counted():
+    """``xavier_load_policy`` cost: a request whose candidate blocks could all pay is looked
+    up; its hit of 8 blocks (128 tokens: 8 ms of wait against 1 ms of prefill) is declined:
+    vLLM computes it, it is not offered a load again, no load leaves; a hit of 100 blocks
+    (1600 tokens) is loaded."""
+    w = World(held_keys=keys_of(8) + keys_of(100, base=9000), cost=measured_cost(),
+              decline=True)
+    w.side.track("short", lambda: keys_of(200), 200 * BS)
+    w.side.track("long", lambda: keys_of(200, base=9000), 200 * BS)
+    assert w.side.match("short", 200 * BS, 0) == 0
+    assert w.side.match("short", 200 * BS, 0) == 0  # asked again: no new lookup
+    assert w.side.match("long", 200 * BS, 0) == 100 * BS
+    assert w.calls == [2]
+    w.side.allocated("short", [list(range(200))], [[False] * 200], 0)
+    w.side.allocated("long", [list(range(200, 400))], [[False] * 200], 100 * BS)
+    step = w.side.build_step([], {})
+    assert step.loads.request_ids == ("long",)
+    stats = step.stats
+    assert (stats.hits_not_paying, stats.hits_declined, stats.hit_tokens_declined) == (1, 1, 128)
+
+
+def test_a_request_none_of_whose_blocks_could_pay_is_not_even_looked_up():
+    w = World(held_keys=keys_of(8), cost=measured_cost(), decline=True)
+    w.side.track("r", lambda: keys_of(8), 8 * BS)  # at most 7 blocks: 112 tokens
+    assert w.side.match("r", 8 * BS, 0) == 0
+    stats = w.side.build_step([], {}).stats
+    assert w.calls == [] and stats.lookups_skipped_not_paying == 1
+    assert stats.queries == 0 and stats.hits_declined == 0
+
+
+def test_loading_every_hit_still_counts_those_that_do_not_pay():
+    """``xavier_load_policy`` always: the same short hit is loaded, and counted as one that
+    did not pay (what a user reads before switching to cost)."""
+    w = World(held_keys=keys_of(8), cost=measured_cost(), decline=False)
+    w.side.track("r", lambda: keys_of(8), 8 * BS)
+    assert w.side.match("r", 8 * BS, 0) == 7 * BS
+    w.side.allocated("r", [list(range(8))], [[False] * 8], 7 * BS)
+    stats = w.side.build_step([], {}).stats
+    assert (stats.hits_not_paying, stats.hits_declined, stats.requests_with_hits) == (1, 0, 1)
+
+
+def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_load_level():
+    """The side's steps feed the fit (their scheduled tokens, on its clock) and a hit's
+    allocation-to-first-forward wait at the load level of its allocation; the estimates go
+    out with the step's figures; the last request's end marks the engine idle."""
+    cost = LoadCost(lag=0, min_steps=4, min_token_spread=1)
+    w = World(held_keys=keys_of(8), cost=cost)
+    now = [0.0]
+    w.side._clock = lambda: now[0]
+    w.side.track("busy", lambda: keys_of(4, base=7000), 4 * BS)
+    for i in range(8):  # steps of 1 and 101 tokens taking 1 ms + 10 µs a token
+        tokens = 1 + 100 * (i % 2)
+        w.side.build_step([("busy", 0, tokens)], {})
+        now[0] += 0.001 + 1e-5 * tokens
+    fixed, per_token = cost.step_line()
+    assert (fixed, per_token) == (pytest.approx(0.001), pytest.approx(1e-5))
+    w.side.track("r", lambda: keys_of(8), 8 * BS)
+    assert w.side.match("r", 8 * BS, 0) == 7 * BS
+    w.side.allocated("r", [list(range(8))], [[False] * 8], 7 * BS)  # "busy" runs beside it
+    for _ in range(3):  # the load's step and two more before the hit's first forward
+        w.side.build_step([("busy", 0, 1)], {})
+        now[0] += 0.00101
+    stats = w.side.build_step([("r", 7 * BS, BS), ("busy", 0, 1)], {}).stats
+    assert cost.expected_wait_s(1) == pytest.approx(0.00303) and cost.expected_wait_s(0) is None
+    assert stats.cost_prefill_ns_per_token == 10_000 and stats.cost_step_fixed_us == 1000
+    assert stats.cost_hit_wait_us == 3030  # at the load level of the hit's allocation
+    w.side.finished("r")
+    w.side.finished("busy")
+    samples = cost.fit.samples
+    now[0] += 30.0
+    w.side.build_step([("next", 0, 1)], {})
+    assert cost.fit.samples == samples  # the idle half minute is no step

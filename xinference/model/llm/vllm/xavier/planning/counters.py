@@ -52,6 +52,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "hits_started", "hit_lookup_us", "hit_load_wait_us", "null_blocks_skipped",
     # reads of Xavier's tiers the scheduler leased when their step was built
     "leases_asked",
+    # the cost model: hits judged not worth loading, those declined (xavier_load_policy
+    # cost) and their tokens, requests not looked up since none of their blocks would pay
+    "hits_not_paying", "hits_declined", "hit_tokens_declined", "lookups_skipped_not_paying",
     # vLLM's cache read in place: blocks published (scheduler), published blocks vLLM
     # handed out again and those of them saved into Xavier's tier; the worker's
     # registrations of published blocks (after their forward) and their failures
@@ -79,6 +82,9 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 "storage_gpu_free_blocks", "storage_cpu_free_blocks",
                                 # the longest load launch so far (µs)
                                 "load_launch_max_us",
+                                # the cost model's latest estimates (0 while unknown)
+                                "cost_prefill_ns_per_token", "cost_step_fixed_us",
+                                "cost_hit_wait_us",
                                 # written by the transfer actor into its worker's file: the
                                 # world changed (the worker re-reads it before its next load)
                                 "world_epoch")

@@ -22,9 +22,11 @@ from .options import (
     ENV_CPU_BUDGET,
     ENV_GPU_BUDGET,
     ENV_IN_PLACE,
+    ENV_LOAD_POLICY,
     ENV_SAVE_VICTIMS,
     ENV_SWITCH_INTERVAL,
     check_env_names,
+    parse_load_policy,
     parse_switch,
     parse_switch_interval,
 )
@@ -99,6 +101,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             parse_bytes(option, env[name])
     if ENV_SWITCH_INTERVAL in env:
         parse_switch_interval(env[ENV_SWITCH_INTERVAL])
+    if ENV_LOAD_POLICY in env:
+        parse_load_policy(env[ENV_LOAD_POLICY])
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
                          (ENV_SAVE_VICTIMS, "xavier_save_victims")):
         if name in env:

@@ -27,11 +27,16 @@ ENV_BATCHED = "XAVIER_BATCHED_LOADS"
 ENV_SWITCH_INTERVAL = "XAVIER_SWITCH_INTERVAL_US"
 ENV_IN_PLACE = "XAVIER_IN_PLACE"
 ENV_SAVE_VICTIMS = "XAVIER_SAVE_VICTIMS"
+ENV_LOAD_POLICY = "XAVIER_LOAD_POLICY"
+#: ``xavier_load_policy``: ``cost`` loads a hit only when its measured wait is no longer than
+#: the recompute it saves (:mod:`.load_cost`); ``always`` loads every hit (the model still
+#: measures and counts the hits that do not pay)
+LOAD_POLICIES = ("cost", "always")
 #: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
-             ENV_SAVE_VICTIMS, "XAVIER_LOG_LEVEL",
+             ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
@@ -80,6 +85,9 @@ class XavierOptions:
     #: default true).  False leaves Xavier's tiers empty (a benchmark row: whether the
     #: saves cost a hit more than the tiers' extra blocks give is not measured yet)
     save_victims: bool = True
+    #: whether a hit is loaded whatever it costs (``xavier_load_policy`` /
+    #: ``XAVIER_LOAD_POLICY``: :data:`LOAD_POLICIES`, default ``cost``)
+    load_policy: str = "cost"
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -118,6 +126,8 @@ class XavierOptions:
                                 cfg.get("xavier_in_place", env.get(ENV_IN_PLACE, True)))
         save_victims = parse_switch("xavier_save_victims", cfg.get(
             "xavier_save_victims", env.get(ENV_SAVE_VICTIMS, True)))
+        load_policy = parse_load_policy(cfg.get("xavier_load_policy",
+                                                env.get(ENV_LOAD_POLICY, "cost")))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -128,7 +138,7 @@ class XavierOptions:
                    switch_interval_us=switch_us,
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
                    slab_blocks=slab, in_place=in_place,
-                   save_victims=save_victims)
+                   save_victims=save_victims, load_policy=load_policy)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}
@@ -156,6 +166,16 @@ def parse_switch_interval(value: Any) -> int:
         raise ValueError("xavier_switch_interval_us: expected whole microseconds from 0 "
                          f"(Python's default) to 1000000, got {value!r}")
     return us
+
+
+def parse_load_policy(value: Any) -> str:
+    """``xavier_load_policy`` as one of :data:`LOAD_POLICIES` (any case); anything else
+    raises ``ValueError`` naming the option."""
+    text = str(value).strip().lower()
+    if text not in LOAD_POLICIES:
+        raise ValueError(f"xavier_load_policy: expected one of {', '.join(LOAD_POLICIES)}, "
+                         f"got {value!r}")
+    return text
 
 
 def parse_switch(option: str, value: Any) -> bool:

@@ -56,13 +56,14 @@ import concurrent.futures
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .block_directory import QueryResult
 from .directory_types import LOCATION_COLUMNS
 from .load_batch import COLUMNS, DEST, LoadBatch, LoadBatchError
+from .load_cost import LoadCost
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
@@ -100,6 +101,9 @@ class _Tracked:
     loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
+    #: its hit was not worth loading (:mod:`.load_cost`): vLLM computes it, no more asks
+    declined: bool = False
+    others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
     #: clock readings: tracked, its hit answered, its load allocated (None: not yet)
     arrived_at: float = 0.0
     answered_at: Optional[float] = None
@@ -112,7 +116,8 @@ class SchedulerSide:
     def __init__(self, rank: int, block_size: int, num_groups: int,
                  lookups: DirectoryLookups, release: ReleaseFn,
                  take_leases: Optional[TakeLeasesFn] = None,
-                 clock: Callable[[], float] = time.monotonic, tp_size: int = 1) -> None:
+                 clock: Callable[[], float] = time.monotonic, tp_size: int = 1,
+                 cost: Optional[LoadCost] = None, decline: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
@@ -131,6 +136,12 @@ class SchedulerSide:
         #: the leases of loads sent to the workers, until vLLM reports them finished
         self._in_flight: Dict[str, List[_Held]] = {}
         self._stats = StepStats()
+        self.cost = cost  # a hit against its recompute (``decline``: one that does not pay
+        self._decline = decline and cost is not None  # is not loaded; else only counted)
+        self._running: Set[str] = set()  # the live requests the last step scheduled
+
+    def _others(self, request_id: str) -> int:
+        return len(self._running) - (request_id in self._running)
 
     # ----------------------------------------------------------------- lookup
     def track(self, request_id: str, keys: Callable[[], Sequence[int]], num_tokens: int,
@@ -157,7 +168,7 @@ class SchedulerSide:
         ``None`` while the lookup is out."""
         tracked = self._tracked.get(request_id)
         if (tracked is None or not tracked.sharing or not tracked.loads or not ready
-                or tracked.loaded):
+                or tracked.loaded or tracked.declined):
             self._drop_hit(request_id)
             self.lookups.drop(request_id)
             return 0
@@ -169,6 +180,12 @@ class SchedulerSide:
             return len(held.keys) * self.block_size  # vLLM asks again: same answer
         self._drop_hit(request_id)
         if last <= first:
+            self.lookups.drop(request_id)
+            return 0
+        if self._decline and self.cost is not None and not self.cost.could_pay(
+                (last - first) * self.block_size, self._others(request_id)):
+            self._stats.lookups_skipped_not_paying += 1  # not even all of it would pay
+            tracked.declined = True
             self.lookups.drop(request_id)
             return 0
         state, lookup = self.lookups.take(request_id)
@@ -207,6 +224,8 @@ class SchedulerSide:
         lo, hi = first - start, end - start
         if lo < 0:  # (match asks from `first`: an answer starting later holds no hit)
             return 0
+        if not self._worth_loading(request_id, (end - first) * self.block_size):
+            return 0
         table = result.table.reshape(groups, hits, LOCATION_COLUMNS)[:, lo:hi]
         leases = result.lease_table.reshape(groups, hits)[:, lo:hi]
         kept = tuple(int(k) for k in keys[first:end])
@@ -216,6 +235,19 @@ class SchedulerSide:
         if tracked is not None and tracked.answered_at is None:
             tracked.answered_at = self._clock()
         return (end - first) * self.block_size
+
+    def _worth_loading(self, request_id: str, tokens: int) -> bool:
+        """The cost model's word on a hit of ``tokens`` tokens (counted); False: declined,
+        vLLM computes the request (and is not offered a load for it again)."""
+        if self.cost is None:
+            return True
+        pays, load = self.cost.judge(tokens, self._others(request_id), self._decline)
+        self._stats.hits_not_paying += not pays
+        if not load:
+            self._stats.hits_declined += 1
+            self._stats.hit_tokens_declined += tokens
+            self._tracked[request_id].declined = True
+        return load
 
     # ------------------------------------------------------------ allocation
     def allocated(self, request_id: str, block_ids: Sequence[Sequence[int]],
@@ -240,6 +272,7 @@ class SchedulerSide:
         if tracked is not None:
             tracked.loaded = True
             tracked.allocated_at = self._clock()
+            tracked.others_at_alloc = self._others(request_id)
         self._step_loads.append(load)
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
@@ -273,6 +306,8 @@ class SchedulerSide:
                 self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
                                                           - tracked.arrived_at))
                 self._stats.hit_load_wait_us += round(1e6 * (now - tracked.allocated_at))
+                if self.cost is not None:
+                    self.cost.hit_waited(now - tracked.allocated_at, tracked.others_at_alloc)
                 tracked.allocated_at = None
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
@@ -283,6 +318,7 @@ class SchedulerSide:
                 for i in range(start, min(end, len(ids))):
                     if not tracked.null[g][i]:
                         exports.append((g, int(keys[i]), int(ids[i])))
+        self._measure_step(now, scheduled)
         self.lookups.flush()  # lookups of requests vLLM did not reach this step: on their way
         self.lookups.new_step()
         for name, value in self.lookups.take_stats().items():
@@ -291,6 +327,14 @@ class SchedulerSide:
         meta = self._take_loads()
         meta.exports = tuple(exports)
         return meta
+
+    def _measure_step(self, now: float, scheduled: Sequence[Tuple[str, int, int]]) -> None:
+        self._running = {rid for rid, _, num_new in scheduled if num_new > 0}
+        if self.cost is None:
+            return
+        self.cost.step(now, sum(num_new for _, _, num_new in scheduled))
+        for name, value in self.cost.figures().items():
+            setattr(self._stats, name, value)
 
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""
@@ -371,6 +415,9 @@ class SchedulerSide:
         self._drop_hit(request_id)
         self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
+        self._running.discard(request_id)
+        if not self._tracked and self.cost is not None:
+            self.cost.idle()  # vLLM builds no step until a request arrives
 
     def close(self) -> List[concurrent.futures.Future[List[int]]]:
         """Release every lease still held (engine shutdown: no load report will come);

@@ -59,6 +59,18 @@ class StepStats:
     leases_asked: int = 0
     #: directory calls releasing leases that failed (each is tried again)
     lease_release_failures: int = 0
+    #: the cost model (:mod:`.load_cost`): hits judged not worth loading, those of them
+    #: declined (``xavier_load_policy`` cost; vLLM computed them) and their tokens,
+    #: requests not even looked up (all of their candidate blocks would not pay)
+    hits_not_paying: int = 0
+    hits_declined: int = 0
+    hit_tokens_declined: int = 0
+    lookups_skipped_not_paying: int = 0
+    #: its latest estimates (levels, 0 while unknown): prefill ns per token, a step's
+    #: fixed µs, a hit's expected wait (µs) at the latest measured hit's load level
+    cost_prefill_ns_per_token: int = 0
+    cost_step_fixed_us: int = 0
+    cost_hit_wait_us: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(vars(self))

@@ -212,15 +212,16 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
             self._disable(problem)
         self.scheduler: Optional[XavierConnectorScheduler] = None
         self.worker: Optional[XavierConnectorWorker] = None
+        overlapped = int(getattr(vllm_config, "max_concurrent_batches", 2)) > 1
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = XavierConnectorScheduler(self.options, self.block_size,
-                                                      len(groups), bridge, tp_size)
+            self.scheduler = XavierConnectorScheduler(
+                self.options, self.block_size, len(groups), bridge, tp_size, overlapped,
+                getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None))
         else:
             num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
             self.worker = XavierConnectorWorker(
                 self.options, bridge, [list(g.layer_names) for g in groups], num_blocks,
-                tp_size, vllm_defers_block_frees(vllm_config),
-                int(getattr(vllm_config, "max_concurrent_batches", 2)) > 1)
+                tp_size, vllm_defers_block_frees(vllm_config), overlapped)
         logger.info("xavier: connector (%s) for rank %d, block size %d, tensor parallel %d",
                     role.name, self.options.rank, self.block_size, tp_size)
 

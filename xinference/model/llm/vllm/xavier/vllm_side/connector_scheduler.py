@@ -33,6 +33,7 @@ from ..planning.hash_seed import user_seed
 from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
 from ..planning.load_batch import Tier
+from ..planning.load_cost import LoadCost
 from ..planning.log_names import package_logger
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
@@ -81,7 +82,8 @@ class XavierConnectorScheduler:
     load done on every worker (:meth:`loads_finished`), or at :meth:`shutdown`."""
 
     def __init__(self, options: XavierOptions, block_size: int, num_groups: int,
-                 bridge: ActorBridge, tp_size: int = 1) -> None:
+                 bridge: ActorBridge, tp_size: int = 1, overlapped: bool = True,
+                 token_budget: Optional[int] = None) -> None:
         self.options = options
         self._bridge = bridge
         self._ready = False
@@ -93,7 +95,10 @@ class XavierConnectorScheduler:
         self._release_failures_counted = 0
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups),
                                   DirectoryLookups(self._send_lookups), releaser.release_many,
-                                  take_leases=self._take_leases, tp_size=tp_size)
+                                  take_leases=self._take_leases, tp_size=tp_size,
+                                  cost=LoadCost(lag=1 if overlapped else 0,
+                                                token_budget=token_budget),
+                                  decline=options.load_policy == "cost")
         #: vLLM's cache read in place (``options.in_place``): the book of published blocks
         #: once the workers' block generations are known (:meth:`_open_in_place`)
         self._book: Optional[InPlaceBook] = None

@@ -47,7 +47,7 @@ from ..mechanism.load_handle import LoadHandle
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
-from ..planning.counters import SharedCounters
+from ..planning.counters import GAUGE_NAMES, SharedCounters
 from ..planning.directory_link import DirectoryLink, ShardLink
 from ..planning.load_batch import DEST, RANK, TIER, LoadBatch, Tier
 from ..planning.log_names import package_logger
@@ -403,8 +403,8 @@ class WorkerDataPlane:
 
     def add_step_stats(self, stats: Dict[str, int]) -> None:
         for name, value in stats.items():
-            if value:
-                self.counters.add(name, value)
+            if value:  # the cost model's estimates are levels
+                (self.counters.set if name in GAUGE_NAMES else self.counters.add)(name, value)
 
     # ------------------------------------------------------------------ close
     def flush(self, timeout: float = 30.0) -> None:

@@ -1,0 +1,152 @@
+"""The cost model that decides whether a hit is worth loading (planning/load_cost.py): the
+step-time fit it measures from vLLM's steps, the waits it keeps per load level, and its
+decisions (crossover, load level, exploration)."""
+
+import random
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost, level_of
+
+FIXED, PER_TOKEN = 0.004, 8e-6  # a step's fixed time, a prefill token's (the H200's 0.5B)
+
+
+def served(cost: LoadCost, steps: int = 200, seed: int = 0, start: float = 0.0) -> float:
+    """Steps as vLLM would build them: decode steps and prefill chunks, each interval the
+    time of the forward ``cost.lag`` steps before; returns the clock at the end."""
+    rnd = random.Random(seed)
+    now, tokens = start, []
+    for i in range(steps):
+        t = rnd.choice([1, 8, 512, 2048, 8192])
+        if i:
+            now += FIXED + (PER_TOKEN * tokens[-1 - cost.lag] if len(tokens) > cost.lag else 0)
+        cost.step(now, t)
+        tokens.append(t)
+    return now
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_the_fit_finds_the_engines_prefill_time_per_token_with_its_lag(lag):
+    cost = LoadCost(lag=lag)
+    served(cost)
+    fixed, per_token = cost.step_line()
+    assert per_token == pytest.approx(PER_TOKEN, rel=1e-6)
+    assert fixed == pytest.approx(FIXED, rel=1e-4)
+
+
+def test_a_wrong_lag_finds_no_slope():
+    """Negative control: read against the wrong step's tokens the same intervals give no
+    slope (the draws are independent), so the model would not decide on them."""
+    cost = LoadCost(lag=0)
+    rnd = random.Random(1)
+    now, tokens = 0.0, []
+    for _ in range(400):  # each interval is the forward of the step before (async)
+        t = rnd.choice([1, 8, 512, 2048, 8192])
+        if len(tokens) > 1:
+            now += FIXED + PER_TOKEN * tokens[-2]
+        cost.step(now, t)
+        tokens.append(t)
+    line = cost.step_line()
+    assert line is None or line[1] < PER_TOKEN / 5
+
+
+def test_an_idle_engine_between_two_steps_is_not_a_step():
+    cost = LoadCost(lag=1)
+    now = served(cost)
+    cost.idle()  # every request finished; the next arrives a minute later
+    now = served(cost, start=now + 60.0, seed=2)
+    assert cost.step_line()[1] == pytest.approx(PER_TOKEN, rel=1e-6)
+    # without the idle mark a long gap still is no step (longer than max_interval_s)
+    cost.step(now + 60.0, 1)
+    assert cost.step_line()[1] == pytest.approx(PER_TOKEN, rel=1e-6)
+
+
+def test_nothing_is_known_until_steps_vary_and_a_hit_was_measured():
+    cost = LoadCost(lag=0)
+    assert cost.pays(16, 0) and cost.step_line() is None
+    alike = FIXED + PER_TOKEN * 64
+    for i in range(100):  # all alike: no slope
+        cost.step(alike * i, 64)
+    assert cost.step_line() is None and cost.pays(16, 0)
+    served(cost, start=alike * 100)
+    assert cost.step_line() is not None
+    assert cost.pays(16, 0)  # no hit measured yet: load (and measure)
+    assert cost.figures()["cost_hit_wait_us"] == 0
+    cost.hit_waited(0.008, others=0)
+    assert not cost.pays(16, 0)
+    assert cost.figures() == {"cost_prefill_ns_per_token": 8000, "cost_step_fixed_us": 4000,
+                              "cost_hit_wait_us": 8000}
+
+
+def test_alone_a_hit_loads_from_the_crossover_where_its_wait_equals_the_recompute():
+    """A user never waits longer for a hit than for its recompute: 8 ms of wait at 8 µs a
+    token pays from 1000 tokens on."""
+    cost = LoadCost(lag=1)
+    served(cost)
+    cost.hit_waited(0.008, others=0)
+    assert not cost.pays(992, 0)
+    assert cost.pays(1008, 0)
+    assert cost.recompute_s(1008, 0) == pytest.approx(1008 * PER_TOKEN)
+
+
+def test_under_load_a_recompute_delays_everyone_so_a_short_hit_still_pays():
+    cost = LoadCost(lag=1)
+    served(cost)
+    for others in (0, 31):
+        cost.hit_waited(0.040, others=others)
+    assert not cost.pays(2048, others=0)  # 40 ms against 16 ms
+    assert cost.pays(2048, others=31)  # against 32 x 16 ms
+    assert not cost.pays(128, others=31)  # 40 ms against 32 x 1 ms
+
+
+def test_a_wait_seen_under_load_does_not_decide_for_a_lone_request():
+    cost = LoadCost(lag=1)
+    served(cost)
+    cost.hit_waited(0.500, others=40)  # a long wait at C32+
+    assert cost.expected_wait_s(0) is None and cost.pays(512, 0)  # C1 measures its own
+    cost.hit_waited(0.002, others=0)
+    assert cost.pays(512, 0) and not cost.pays(512, 40)
+    assert [level_of(n) for n in (0, 1, 2, 3, 4, 31, 32, 10_000)] == [0, 1, 2, 2, 3, 5, 6, 7]
+
+
+def test_waits_are_a_weighted_mean():
+    cost = LoadCost(lag=1, wait_weight=0.5)
+    cost.hit_waited(0.010, 0)
+    cost.hit_waited(0.020, 0)
+    assert cost.expected_wait_s(0) == pytest.approx(0.015)
+
+
+def test_a_declined_level_loads_every_nth_hit_to_measure_its_wait_again():
+    cost = LoadCost(lag=1, explore_every=4)
+    served(cost)
+    cost.hit_waited(0.050, others=0)
+    assert [cost.decide(64, 0) for _ in range(8)] == [False, False, False, True] * 2
+    assert not cost.could_pay(64, 0)
+    assert [cost.decide(64, 0) for _ in range(3)] == [False, False, False]
+    assert cost.could_pay(64, 0)  # the next one is loaded to measure it
+    assert cost.decide(100_000, 0)  # a hit that pays resets the count
+    assert not cost.decide(64, 0)
+
+
+def test_judge_counts_but_never_declines_when_asked_to_load_everything():
+    cost = LoadCost(lag=1, explore_every=2)
+    served(cost)
+    cost.hit_waited(0.050, others=0)
+    assert [cost.judge(64, 0, decline=False) for _ in range(3)] == [(False, True)] * 3
+    assert [cost.judge(64, 0, decline=True) for _ in range(2)] == [(False, False),
+                                                                   (False, True)]
+    assert cost.judge(100_000, 0, decline=True) == (True, True)
+
+
+def test_a_recompute_beyond_the_token_budget_pays_a_steps_fixed_time_per_budget():
+    cost = LoadCost(lag=1, token_budget=2048)
+    served(cost)
+    assert cost.recompute_s(4096, 0) == pytest.approx(4096 * PER_TOKEN + 2 * FIXED)
+    assert cost.recompute_s(2047, 1) == pytest.approx(2 * 2047 * PER_TOKEN)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"lag": -1}, "lag"), ({"wait_weight": 0}, "wait_weight"),
+                                          ({"explore_every": 0}, "explore_every")])
+def test_bad_settings_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        LoadCost(**kwargs)

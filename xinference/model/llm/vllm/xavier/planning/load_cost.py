@@ -1,0 +1,198 @@
+"""Whether a hit is worth loading: its measured wait against the prefill it saves (#34).
+
+Pure: no vLLM, no torch.  Fed by :class:`~.scheduler_side.SchedulerSide` from what vLLM's
+scheduler does anyway (one call per step, one per hit that reached its first forward).
+
+A hit makes its request wait from the step that allocates its blocks to its first forward
+(vLLM's asynchronous load path: the load's step, its report, the step already scheduled); a
+recompute instead adds the hit's tokens to the steps that prefill the request -- and every
+request those steps carry waits for them too.  So a hit of ``n`` tokens is loaded when
+
+    expected wait  <=  (1 + others) x n x (prefill time per token)
+                       [+ one step's fixed time per token budget the n tokens fill]
+
+``others``: the live requests the last step scheduled besides this one.  With nothing else
+running this is "a user never waits longer for a hit than for its recompute"; under load a
+recompute delays everyone, so a load is worth more.  Both sides are measured on this engine
+while it serves:
+
+* **prefill time per token**: the slope of the interval between two steps on the tokens
+  scheduled (exponentially weighted least squares, half-life ``half_life_steps``).  Under
+  async scheduling vLLM schedules step k+1 once forward k-1 returned, so the interval after
+  step k is forward k-1's (``lag`` 1); without it, forward k's (``lag`` 0).  An interval
+  during which the engine had no request (:meth:`LoadCost.idle`) or longer than
+  ``max_interval_s`` is not a step's and is skipped.
+* **the wait**: per hit, blocks allocated -> first forward, kept per load level (``others``
+  in powers of two: 0, 1, 2-3, 4-7, ...) as an exponentially weighted mean, so that a wait
+  seen at 32 concurrent requests does not decide for a lone one.
+
+Until both are known (no hit measured at a level yet; too few steps, or steps too alike to
+give a slope; a slope not above zero) a hit is loaded: the model never declines on a guess.
+A level whose hits keep being declined is measured again: every ``explore_every``-th hit
+declined there is loaded anyway (its wait is then known afresh).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional
+
+#: the load levels (``others`` in powers of two); beyond the last, the last
+LEVELS = 8
+
+
+def level_of(others: int) -> int:
+    """The load level of ``others`` requests running beside a hit: 0, 1, 2-3, 4-7, ..."""
+    return min(LEVELS - 1, max(0, int(others)).bit_length())
+
+
+@dataclass
+class StepTimeFit:
+    """Exponentially weighted least squares of step interval (s) on scheduled tokens."""
+
+    decay: float
+    w: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.x = d * self.x + tokens
+        self.y = d * self.y + seconds
+        self.xx = d * self.xx + tokens * tokens
+        self.xy = d * self.xy + tokens * seconds
+        self.samples += 1
+
+    def line(self, min_samples: int, min_token_spread: float) -> Optional[tuple[float, float]]:
+        """``(fixed seconds, seconds per token)``, or None while the fit says nothing: too
+        few samples, tokens spread less than ``min_token_spread`` (standard deviation), or
+        a slope not above zero."""
+        if self.samples < min_samples or self.w <= 0:
+            return None
+        spread = self.w * self.xx - self.x * self.x
+        if spread <= (min_token_spread * self.w) ** 2:
+            return None
+        slope = (self.w * self.xy - self.x * self.y) / spread
+        if slope <= 0:
+            return None
+        return max(0.0, (self.y - slope * self.x) / self.w), slope
+
+
+class LoadCost:
+    """See the module docstring.  Not thread-safe: the scheduler's thread only."""
+
+    def __init__(self, lag: int = 1, token_budget: Optional[int] = None,
+                 half_life_steps: float = 64.0, wait_weight: float = 0.25,
+                 explore_every: int = 32, min_steps: int = 16,
+                 min_token_spread: float = 16.0, max_interval_s: float = 2.0) -> None:
+        if lag < 0:
+            raise ValueError(f"lag: must be >= 0, got {lag}")
+        if not 0 < wait_weight <= 1:
+            raise ValueError(f"wait_weight: must be in (0, 1], got {wait_weight}")
+        if explore_every < 1:
+            raise ValueError(f"explore_every: must be >= 1, got {explore_every}")
+        self.lag = lag
+        self.token_budget = token_budget if token_budget and token_budget > 0 else None
+        self.fit = StepTimeFit(0.5 ** (1.0 / half_life_steps))
+        self.wait_weight = wait_weight
+        self.explore_every = explore_every
+        self.min_steps = min_steps
+        self.min_token_spread = min_token_spread
+        self.max_interval_s = max_interval_s
+        self._last_step_at: Optional[float] = None
+        self._tokens: Deque[int] = collections.deque(maxlen=lag + 1)
+        self._idle = False
+        self._wait_s: List[Optional[float]] = [None] * LEVELS
+        self._last_level: Optional[int] = None  # that of the latest hit measured
+        self._declined_in_a_row: Dict[int, int] = collections.defaultdict(int)
+
+    # ------------------------------------------------------------- measuring
+    def step(self, now: float, tokens: int) -> None:
+        """vLLM built a step at ``now`` (s) scheduling ``tokens`` tokens."""
+        last, self._last_step_at = self._last_step_at, now
+        idle, self._idle = self._idle, False
+        if (last is not None and not idle and len(self._tokens) == self.lag + 1
+                and 0 <= now - last <= self.max_interval_s):
+            self.fit.add(float(self._tokens[0]), now - last)
+        if idle:
+            self._tokens.clear()
+        self._tokens.append(int(tokens))
+
+    def idle(self) -> None:
+        """The engine holds no request: the interval to its next step is not a step's."""
+        self._idle = True
+
+    def hit_waited(self, seconds: float, others: int) -> None:
+        """A hit reached its first forward ``seconds`` after its blocks were allocated, with
+        ``others`` requests running then."""
+        lv = self._last_level = level_of(others)
+        old = self._wait_s[lv]
+        self._wait_s[lv] = (seconds if old is None
+                            else old + self.wait_weight * (seconds - old))
+
+    # ------------------------------------------------------------- estimates
+    def step_line(self) -> Optional[tuple[float, float]]:
+        """``(fixed seconds per step, prefill seconds per token)`` or None (not known)."""
+        return self.fit.line(self.min_steps, self.min_token_spread)
+
+    def expected_wait_s(self, others: int) -> Optional[float]:
+        """A hit's expected wait at this load, or None (none measured at its level)."""
+        return self._wait_s[level_of(others)]
+
+    def recompute_s(self, tokens: int, others: int) -> Optional[float]:
+        """What recomputing ``tokens`` tokens costs the requests it delays, or None."""
+        line = self.step_line()
+        if line is None:
+            return None
+        fixed, per_token = line
+        extra_steps = tokens // self.token_budget if self.token_budget else 0
+        return (1 + max(0, others)) * (tokens * per_token + extra_steps * fixed)
+
+    # ------------------------------------------------------------- deciding
+    def pays(self, tokens: int, others: int) -> bool:
+        """Whether loading ``tokens`` tokens is expected to cost no more than recomputing
+        them (True while either side is unknown).  No side effect."""
+        wait = self.expected_wait_s(others)
+        recompute = self.recompute_s(tokens, others)
+        return wait is None or recompute is None or wait <= recompute
+
+    def decide(self, tokens: int, others: int) -> bool:
+        """:meth:`pays`, counting the declines of a level: every ``explore_every``-th hit
+        declined in a row at a level is loaded anyway, to measure its wait again."""
+        lv = level_of(others)
+        if self.pays(tokens, others):
+            self._declined_in_a_row[lv] = 0
+            return True
+        self._declined_in_a_row[lv] += 1
+        if self._declined_in_a_row[lv] >= self.explore_every:
+            self._declined_in_a_row[lv] = 0
+            return True
+        return False
+
+    def judge(self, tokens: int, others: int, decline: bool) -> tuple[bool, bool]:
+        """``(pays, load)`` for a hit of ``tokens`` tokens: whether it pays, and whether to
+        load it (always, unless ``decline``; then :meth:`decide`)."""
+        pays = self.pays(tokens, others)
+        return pays, (not decline) or pays or self.decide(tokens, others)
+
+    def could_pay(self, tokens: int, others: int) -> bool:
+        """Whether a hit of at most ``tokens`` tokens would be loaded now (no side effect):
+        it pays, or the next hit at this level is loaded to measure it."""
+        return (self.pays(tokens, others)
+                or self._declined_in_a_row[level_of(others)] + 1 >= self.explore_every)
+
+    def figures(self) -> Dict[str, int]:
+        """The estimates as whole numbers for the counters (0 while unknown): prefill ns per
+        token, fixed µs per step, a hit's expected wait (µs) at the latest measured hit's
+        load level."""
+        line = self.step_line()
+        lv = self._last_level
+        wait = self._wait_s[lv] if lv is not None else None
+        return {"cost_prefill_ns_per_token": round(1e9 * line[1]) if line else 0,
+                "cost_step_fixed_us": round(1e6 * line[0]) if line else 0,
+                "cost_hit_wait_us": round(1e6 * wait) if wait is not None else 0}
