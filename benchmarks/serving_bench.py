@@ -110,6 +110,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from tests.support.engines import EngineOptions  # noqa: E402
+from tests.support.scenarios import delta as counter_delta  # noqa: E402
 from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
 
@@ -203,7 +204,7 @@ async def run_chat(r: Replicas, chat: ChatWorkload, max_tokens: int, xavier: boo
     later = [x for x in results[chat.users:] if x is not None]
     ttft = sorted(x["ttft_s"] for x in done if x["ttft_s"] is not None)
     later_ttft = sorted(x["ttft_s"] for x in later if x["ttft_s"] is not None)
-    delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
+    delta = [counter_delta(b, a) for a, b in zip(after, before)]  # levels as they are now
     prompt_tokens = sum(len(p) for p in prompts)
     calls = sum(d.get("batch_calls", 0) for d in delta)
     nan = float("nan")
@@ -266,7 +267,7 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     followup_cached = sum(x["cached"] for x in follow)
     follow_ttft = sorted(x["ttft_s"] for x in follow if x["ttft_s"] is not None)
     follow_wall = sum(turn_walls[1:])
-    delta = [{k: a.get(k, 0) - b.get(k, 0) for k in a} for a, b in zip(after, before)]
+    delta = [counter_delta(b, a) for a, b in zip(after, before)]  # levels as they are now
     hit_tokens = sum(d.get("hit_tokens", 0) for d in delta)
     prompt_tokens = sum(len(p) for p in prompts)
     calls = sum(d.get("batch_calls", 0) for d in delta)

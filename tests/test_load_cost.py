@@ -136,6 +136,10 @@ def test_judge_counts_but_never_declines_when_asked_to_load_everything():
     assert [cost.judge(64, 0, decline=True) for _ in range(2)] == [(False, False),
                                                                    (False, True)]
     assert cost.judge(100_000, 0, decline=True) == (True, True)
+    # a hit that paid in between: the next one that does not is the first of a new run
+    assert cost.judge(64, 0, decline=True) == (False, False)
+    assert cost.judge(100_000, 0, decline=True) == (True, True)
+    assert cost.judge(64, 0, decline=True) == (False, False)
 
 
 def test_a_recompute_beyond_the_token_budget_pays_a_steps_fixed_time_per_budget():

@@ -21,14 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from xinference.model.llm.vllm.xavier.planning.counters import GAUGE_NAMES
+
 from .loop_thread import LoopThread
 from .processes import tokens
 from .xavier_replicas import Replicas
 
 
 def delta(before: Dict[str, int], after: Dict[str, int]) -> Dict[str, int]:
-    """Counters that changed from ``before`` to ``after`` (every name of ``after``)."""
-    return {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    """Counters that changed from ``before`` to ``after`` (every name of ``after``; a level,
+    e.g. the cost model's estimates, as it is ``after``)."""
+    return {k: after[k] if k in GAUGE_NAMES else after[k] - before.get(k, 0) for k in after}
 
 
 def leases(lt: LoopThread, r: Replicas) -> int:

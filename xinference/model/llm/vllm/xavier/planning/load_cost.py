@@ -178,7 +178,7 @@ class LoadCost:
         """``(pays, load)`` for a hit of ``tokens`` tokens: whether it pays, and whether to
         load it (always, unless ``decline``; then :meth:`decide`)."""
         pays = self.pays(tokens, others)
-        return pays, (not decline) or pays or self.decide(tokens, others)
+        return pays, (not decline) or self.decide(tokens, others)
 
     def could_pay(self, tokens: int, others: int) -> bool:
         """Whether a hit of at most ``tokens`` tokens would be loaded now (no side effect):
