@@ -3,7 +3,7 @@
 # and vLLM's defaults, checked and measured.  Run by the device tool:
 #
 #   carry: .vbundle .whl            (or .vbmla .whl for `mla`: see below)
-#   command: bash scripts/gpu-dataplane.sh [units|tests|e2e|hybrid|fp8|mla|models|bench|chat|peers|tp|tpbench|all]...
+#   command: bash scripts/gpu-dataplane.sh [units|tests|e2e|hybrid|fp8|mla|models|bench|chat|crossover|peers|tp|tpbench|all]...
 #
 # units: the load engine, storage writer and storage on CUDA (as in tests, alone);
 # tests: the load engine, storage writer and storage on CUDA (XAVIER_TEST_DEVICE=cuda, the
@@ -32,6 +32,9 @@
 #        call each (a call lasts at most 600 s).
 # chat:  issue #34: serving_bench's chat rows (32 users, 4 turns of 768 tokens after a
 #        1024-token system prompt; XAVIER_CHAT_USERS, XAVIER_CHAT_SHAPE) (not in `all`).
+# crossover: issue #34: C1 follow-up TTFT by prefix length (256-2048 tokens), sharing off
+#        and batched, every hit loaded (XAVIER_LOAD_POLICY=always) then the cost model's choice
+#        (cost); XAVIER_CROSSOVER_PREFIXES (not in `all`).
 # peers: issue #35: serving_bench with vLLM's own tiered offloading (vllm-offload-fs) beside
 #        plain, local-hit and batched, 8K prefixes, C1/C8/C32, steady state (not in `all`).
 # Logs and JSON go to $OUT.
@@ -116,6 +119,19 @@ if only chat; then
     | grep -v "it/s]" > "$out/serving_bench-chat.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|batched)|tokens equal" "$out/serving_bench-chat.log"
+fi
+if only crossover; then
+  # issue #34: where a C1 hit starts to pay, by prefix length: every hit loaded
+  # (XAVIER_LOAD_POLICY=always, the measured crossover) and the cost model's choice (cost)
+  for policy in always cost; do
+    XAVIER_LOAD_POLICY=$policy timeout 280 python3 benchmarks/serving_bench.py --device cuda \
+      --shape qwen2.5-0.5b --prefix-tokens "${XAVIER_CROSSOVER_PREFIXES:-256,512,1024,2048}" \
+      --concurrency 1 --groups 4 --max-tokens 16 --modes "${XAVIER_BENCH_MODES:-none,batched}" \
+      --out "$out/serving_bench-cuda-crossover-$policy.json" 2>&1 | grep -v "it/s]" \
+      > "$out/serving_bench-crossover-$policy.log"
+    rc=$((rc | PIPESTATUS[0]))
+    grep -E "^(none|batched)" "$out/serving_bench-crossover-$policy.log" | head -8
+  done
 fi
 if only peers; then
   # issue #35: Xavier beside vLLM's own tiered offloading (OffloadingConnector: CPU tier +

@@ -116,3 +116,22 @@ def test_every_xavier_variable_the_package_reads_is_a_known_setting():
     unknown = {n for n in read if n not in KNOWN_ENV + TOOLING_ENV
                and not n.startswith("XAVIER_TEST_")}
     assert not unknown, unknown
+
+
+def test_every_xavier_variable_the_tooling_sets_is_a_known_name():
+    """The GPU and CPU scripts and the benchmarks pass their own ``XAVIER_*`` settings in
+    the environment, which the replicas they start inherit: a name the launch check does not
+    know fails every such replica (``XAVIER_CHAT_USERS`` did, on the H200)."""
+    import pathlib
+    import re
+
+    from xinference.model.llm.vllm.xavier.planning.options import KNOWN_ENV, TOOLING_ENV
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    files = [*root.glob("scripts/*.sh"), *root.glob("benchmarks/*.py"), root / ".ci/run"]
+    used = {m for f in files if f.is_file()
+            for m in re.findall(r"\b(XAVIER_[A-Z0-9_]*[A-Z0-9])\b", f.read_text())}
+    assert {"XAVIER_BENCH_MODES", "XAVIER_CHAT_USERS"} <= used  # the scan sees the scripts
+    unknown = {n for n in used if n not in KNOWN_ENV + TOOLING_ENV
+               and not n.startswith("XAVIER_TEST_")}
+    assert not unknown, unknown
