@@ -154,3 +154,41 @@ def test_a_recompute_beyond_the_token_budget_pays_a_steps_fixed_time_per_budget(
 def test_bad_settings_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         LoadCost(**kwargs)
+
+
+def test_a_noisy_fit_declines_less_never_more():
+    """Steps of 1 and 64 tokens on a loaded host (±5 ms around each interval): the slope is
+    uncertain, so the model decides with its upper bound and loads a hit that an exact fit
+    of the same engine declines."""
+    rnd = random.Random(3)
+    exact, noisy = LoadCost(lag=0), LoadCost(lag=0)
+    now_e = now_n = 0.0
+    for i in range(300):
+        t = (1, 64)[i % 2]
+        exact.step(now_e, t)
+        noisy.step(now_n, t)
+        now_e += FIXED + PER_TOKEN * t
+        now_n += FIXED + PER_TOKEN * t + rnd.uniform(-0.005, 0.005)
+    for cost in (exact, noisy):
+        cost.hit_waited(0.004, others=0)  # pays from 500 tokens on
+    assert exact.prefill_s_per_token_high() == pytest.approx(PER_TOKEN, rel=1e-3)
+    assert noisy.prefill_s_per_token_high() > 1.5 * PER_TOKEN
+    assert not exact.pays(320, 0) and noisy.pays(320, 0)
+
+
+def test_the_connectors_own_time_and_steps_that_computed_nothing_are_not_prefill():
+    """Without async scheduling an interval also holds the connector's time in the next
+    schedule (a lookup's bounded wait, up to 10 ms): given as ``host_s``, it is taken out;
+    an interval after a step of 0 tokens (nothing computed: a request waits for its load)
+    is no sample."""
+    cost = LoadCost(lag=0)
+    rnd = random.Random(4)
+    now = 0.0
+    for _ in range(200):
+        t = rnd.choice([0, 1, 8, 512, 2048])
+        waited = rnd.choice([0.0, 0.010])  # this schedule waited for a lookup, or not
+        now += waited
+        cost.step(now, t, host_s=waited)
+        now += 0.030 if t == 0 else FIXED + PER_TOKEN * t  # an idle poll takes anything
+    fixed, per_token = cost.step_line()
+    assert (fixed, per_token) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))

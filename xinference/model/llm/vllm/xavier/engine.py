@@ -78,6 +78,7 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
         logger.info("xavier: replicas hash blocks with the user's PYTHONHASHSEED (a known "
                     "seed; unset, Xavier draws a secret one per launch)")
     env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    keep_cpu_core_reservation(options, env)
     engine_args.kv_transfer_config = xavier_kv_transfer_config(options)
     asked = getattr(engine_args, "worker_extension_cls", "")
     if not asked or is_xavier_worker_extension(asked):
@@ -86,6 +87,37 @@ def prepare_engine_args(engine_args: Any, xavier_config: Dict[str, Any],
         logger.info("xavier: worker_extension_cls %r kept; init_xavier will not force the "
                     "attach", engine_args.worker_extension_cls)
     return options
+
+
+#: vLLM's CPU build reserves one core (x86) for the engine-core process, and one more
+#: whenever a KV connector is configured, "for nixl_connector under p/d case" (vLLM 0.27.1,
+#: ``vllm/utils/ompmultiprocessing.py``).  On a host with few cores that second core is all
+#: the worker's OpenMP threads had to themselves: with it taken, they spread over every core
+#: and contend with the engine core on each step (measured on the 2-core CI machine: a
+#: no-op connector serves ~30 % fewer tokens/s than no connector; reserving as vLLM does
+#: without a connector brings it back)
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def keep_cpu_core_reservation(options: XavierOptions, env: Any,
+                              cpu_x86: Optional[bool] = None) -> Optional[str]:
+    """On vLLM's CPU build (x86), reserve the cores vLLM reserves with no KV connector (1)
+    instead of one more for a NIXL connector Xavier does not need -- unless the user set
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` or Xavier itself moves blocks through NIXL
+    (``vllm_transfer_backend_type`` nixl).  Returns the value set, or None."""
+    if RESERVED_CPU_ENV in env or options.transport == "nixl":
+        return None
+    if cpu_x86 is None:
+        from vllm.platforms import CpuArchEnum, current_platform
+
+        cpu_x86 = (current_platform.is_cpu()
+                   and current_platform.get_cpu_architecture() == CpuArchEnum.X86)
+    if not cpu_x86:
+        return None
+    env[RESERVED_CPU_ENV] = "1"
+    logger.info("xavier: %s=1 (the core vLLM's CPU build reserves without a KV connector; "
+                "it would reserve one more for a NIXL connector)", RESERVED_CPU_ENV)
+    return "1"
 
 
 def check_gpu_budget(options: XavierOptions, gpu_memory_utilization: Optional[float],

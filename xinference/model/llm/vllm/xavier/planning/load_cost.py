@@ -19,9 +19,11 @@ while it serves:
 * **prefill time per token**: the slope of the interval between two steps on the tokens
   scheduled (exponentially weighted least squares, half-life ``half_life_steps``).  Under
   async scheduling vLLM schedules step k+1 once forward k-1 returned, so the interval after
-  step k is forward k-1's (``lag`` 1); without it, forward k's (``lag`` 0).  An interval
-  during which the engine had no request (:meth:`LoadCost.idle`) or longer than
-  ``max_interval_s`` is not a step's and is skipped.
+  step k is forward k-1's (``lag`` 1); without it, forward k's (``lag`` 0), less the
+  connector's own time in the next schedule (a lookup's bounded wait).  An interval whose
+  forward computed nothing, during which the engine had no request (:meth:`LoadCost.idle`)
+  or longer than ``max_interval_s`` is not a step's and is skipped.  The model decides with
+  the slope plus two standard errors: a noisy fit (a loaded host) declines less, never more.
 * **the wait**: per hit, blocks allocated -> first forward, kept per load level (``others``
   in powers of two: 0, 1, 2-3, 4-7, ...) as an exponentially weighted mean, so that a wait
   seen at 32 concurrent requests does not decide for a lone one.
@@ -35,8 +37,9 @@ declined there is loaded anyway (its wait is then known afresh).
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional
+from typing import Deque, Dict, List, Optional, Tuple
 
 #: the load levels (``others`` in powers of two); beyond the last, the last
 LEVELS = 8
@@ -53,26 +56,31 @@ class StepTimeFit:
 
     decay: float
     w: float = 0.0
+    ww: float = 0.0
     x: float = 0.0
     y: float = 0.0
     xx: float = 0.0
     xy: float = 0.0
+    yy: float = 0.0
     samples: int = 0
 
     def add(self, tokens: float, seconds: float) -> None:
         d = self.decay
         self.w = d * self.w + 1.0
+        self.ww = d * d * self.ww + 1.0
         self.x = d * self.x + tokens
         self.y = d * self.y + seconds
         self.xx = d * self.xx + tokens * tokens
         self.xy = d * self.xy + tokens * seconds
+        self.yy = d * self.yy + seconds * seconds
         self.samples += 1
 
-    def line(self, min_samples: int, min_token_spread: float) -> Optional[tuple[float, float]]:
-        """``(fixed seconds, seconds per token)``, or None while the fit says nothing: too
-        few samples, tokens spread less than ``min_token_spread`` (standard deviation), or
-        a slope not above zero."""
-        if self.samples < min_samples or self.w <= 0:
+    def line(self, min_samples: int,
+             min_token_spread: float) -> Optional[Tuple[float, float, float]]:
+        """``(fixed seconds, seconds per token, the latter's standard error)``, or None
+        while the fit says nothing: too few samples, tokens spread less than
+        ``min_token_spread`` (standard deviation), or a slope not above zero."""
+        if self.samples < max(3, min_samples) or self.w <= 0:
             return None
         spread = self.w * self.xx - self.x * self.x
         if spread <= (min_token_spread * self.w) ** 2:
@@ -80,7 +88,13 @@ class StepTimeFit:
         slope = (self.w * self.xy - self.x * self.y) / spread
         if slope <= 0:
             return None
-        return max(0.0, (self.y - slope * self.x) / self.w), slope
+        fixed = (self.y - slope * self.x) / self.w
+        # residual variance per sample, over the effective number of samples
+        n_eff = self.w * self.w / self.ww
+        rss = max(0.0, self.yy - fixed * self.y - slope * self.xy)
+        variance = rss / self.w * n_eff / max(1e-9, n_eff - 2)
+        slope_se = math.sqrt(variance / (n_eff * spread / (self.w * self.w)))
+        return max(0.0, fixed), slope, slope_se
 
 
 class LoadCost:
@@ -112,13 +126,17 @@ class LoadCost:
         self._declined_in_a_row: Dict[int, int] = collections.defaultdict(int)
 
     # ------------------------------------------------------------- measuring
-    def step(self, now: float, tokens: int) -> None:
-        """vLLM built a step at ``now`` (s) scheduling ``tokens`` tokens."""
+    def step(self, now: float, tokens: int, host_s: float = 0.0) -> None:
+        """vLLM built a step at ``now`` (s) scheduling ``tokens`` tokens; ``host_s``: the
+        time the connector itself took in that step's scheduling (e.g. waiting for a
+        lookup), which without async scheduling lengthens the interval by as much.  An
+        interval whose forward computed nothing (0 tokens) is no sample."""
         last, self._last_step_at = self._last_step_at, now
         idle, self._idle = self._idle, False
         if (last is not None and not idle and len(self._tokens) == self.lag + 1
-                and 0 <= now - last <= self.max_interval_s):
-            self.fit.add(float(self._tokens[0]), now - last)
+                and self._tokens[0] > 0 and 0 <= now - last <= self.max_interval_s):
+            own = host_s if self.lag == 0 else 0.0
+            self.fit.add(float(self._tokens[0]), max(0.0, now - last - own))
         if idle:
             self._tokens.clear()
         self._tokens.append(int(tokens))
@@ -136,9 +154,17 @@ class LoadCost:
                             else old + self.wait_weight * (seconds - old))
 
     # ------------------------------------------------------------- estimates
-    def step_line(self) -> Optional[tuple[float, float]]:
+    def step_line(self) -> Optional[Tuple[float, float]]:
         """``(fixed seconds per step, prefill seconds per token)`` or None (not known)."""
-        return self.fit.line(self.min_steps, self.min_token_spread)
+        line = self.fit.line(self.min_steps, self.min_token_spread)
+        return None if line is None else (line[0], line[1])
+
+    def prefill_s_per_token_high(self) -> Optional[float]:
+        """The prefill time per token the model decides with: the fit's slope plus two
+        standard errors, so that a noisy fit makes a recompute look dearer and a hit is
+        declined only when it clearly does not pay."""
+        line = self.fit.line(self.min_steps, self.min_token_spread)
+        return None if line is None else line[1] + 2.0 * line[2]
 
     def expected_wait_s(self, others: int) -> Optional[float]:
         """A hit's expected wait at this load, or None (none measured at its level)."""
@@ -146,10 +172,10 @@ class LoadCost:
 
     def recompute_s(self, tokens: int, others: int) -> Optional[float]:
         """What recomputing ``tokens`` tokens costs the requests it delays, or None."""
-        line = self.step_line()
-        if line is None:
+        line, per_token = self.step_line(), self.prefill_s_per_token_high()
+        if line is None or per_token is None:
             return None
-        fixed, per_token = line
+        fixed = line[0]
         extra_steps = tokens // self.token_budget if self.token_budget else 0
         return (1 + max(0, others)) * (tokens * per_token + extra_steps * fixed)
 

@@ -332,7 +332,7 @@ class SchedulerSide:
         self._running = {rid for rid, _, num_new in scheduled if num_new > 0}
         if self.cost is None:
             return
-        self.cost.step(now, sum(num_new for _, _, num_new in scheduled))
+        self.cost.step(now, sum(n for _, _, n in scheduled), self._stats.scheduler_us / 1e6)
         for name, value in self.cost.figures().items():
             setattr(self._stats, name, value)
 
