@@ -192,3 +192,14 @@ def test_the_connectors_own_time_and_steps_that_computed_nothing_are_not_prefill
         now += 0.030 if t == 0 else FIXED + PER_TOKEN * t  # an idle poll takes anything
     fixed, per_token = cost.step_line()
     assert (fixed, per_token) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))
+
+
+def test_a_lookup_not_yet_made_counts_against_a_short_request():
+    """Before its lookup a request would pay the lookup's wait too: one whose candidate
+    blocks could save less than lookup + load wait is not looked up; once answered (the
+    lookup paid), the same hit is judged by the load's wait alone."""
+    cost = LoadCost(lag=1)
+    served(cost)
+    cost.hit_waited(0.004, others=0, lookup_s=0.004)  # a lone hit: pays from 500 tokens on
+    assert cost.pays(640, 0) and not cost.could_pay(640, 0)  # 5.1 ms < 4 + 4 ms
+    assert cost.could_pay(1008, 0)

@@ -122,6 +122,7 @@ class LoadCost:
         self._tokens: Deque[int] = collections.deque(maxlen=lag + 1)
         self._idle = False
         self._wait_s: List[Optional[float]] = [None] * LEVELS
+        self._lookup_s: List[Optional[float]] = [None] * LEVELS
         self._last_level: Optional[int] = None  # that of the latest hit measured
         self._declined_in_a_row: Dict[int, int] = collections.defaultdict(int)
 
@@ -145,13 +146,14 @@ class LoadCost:
         """The engine holds no request: the interval to its next step is not a step's."""
         self._idle = True
 
-    def hit_waited(self, seconds: float, others: int) -> None:
+    def hit_waited(self, seconds: float, others: int, lookup_s: float = 0.0) -> None:
         """A hit reached its first forward ``seconds`` after its blocks were allocated, with
-        ``others`` requests running then."""
+        ``others`` requests running then; its lookup had kept it waiting ``lookup_s``
+        (arrival to the directory's answer)."""
         lv = self._last_level = level_of(others)
-        old = self._wait_s[lv]
-        self._wait_s[lv] = (seconds if old is None
-                            else old + self.wait_weight * (seconds - old))
+        for means, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
+            old = means[lv]
+            means[lv] = value if old is None else old + self.wait_weight * (value - old)
 
     # ------------------------------------------------------------- estimates
     def step_line(self) -> Optional[Tuple[float, float]]:
@@ -207,10 +209,15 @@ class LoadCost:
         return pays, (not decline) or self.decide(tokens, others)
 
     def could_pay(self, tokens: int, others: int) -> bool:
-        """Whether a hit of at most ``tokens`` tokens would be loaded now (no side effect):
-        it pays, or the next hit at this level is loaded to measure it."""
-        return (self.pays(tokens, others)
-                or self._declined_in_a_row[level_of(others)] + 1 >= self.explore_every)
+        """Whether looking up a request whose candidate blocks hold ``tokens`` tokens can
+        pay (no side effect): its lookup's expected wait (not yet paid) and a hit's wait
+        are no more than recomputing all of them, or the next hit at this level is loaded
+        to measure it."""
+        lv = level_of(others)
+        wait, lookup = self._wait_s[lv], self._lookup_s[lv]
+        recompute = self.recompute_s(tokens, others)
+        return (wait is None or recompute is None or wait + (lookup or 0.0) <= recompute
+                or self._declined_in_a_row[lv] + 1 >= self.explore_every)
 
     def figures(self) -> Dict[str, int]:
         """The estimates as whole numbers for the counters (0 while unknown): prefill ns per

@@ -237,8 +237,7 @@ class SchedulerSide:
         return (end - first) * self.block_size
 
     def _worth_loading(self, request_id: str, tokens: int) -> bool:
-        """The cost model's word on a hit of ``tokens`` tokens (counted); False: declined,
-        vLLM computes the request (and is not offered a load for it again)."""
+        """The cost model's word on a hit of ``tokens`` tokens (counted; False: declined)."""
         if self.cost is None:
             return True
         pays, load = self.cost.judge(tokens, self._others(request_id), self._decline)
@@ -303,11 +302,12 @@ class SchedulerSide:
             tracked = self._tracked.get(rid)
             if tracked is not None and tracked.allocated_at is not None and num_new > 0:
                 self._stats.hits_started += 1
-                self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
-                                                          - tracked.arrived_at))
+                looked = (tracked.answered_at or now) - tracked.arrived_at
+                self._stats.hit_lookup_us += round(1e6 * looked)
                 self._stats.hit_load_wait_us += round(1e6 * (now - tracked.allocated_at))
                 if self.cost is not None:
-                    self.cost.hit_waited(now - tracked.allocated_at, tracked.others_at_alloc)
+                    self.cost.hit_waited(now - tracked.allocated_at, tracked.others_at_alloc,
+                                         looked)
                 tracked.allocated_at = None
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
