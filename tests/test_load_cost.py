@@ -57,7 +57,7 @@ def test_an_idle_engine_between_two_steps_is_not_a_step():
     now = served(cost, start=now + 60.0, seed=2)
     assert cost.step_line()[1] == pytest.approx(PER_TOKEN, rel=1e-6)
     # without the idle mark a long gap still is no step (longer than max_interval_s)
-    cost.step(now + 60.0, 1)
+    cost.step(now + 120.0, 1)
     assert cost.step_line()[1] == pytest.approx(PER_TOKEN, rel=1e-6)
 
 
@@ -121,9 +121,12 @@ def test_a_declined_level_loads_every_nth_hit_to_measure_its_wait_again():
     served(cost)
     cost.hit_waited(0.050, others=0)
     assert [cost.decide(64, 0) for _ in range(8)] == [False, False, False, True] * 2
-    assert not cost.could_pay(64, 0)
+    # a skipped lookup is a decline of the level too: every 4th request is looked up
+    assert [cost.worth_looking_up(64, 0, lookup_pending=True) for _ in range(4)] == [
+        False, False, False, True]
+    assert cost.decide(64, 0)  # that request's hit is loaded: its wait measured again
     assert [cost.decide(64, 0) for _ in range(3)] == [False, False, False]
-    assert cost.could_pay(64, 0)  # the next one is loaded to measure it
+    assert cost.worth_looking_up(64, 0, lookup_pending=True)  # the 4th in the run
     assert cost.decide(100_000, 0)  # a hit that pays resets the count
     assert not cost.decide(64, 0)
 
@@ -194,12 +197,14 @@ def test_the_connectors_own_time_and_steps_that_computed_nothing_are_not_prefill
     assert (fixed, per_token) == (pytest.approx(FIXED), pytest.approx(PER_TOKEN))
 
 
-def test_a_lookup_not_yet_made_counts_against_a_short_request():
-    """Before its lookup a request would pay the lookup's wait too: one whose candidate
+def test_a_lookup_not_yet_answered_counts_against_a_short_request():
+    """Before its answer a request would still pay the lookup's wait: one whose candidate
     blocks could save less than lookup + load wait is not looked up; once answered (the
-    lookup paid), the same hit is judged by the load's wait alone."""
+    lookup paid), the same blocks are judged by the load's wait alone."""
     cost = LoadCost(lag=1)
     served(cost)
     cost.hit_waited(0.004, others=0, lookup_s=0.004)  # a lone hit: pays from 500 tokens on
-    assert cost.pays(640, 0) and not cost.could_pay(640, 0)  # 5.1 ms < 4 + 4 ms
-    assert cost.could_pay(1008, 0)
+    assert cost.pays(640, 0)
+    assert not cost.worth_looking_up(640, 0, lookup_pending=True)  # 5.1 ms < 4 + 4 ms
+    assert cost.worth_looking_up(640, 0, lookup_pending=False)
+    assert cost.worth_looking_up(1008, 0, lookup_pending=True)

@@ -102,10 +102,12 @@ RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 def keep_cpu_core_reservation(options: XavierOptions, env: Any,
                               cpu_x86: Optional[bool] = None) -> Optional[str]:
     """On vLLM's CPU build (x86), reserve the cores vLLM reserves with no KV connector (1)
-    instead of one more for a NIXL connector Xavier does not need -- unless the user set
-    ``VLLM_CPU_NUM_OF_RESERVED_CPU`` or Xavier itself moves blocks through NIXL
-    (``vllm_transfer_backend_type`` nixl).  Returns the value set, or None."""
-    if RESERVED_CPU_ENV in env or options.transport == "nixl":
+    instead of one more for a NIXL connector in vLLM's workers (Xavier has none there: its
+    NIXL endpoint, where used, lives in the rank's transfer actor) -- unless the user set
+    ``VLLM_CPU_NUM_OF_RESERVED_CPU``.  vLLM then logs that the value "is less than the
+    minimum requirement: 2 cores" (its count with a connector).  Returns the value set, or
+    None."""
+    if RESERVED_CPU_ENV in env:
         return None
     if cpu_x86 is None:
         from vllm.platforms import CpuArchEnum, current_platform

@@ -82,7 +82,7 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 "storage_gpu_free_blocks", "storage_cpu_free_blocks",
                                 # the longest load launch so far (µs)
                                 "load_launch_max_us",
-                                # the cost model's latest estimates (0 while unknown)
+                                # the cost model's latest estimates (0 until first known)
                                 "cost_prefill_ns_per_token", "cost_step_fixed_us",
                                 "cost_hit_wait_us",
                                 # written by the transfer actor into its worker's file: the

@@ -103,7 +103,7 @@ class LoadCost:
     def __init__(self, lag: int = 1, token_budget: Optional[int] = None,
                  half_life_steps: float = 64.0, wait_weight: float = 0.25,
                  explore_every: int = 32, min_steps: int = 16,
-                 min_token_spread: float = 16.0, max_interval_s: float = 2.0) -> None:
+                 min_token_spread: float = 16.0, max_interval_s: float = 60.0) -> None:
         if lag < 0:
             raise ValueError(f"lag: must be >= 0, got {lag}")
         if not 0 < wait_weight <= 1:
@@ -148,8 +148,7 @@ class LoadCost:
 
     def hit_waited(self, seconds: float, others: int, lookup_s: float = 0.0) -> None:
         """A hit reached its first forward ``seconds`` after its blocks were allocated, with
-        ``others`` requests running then; its lookup had kept it waiting ``lookup_s``
-        (arrival to the directory's answer)."""
+        ``others`` requests running then; its lookup took ``lookup_s`` (asked to answered)."""
         lv = self._last_level = level_of(others)
         for means, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
             old = means[lv]
@@ -208,21 +207,27 @@ class LoadCost:
         pays = self.pays(tokens, others)
         return pays, (not decline) or self.decide(tokens, others)
 
-    def could_pay(self, tokens: int, others: int) -> bool:
-        """Whether looking up a request whose candidate blocks hold ``tokens`` tokens can
-        pay (no side effect): its lookup's expected wait (not yet paid) and a hit's wait
-        are no more than recomputing all of them, or the next hit at this level is loaded
-        to measure it."""
+    def worth_looking_up(self, tokens: int, others: int, lookup_pending: bool) -> bool:
+        """Whether a request whose candidate blocks hold ``tokens`` tokens is worth its
+        lookup: a hit's wait, plus the lookup's expected wait while it is not answered yet,
+        no more than recomputing all of them.  Counted like :meth:`decide` (a skip is a
+        decline of the level: every ``explore_every``-th one is looked up anyway, and the
+        level's next hit loaded, so that its wait is measured again)."""
         lv = level_of(others)
-        wait, lookup = self._wait_s[lv], self._lookup_s[lv]
-        recompute = self.recompute_s(tokens, others)
-        return (wait is None or recompute is None or wait + (lookup or 0.0) <= recompute
-                or self._declined_in_a_row[lv] + 1 >= self.explore_every)
+        wait, recompute = self._wait_s[lv], self.recompute_s(tokens, others)
+        lookup = (self._lookup_s[lv] or 0.0) if lookup_pending else 0.0
+        if wait is None or recompute is None or wait + lookup <= recompute:
+            return True
+        self._declined_in_a_row[lv] += 1
+        if self._declined_in_a_row[lv] >= self.explore_every:
+            self._declined_in_a_row[lv] = self.explore_every - 1  # decide() loads the next
+            return True
+        return False
 
     def figures(self) -> Dict[str, int]:
-        """The estimates as whole numbers for the counters (0 while unknown): prefill ns per
-        token, fixed µs per step, a hit's expected wait (µs) at the latest measured hit's
-        load level."""
+        """The estimates as whole numbers for the counters (0 until known; a counter keeps
+        the last known one): prefill ns per token, fixed µs per step, a hit's expected wait
+        (µs) at the latest measured hit's load level."""
         line = self.step_line()
         lv = self._last_level
         wait = self._wait_s[lv] if lv is not None else None

@@ -50,6 +50,7 @@ class Lookup:
     asked_at: float
     result: Optional[QueryResult] = None
     failed: bool = False
+    answered_at: Optional[float] = None  # when the directory's answer arrived
 
 
 class DirectoryLookups:
@@ -117,7 +118,7 @@ class DirectoryLookups:
                 res = results[i] if results is not None and i < len(results) else None
                 if self._lookups.get(rid) is not lk:  # dropped or replaced meanwhile
                     continue
-                lk.result, lk.failed = res, res is None
+                lk.result, lk.failed, lk.answered_at = res, res is None, self._clock()
             self._lock.notify_all()
 
     # ----------------------------------------------------------------- taking
@@ -157,6 +158,12 @@ class DirectoryLookups:
                 return State.MISS, None
             self.deferred += 1
             return State.PENDING, None
+
+    def answered(self, request_id: str) -> bool:
+        """Whether the lookup of ``request_id`` was answered (or failed) and not yet taken."""
+        with self._lock:
+            lk = self._lookups.get(request_id)
+            return lk is not None and (lk.result is not None or lk.failed)
 
     def drop(self, request_id: str) -> None:
         """Forget the lookup of ``request_id`` (a late answer is dropped on arrival)."""

@@ -11,11 +11,10 @@ role), which translates vLLM's objects into plain values.  Contract:
   token: vLLM must compute at least one token), or ``None`` while the lookup is still
   out (vLLM asks again next step; the wait is bounded per step).  A hit holds no lease;
   asking again for the same request reuses the hit when the local hit did not move, else
-  drops it and looks again.  A request is
-  offered at most ONE load: once its hit was allocated, vLLM asking again means the load
-  failed (or the request was preempted) and the answer is 0, so vLLM recomputes.  (Else a
-  source that died keeps being offered until the directory drops it: a request retried
-  its failed load ~1,300 times in 6 s on simulated hosts.)
+  drops it and looks again.  A request is offered at most ONE load: once its hit was
+  allocated (or declined: :mod:`.load_cost`), vLLM asking again means the load failed (or
+  the request was preempted) and the answer is 0, so vLLM recomputes (else a dead source
+  was retried ~1,300 times in 6 s on simulated hosts).
 * :meth:`SchedulerSide.allocated` turns the hit into :class:`~.load_batch.BlockLoad`
   rows for the destination blocks vLLM allocated (null blocks skipped).
 * :meth:`SchedulerSide.build_step` returns everything of one step in a
@@ -101,9 +100,9 @@ class _Tracked:
     loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
-    #: its hit was not worth loading (:mod:`.load_cost`): vLLM computes it, no more asks
-    declined: bool = False
+    declined: bool = False  # its hit did not pay (:mod:`.load_cost`): vLLM computes it
     others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
+    lookup_s: float = 0.0  # its lookup's time from asked to answered
     #: clock readings: tracked, its hit answered, its load allocated (None: not yet)
     arrived_at: float = 0.0
     answered_at: Optional[float] = None
@@ -182,8 +181,9 @@ class SchedulerSide:
         if last <= first:
             self.lookups.drop(request_id)
             return 0
-        if self._decline and self.cost is not None and not self.cost.could_pay(
-                (last - first) * self.block_size, self._others(request_id)):
+        if self._decline and self.cost is not None and not self.cost.worth_looking_up(
+                (last - first) * self.block_size, self._others(request_id),
+                not self.lookups.answered(request_id)):
             self._stats.lookups_skipped_not_paying += 1  # not even all of it would pay
             tracked.declined = True
             self.lookups.drop(request_id)
@@ -199,6 +199,7 @@ class SchedulerSide:
         self._stats.queries += 1
         self._stats.queried_blocks += len(lookup.keys)
         result, start = lookup.result, lookup.start
+        tracked.lookup_s = (lookup.answered_at or lookup.asked_at) - lookup.asked_at
         end = min(start + result.num_hits, last)
         if start > first or end <= first:
             if start != first and end <= first and last > first:
@@ -302,12 +303,12 @@ class SchedulerSide:
             tracked = self._tracked.get(rid)
             if tracked is not None and tracked.allocated_at is not None and num_new > 0:
                 self._stats.hits_started += 1
-                looked = (tracked.answered_at or now) - tracked.arrived_at
-                self._stats.hit_lookup_us += round(1e6 * looked)
+                self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
+                                                          - tracked.arrived_at))
                 self._stats.hit_load_wait_us += round(1e6 * (now - tracked.allocated_at))
                 if self.cost is not None:
                     self.cost.hit_waited(now - tracked.allocated_at, tracked.others_at_alloc,
-                                         looked)
+                                         tracked.lookup_s)
                 tracked.allocated_at = None
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
@@ -330,11 +331,10 @@ class SchedulerSide:
 
     def _measure_step(self, now: float, scheduled: Sequence[Tuple[str, int, int]]) -> None:
         self._running = {rid for rid, _, num_new in scheduled if num_new > 0}
-        if self.cost is None:
-            return
-        self.cost.step(now, sum(n for _, _, n in scheduled), self._stats.scheduler_us / 1e6)
-        for name, value in self.cost.figures().items():
-            setattr(self._stats, name, value)
+        if self.cost is not None:
+            self.cost.step(now, sum(n for _, _, n in scheduled), self._stats.scheduler_us / 1e6)
+            for name, value in self.cost.figures().items():
+                setattr(self._stats, name, value)
 
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""

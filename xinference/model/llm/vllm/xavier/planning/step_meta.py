@@ -66,8 +66,9 @@ class StepStats:
     hits_declined: int = 0
     hit_tokens_declined: int = 0
     lookups_skipped_not_paying: int = 0
-    #: its latest estimates (levels, 0 while unknown): prefill ns per token, a step's
-    #: fixed µs, a hit's expected wait (µs) at the latest measured hit's load level
+    #: its latest estimates (levels, 0 while unknown; the counters keep the last known):
+    #: prefill ns per token, a step's fixed µs, a hit's expected wait (µs) at the latest
+    #: measured hit's load level
     cost_prefill_ns_per_token: int = 0
     cost_step_fixed_us: int = 0
     cost_hit_wait_us: int = 0
