@@ -164,8 +164,13 @@ class LoadCost:
         """The prefill time per token the model decides with: the fit's slope plus two
         standard errors, so that a noisy fit makes a recompute look dearer and a hit is
         declined only when it clearly does not pay."""
+        line = self._decision_line()
+        return None if line is None else line[1]
+
+    def _decision_line(self) -> Optional[Tuple[float, float]]:
+        """``(fixed seconds per step, the slope plus two standard errors)`` or None."""
         line = self.fit.line(self.min_steps, self.min_token_spread)
-        return None if line is None else line[1] + 2.0 * line[2]
+        return None if line is None else (line[0], line[1] + 2.0 * line[2])
 
     def expected_wait_s(self, others: int) -> Optional[float]:
         """A hit's expected wait at this load, or None (none measured at its level)."""
@@ -173,10 +178,10 @@ class LoadCost:
 
     def recompute_s(self, tokens: int, others: int) -> Optional[float]:
         """What recomputing ``tokens`` tokens costs the requests it delays, or None."""
-        line, per_token = self.step_line(), self.prefill_s_per_token_high()
-        if line is None or per_token is None:
+        line = self._decision_line()
+        if line is None:
             return None
-        fixed = line[0]
+        fixed, per_token = line
         extra_steps = tokens // self.token_budget if self.token_budget else 0
         return (1 + max(0, others)) * (tokens * per_token + extra_steps * fixed)
 
@@ -191,21 +196,28 @@ class LoadCost:
     def decide(self, tokens: int, others: int) -> bool:
         """:meth:`pays`, counting the declines of a level: every ``explore_every``-th hit
         declined in a row at a level is loaded anyway, to measure its wait again."""
-        lv = level_of(others)
-        if self.pays(tokens, others):
-            self._declined_in_a_row[lv] = 0
-            return True
-        self._declined_in_a_row[lv] += 1
-        if self._declined_in_a_row[lv] >= self.explore_every:
-            self._declined_in_a_row[lv] = 0
-            return True
-        return False
+        return self.judge(tokens, others, decline=True)[1]
 
     def judge(self, tokens: int, others: int, decline: bool) -> tuple[bool, bool]:
         """``(pays, load)`` for a hit of ``tokens`` tokens: whether it pays, and whether to
-        load it (always, unless ``decline``; then :meth:`decide`)."""
+        load it (always, unless ``decline``; then as :meth:`decide`)."""
         pays = self.pays(tokens, others)
-        return pays, (not decline) or self.decide(tokens, others)
+        if not decline:
+            return pays, True
+        lv = level_of(others)
+        if pays:
+            self._declined_in_a_row[lv] = 0
+            return True, True
+        return False, self._declined_unless_exploring(lv, restart_at=0)
+
+    def _declined_unless_exploring(self, lv: int, restart_at: int) -> bool:
+        """Count one more decline in a row at level ``lv``; True (explore: go ahead) when
+        it is the ``explore_every``-th, the run then restarting at ``restart_at``."""
+        self._declined_in_a_row[lv] += 1
+        if self._declined_in_a_row[lv] < self.explore_every:
+            return False
+        self._declined_in_a_row[lv] = restart_at
+        return True
 
     def worth_looking_up(self, tokens: int, others: int, lookup_pending: bool) -> bool:
         """Whether a request whose candidate blocks hold ``tokens`` tokens is worth its
@@ -218,11 +230,8 @@ class LoadCost:
         lookup = (self._lookup_s[lv] or 0.0) if lookup_pending else 0.0
         if wait is None or recompute is None or wait + lookup <= recompute:
             return True
-        self._declined_in_a_row[lv] += 1
-        if self._declined_in_a_row[lv] >= self.explore_every:
-            self._declined_in_a_row[lv] = self.explore_every - 1  # decide() loads the next
-            return True
-        return False
+        # exploring: the run stays one short, so that decide() loads this request's hit
+        return self._declined_unless_exploring(lv, restart_at=self.explore_every - 1)
 
     def figures(self) -> Dict[str, int]:
         """The estimates as whole numbers for the counters (0 until known; a counter keeps
