@@ -118,8 +118,9 @@ class LoadBatch:
             raise LoadBatchError(
                 f"offsets: must start at 0, be non-decreasing and end at {table.shape[0]}")
         if table.shape[0]:
-            lowest = table.min(axis=0)  # one pass over the table, not one per column
-            for col in np.flatnonzero(lowest < 0).tolist()[:1]:
+            negative = np.flatnonzero(table.min(axis=0) < 0)  # one pass, not one per column
+            if negative.size:
+                col = int(negative[0])
                 bad = int(np.argmax(table[:, col] < 0))
                 raise LoadBatchError(f"{COLUMNS[col]}: negative value {int(table[bad, col])} "
                                      f"in row {bad}")

@@ -353,8 +353,9 @@ class WorkerDataPlane:
     def _wait_quick(self) -> None:
         """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
         launched): one reported in this step's output is computed a step sooner."""
-        waiting = [p for p in self._pending
-                   if self.report_waits and p.quick() and not p.late and not p.reportable()]
+        if not self.report_waits:
+            return
+        waiting = [p for p in self._pending if p.quick() and not p.late and not p.reportable()]
         if not waiting:
             return
         start = time.perf_counter()
