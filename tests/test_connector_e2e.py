@@ -82,9 +82,20 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     while lt.run(b.counters()).get("peers_mapped_ipc", 0) < 1:
         assert time.monotonic() < deadline, "B's mapping thread never mapped A (60 s)"
         time.sleep(0.2)
+    # B's scheduler maps A's host index once the directory announced it (A announces at
+    # its first publication; B asks every second, from its steps): then B finds A's
+    # blocks without a directory round trip
+    lt.run(a.generate([tokens(8, 40)]))  # (A publishes two blocks at least once)
+    while lt.run(b.counters()).get("host_index_peers", 0) < 1:
+        assert time.monotonic() < deadline, "B's scheduler never mapped A's host index"
+        lt.run(b.generate([tokens(7, 20)]))
+        time.sleep(0.5)
     stats_before = lt.run(b.connector_stats())
     hit = cross_replica_hit(lt, r, seed=1, prefix=PREFIX)
     out, c = hit.out, hit.counters
+    # found in A's host index: no directory lookup on the hit's path (issue #34)
+    assert c["host_index_hits"] == 1 and c["host_index_blocks"] == PREFIX // BLOCK
+    assert c.get("lookup_calls", 0) == 0 and c.get("queries", 0) == 0
     if DEVICE == "cpu":  # CPU kernels: also equal to computing the whole prompt
         lt.run(a.reset_prefix_cache())
         assert out["ids"] == lt.run(a.generate([hit.scenario.asked], xavier=False))[0]["ids"]

@@ -401,7 +401,7 @@ def test_a_load_reported_done_before_its_leases_were_granted_releases_them_on_ar
     assert w.leases == 0
     failed = concurrent.futures.Future()
     failed.set_exception(ConnectionError("directory gone"))
-    w.side._release_slice(0, 4, failed)  # nothing granted: nothing released, no error
+    w.side.leases._release_slice(0, 4, failed)  # nothing granted: nothing released, no error
 
 
 def test_close_releases_every_lease_still_held():

@@ -10,7 +10,7 @@ every method is synchronous, so each runs atomically in the actor.  Its
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import xoscar as xo
@@ -40,6 +40,8 @@ class VLLMBlockTracker(xo.StatelessActor):
         super().__init__()
         self._directory = BlockDirectory(max_leases=max_leases)
         self._hash_seed = new_launch_seed()
+        #: (rank, tp_rank) -> (host id, path) of the workers' host indexes
+        self._indexes: Dict[Tuple[int, int], Tuple[str, str]] = {}
 
     def hash_seed(self) -> str:
         """The launch's secret block-hash seed (never logged)."""
@@ -51,11 +53,27 @@ class VLLMBlockTracker(xo.StatelessActor):
         self._directory.register_rank(rank, tp_size)
 
     def unregister_rank(self, rank: int) -> int:
+        for key in [k for k in self._indexes if k[0] == rank]:
+            del self._indexes[key]
         dropped = self._directory.unregister_rank(rank)
         if dropped:  # a rank that comes back: its old blocks go (a first start drops none)
             logger.info("block tracker: rank %d re-registered, %d old blocks dropped", rank,
                         dropped)
         return dropped
+
+    def announce_index(self, rank: int, tp_rank: int, host: str, path: str) -> None:
+        """Worker ``tp_rank`` of ``rank`` (registered) writes its published blocks into the
+        host index at ``path`` on ``host`` (:mod:`~.mechanism.host_index`); until the rank
+        unregisters or announces another."""
+        if int(rank) not in self._directory.ranks:
+            raise ValueError(f"rank: {rank} is not registered")
+        self._indexes[(int(rank), int(tp_rank))] = (str(host), str(path))
+
+    def host_indexes(self, host: str, exclude_rank: Optional[int] = None
+                     ) -> List[Tuple[int, int, str]]:
+        """``(rank, tp_rank, path)`` of the host indexes announced on ``host``."""
+        return sorted((r, t, p) for (r, t), (h, p) in self._indexes.items()
+                      if h == host and r != exclude_rank)
 
     def register(self, rank: int, entries: Any, incarnation: int = 0) -> int:
         """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)

@@ -26,6 +26,7 @@ import torch
 from ..planning.load_batch import Tier
 from ..planning.shm_words import owned_name, remove_files
 from .block_copy import as_byte_rows, block_views
+from .host_index import HostIndex
 from .kv_schema import KVLayout, layout_of, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
 from .snapshot_storage import open_ipc, pin_host, shm_free_bytes, unpin_host
@@ -45,6 +46,8 @@ class CacheHandles:
     block_dims: Dict[int, int]
     generations: GenerationsHandle
     num_blocks: int
+    #: the worker's host index (:mod:`.host_index`; "" without one)
+    index: str = ""
 
 
 @dataclass
@@ -112,15 +115,43 @@ def share_host_caches(groups: Dict[int, List[torch.Tensor]],
 
 def describe_caches(groups: Dict[int, List[torch.Tensor]], block_dims: Dict[int, int],
                     generations: SlotGenerations, num_blocks: int,
-                    shared: Optional[SharedHostCaches] = None) -> CacheHandles:
+                    shared: Optional[SharedHostCaches] = None, index: str = "") -> CacheHandles:
     """How peers map ``groups`` (CUDA tensors; or CPU tensors already in ``shared``)."""
     if shared is not None:
         return CacheHandles("shm", dict(shared.layers), dict(block_dims), generations.handle(),
-                            num_blocks)
+                            num_blocks, index)
     from torch.multiprocessing.reductions import reduce_tensor
 
     return CacheHandles("ipc", {g: [reduce_tensor(t) for t in ts] for g, ts in groups.items()},
-                        dict(block_dims), generations.handle(), num_blocks)
+                        dict(block_dims), generations.handle(), num_blocks, index)
+
+
+@dataclass
+class InPlaceShare:
+    """What one worker shares of its own vLLM cache: the engine's block generations (the
+    scheduler bumps them), how peers map the cache, and the host index same-host
+    schedulers probe (None: ``xavier_host_index`` off).  The worker owns them all."""
+
+    generations: SlotGenerations
+    handles: CacheHandles
+    index: Optional[HostIndex] = None
+
+    @classmethod
+    def create(cls, caches: Dict[int, List[torch.Tensor]], block_dims: Dict[int, int],
+               num_blocks: int, shared: Optional[SharedHostCaches], rank: int, tp_rank: int,
+               host_index: bool) -> InPlaceShare:
+        gens = SlotGenerations.create_shared(int(Tier.VLLM), sorted(caches), num_blocks)
+        index = (HostIndex.create(rank, tp_rank, gens, gens.row(int(Tier.VLLM), min(caches)))
+                 if host_index else None)
+        handles = describe_caches(caches, block_dims, gens, num_blocks, shared,
+                                  index.path if index is not None else "")
+        return cls(gens, handles, index)
+
+    def close(self) -> None:
+        """Remove the files (peers' mappings keep what they mapped).  Idempotent."""
+        if self.index is not None:
+            self.index.close()
+        self.generations.close()
 
 
 def open_caches(handles: CacheHandles, pin: bool = False

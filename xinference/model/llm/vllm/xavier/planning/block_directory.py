@@ -394,6 +394,11 @@ class BlockDirectory:
 
     # --------------------------------------------------------------- views
     @property
+    def ranks(self) -> Set[int]:
+        """The ranks registered now."""
+        return set(self._ranks)
+
+    @property
     def num_blocks(self) -> int:
         return len(self._by_slot)
 

@@ -50,6 +50,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",
     "lookup_wait_us", "scheduler_steps", "scheduler_us", "identity_clashes",
     "hits_started", "hit_lookup_us", "hit_load_wait_us", "null_blocks_skipped",
+    # hits answered from same-host peers' host indexes, without a directory lookup
+    "host_index_hits", "host_index_blocks",
     # reads of Xavier's tiers the scheduler leased when their step was built
     "leases_asked",
     # the cost model: hits judged not worth loading, those declined (xavier_load_policy
@@ -85,6 +87,8 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 # the cost model's latest estimates (0 until first known)
                                 "cost_prefill_ns_per_token", "cost_step_fixed_us",
                                 "cost_hit_wait_us",
+                                # same-host peers whose host indexes the scheduler maps
+                                "host_index_peers",
                                 # written by the transfer actor into its worker's file: the
                                 # world changed (the worker re-reads it before its next load)
                                 "world_epoch")

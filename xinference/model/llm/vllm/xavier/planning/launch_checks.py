@@ -21,6 +21,7 @@ from .options import (
     ENV_BATCHED,
     ENV_CPU_BUDGET,
     ENV_GPU_BUDGET,
+    ENV_HOST_INDEX,
     ENV_IN_PLACE,
     ENV_LOAD_POLICY,
     ENV_SAVE_VICTIMS,
@@ -104,7 +105,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
     if ENV_LOAD_POLICY in env:
         parse_load_policy(env[ENV_LOAD_POLICY])
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
-                         (ENV_SAVE_VICTIMS, "xavier_save_victims")):
+                         (ENV_SAVE_VICTIMS, "xavier_save_victims"),
+                         (ENV_HOST_INDEX, "xavier_host_index")):
         if name in env:
             parse_switch(option, env[name])
 

@@ -28,6 +28,7 @@ ENV_SWITCH_INTERVAL = "XAVIER_SWITCH_INTERVAL_US"
 ENV_IN_PLACE = "XAVIER_IN_PLACE"
 ENV_SAVE_VICTIMS = "XAVIER_SAVE_VICTIMS"
 ENV_LOAD_POLICY = "XAVIER_LOAD_POLICY"
+ENV_HOST_INDEX = "XAVIER_HOST_INDEX"
 #: ``xavier_load_policy``: ``cost`` loads a hit only when its measured wait is no longer than
 #: the recompute it saves (:mod:`.load_cost`); ``always`` loads every hit (the model still
 #: measures and counts the hits that do not pay)
@@ -36,7 +37,7 @@ LOAD_POLICIES = ("cost", "always")
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
-             ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, "XAVIER_LOG_LEVEL",
+             ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, ENV_HOST_INDEX, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS")
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
@@ -89,6 +90,10 @@ class XavierOptions:
     #: whether a hit is loaded whatever it costs (``xavier_load_policy`` /
     #: ``XAVIER_LOAD_POLICY``: :data:`LOAD_POLICIES`, default ``cost``)
     load_policy: str = "cost"
+    #: with ``in_place``: same-host peers find this replica's published blocks in a file of
+    #: ``/dev/shm`` without a directory round trip (``xavier_host_index`` /
+    #: ``XAVIER_HOST_INDEX``, default true; :mod:`~..mechanism.host_index`)
+    host_index: bool = True
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -129,6 +134,8 @@ class XavierOptions:
             "xavier_save_victims", env.get(ENV_SAVE_VICTIMS, True)))
         load_policy = parse_load_policy(cfg.get("xavier_load_policy",
                                                 env.get(ENV_LOAD_POLICY, "cost")))
+        host_index = parse_switch("xavier_host_index", cfg.get(
+            "xavier_host_index", env.get(ENV_HOST_INDEX, True)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -139,7 +146,8 @@ class XavierOptions:
                    switch_interval_us=switch_us,
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
                    slab_blocks=slab, in_place=in_place,
-                   save_victims=save_victims, load_policy=load_policy)
+                   save_victims=save_victims, load_policy=load_policy,
+                   host_index=host_index)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}

@@ -33,26 +33,13 @@ Where a hit's time goes before its first forward, in the step figures: ``hit_loo
 and load sent, to the request's first forward: vLLM's asynchronous load path), summed
 over ``hits_started``.
 
-Leases: every lease this replica takes is taken and released here, in one place, like
-vLLM's offloading ``prepare_load`` / ``complete_load``.  None travels to a worker.  A
-lookup's answer holds none (a request waiting in vLLM's queue pins no source slot); the
-step that carries a load asks for leases on its reads of Xavier's own tiers (vLLM's cache
-read in place needs none), once vLLM allocated the destinations
-(:meth:`SchedulerSide.build_step`), and :meth:`SchedulerSide.loads_finished` releases them
-once vLLM's aggregation of the workers' ``get_finished`` says every worker is done with
-the request's load -- after its copies completed and its reads were checked (a worker
-reports a load only then, ``LoadCompletion``; except a load whose launch failed: reported
-at once with every destination failed, its queued copies still ordered before vLLM's
-stream, so a slot reused under them can only spoil blocks vLLM recomputes).  A lease only
-keeps Xavier's own tiers from reusing a slot during the copy; a read is correct without
-it, since every read is checked after its copy (a slot reused before the lease arrived
-fails its check and is recomputed).
+Leases: every lease this replica takes is taken and released in one place,
+:class:`~.step_leases.StepLeases` (its docstring says when and why).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
@@ -66,19 +53,15 @@ from .load_cost import LoadCost
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
+from .step_leases import ReleaseFn, StepLeases, TakeLeasesFn
 from .step_loads import StepLoad, hit_rows, name_clashes
 from .step_meta import ExportRow, StepMeta, StepStats
 
 logger = package_logger(__name__)
 
-#: release lease ids (fire and forget is fine: a late release only delays eviction)
-ReleaseFn = Callable[[Sequence[int]], None]
-#: asks the directory for leases on these locations (rows of :class:`Location` fields);
-#: the future gives one id per location (``NO_LEASE`` where none was granted)
-TakeLeasesFn = Callable[[np.ndarray], "concurrent.futures.Future[List[int]]"]
-#: the leases of one request's load: the step's lease call and the request's slice of it
-_Held = Tuple["concurrent.futures.Future[List[int]]", int, int]
-
+#: the longest prefix of these block names that one same-host peer holds (its host index,
+#: :mod:`~..mechanism.host_index`), as the directory would answer it; None: no hit
+HostFind = Callable[[Sequence[int]], Optional[QueryResult]]
 
 @dataclass
 class _Hit:
@@ -116,7 +99,8 @@ class SchedulerSide:
                  lookups: DirectoryLookups, release: ReleaseFn,
                  take_leases: Optional[TakeLeasesFn] = None,
                  clock: Callable[[], float] = time.monotonic, tp_size: int = 1,
-                 cost: Optional[LoadCost] = None, decline: bool = False) -> None:
+                 cost: Optional[LoadCost] = None, decline: bool = False,
+                 on_host: Optional[HostFind] = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
@@ -125,19 +109,18 @@ class SchedulerSide:
         #: the directory groups of this replica's shards (a lookup asks for all of them)
         self.shards = Shards(num_groups, tp_size)
         self.lookups = lookups
-        self._release = release
-        self._take_leases = take_leases
+        self.leases = StepLeases(release, take_leases, rank)
         self._clock = clock
         self._hits: Dict[str, _Hit] = {}
         self._tracked: Dict[str, _Tracked] = {}
         #: the loads of the step being built, one per request
         self._step_loads: List[StepLoad] = []
-        #: the leases of loads sent to the workers, until vLLM reports them finished
-        self._in_flight: Dict[str, List[_Held]] = {}
         self._stats = StepStats()
         self.cost = cost  # a hit against its recompute (``decline``: one that does not pay
         self._decline = decline and cost is not None  # is not loaded; else only counted)
         self._running: Set[str] = set()  # the live requests the last step scheduled
+        #: the longest prefix same-host peers hold, from their host indexes (no round trip)
+        self._on_host = on_host
 
     def _others(self, request_id: str) -> int:
         return len(self._running) - (request_id in self._running)
@@ -154,8 +137,14 @@ class SchedulerSide:
                                              arrived_at=self._clock())
         if sharing and ready and loads:
             last = self._last_block(keys(), num_tokens)
-            if last > 0:
-                self.lookups.ask(request_id, 0, keys()[:last])
+            host = self._host_hit(keys()[:last]) if last > 0 else None
+            held = host.num_hits if host is not None else 0  # the directory: for the rest
+            if held < last:
+                self.lookups.ask(request_id, held, keys()[held:last])
+
+    def _host_hit(self, keys: Sequence[int]) -> Optional[QueryResult]:
+        """The longest prefix of ``keys`` a same-host peer holds (None: none)."""
+        return self._on_host(keys) if self._on_host is not None and len(keys) else None
 
     def _last_block(self, keys: Sequence[int], num_tokens: int) -> int:
         # blocks entirely within the first num_tokens - 1 tokens: vLLM computes >= 1 token
@@ -181,6 +170,9 @@ class SchedulerSide:
         if last <= first:
             self.lookups.drop(request_id)
             return 0
+        host = self._host_hit(keys[first:last])
+        if host is not None:  # a same-host peer holds the start: no directory round trip
+            return self._keep_host(request_id, keys, first, last, host)
         if self._decline and self.cost is not None and not self.cost.worth_looking_up(
                 (last - first) * self.block_size, self._others(request_id),
                 not self.lookups.answered(request_id)):
@@ -215,6 +207,25 @@ class SchedulerSide:
                         return self._keep(request_id, keys, first, end, start, result)
             return 0
         return self._keep(request_id, keys, first, end, start, result)
+
+    def _keep_host(self, request_id: str, keys: Sequence[int], first: int, last: int,
+                   host: QueryResult) -> int:
+        """Hold the hit same-host peers' host indexes answered from block ``first``, followed
+        by the directory's answer for the blocks after it if that is already there (asked
+        at arrival: Xavier's tiers or another host may hold more; never waited for)."""
+        end = first + host.num_hits
+        if end < last and self.lookups.answered(request_id):
+            state, lookup = self.lookups.take(request_id)
+            if (state is State.DONE and lookup is not None and lookup.result is not None
+                    and lookup.start == end):
+                self._stats.queries += 1
+                self._stats.queried_blocks += len(lookup.keys)
+                host = host.followed_by(lookup.result, last - end)
+        self.lookups.drop(request_id)
+        self._stats.host_index_hits += 1
+        self._stats.host_index_blocks += end - first
+        self._tracked[request_id].lookup_s = 0.0
+        return self._keep(request_id, keys, first, first + host.num_hits, first, host)
 
     def _keep(self, request_id: str, keys: Sequence[int], first: int, end: int, start: int,
               result: QueryResult) -> int:
@@ -366,47 +377,15 @@ class SchedulerSide:
             return StepMeta(LoadBatch(ids, np.zeros(len(ids) + 1, np.int64), empty), (),
                             stats, dests)
         # the reads this step really makes (a dropped request reads nothing)
-        self._lease_reads([x for i, x in enumerate(loads) if i not in clashed], stats)
+        stats.leases_asked += self.leases.take([x for i, x in enumerate(loads)
+                                                if i not in clashed])
         return StepMeta(batch, (), stats, failed)
-
-    def _lease_reads(self, loads: Sequence[StepLoad], stats: StepStats) -> None:
-        """ONE directory call for the leases of the step's reads of Xavier's tiers (nobody
-        waits for it); each request keeps its slice until its load is reported done."""
-        if self._take_leases is None or not any(len(x.lease_rows) for x in loads):
-            return
-        wanted = np.concatenate([x.lease_rows for x in loads])
-        try:
-            fut = self._take_leases(wanted)
-        except Exception as exc:  # unprotected reads: still checked, at worst recomputed
-            logger.warning("xavier: rank %d: asking for %d leases failed: %r", self.rank,
-                           len(wanted), exc)
-            return
-        stats.leases_asked += len(wanted)
-        start = 0
-        for x in loads:
-            if len(x.lease_rows):
-                self._in_flight.setdefault(x.request_id, []).append(
-                    (fut, start, start + len(x.lease_rows)))
-            start += len(x.lease_rows)
 
     # ----------------------------------------------------------------- finish
     def loads_finished(self, request_ids: Iterable[str]) -> None:
         """vLLM's ``finished_recving``: every worker reported these requests' loads done
-        (copies complete, reads checked); their leases are released (once granted, if
-        the directory's answer is still on its way)."""
-        for rid in request_ids:
-            for held in self._in_flight.pop(rid, ()):
-                self._release_when_granted(held)
-
-    def _release_when_granted(self, held: _Held) -> None:
-        fut, start, end = held
-        fut.add_done_callback(functools.partial(self._release_slice, start, end))
-
-    def _release_slice(self, start: int, end: int,
-                       fut: concurrent.futures.Future[List[int]]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return  # nothing was granted
-        self._release(fut.result()[start:end])
+        (copies complete, reads checked); their leases are released."""
+        self.leases.loads_finished(request_ids)
 
     def finished(self, request_id: str) -> None:
         """The request is done or aborted: its tracking, lookup and hit go.  A load in
@@ -425,9 +404,7 @@ class SchedulerSide:
         caller may wait for).  Idempotent."""
         self._hits.clear()
         self._step_loads.clear()  # not leased yet
-        pending = [fut for ls in self._in_flight.values() for fut, _, _ in ls
-                   if not fut.done()]
-        self.loads_finished(list(self._in_flight))
+        pending = self.leases.close()
         self.lookups.close()
         return pending
 
@@ -436,14 +413,11 @@ class SchedulerSide:
 
     @property
     def held_leases(self) -> int:
-        """Leases asked for loads in flight and not yet released (some may not have been
-        granted)."""
-        return sum(end - start for ls in self._in_flight.values() for _, start, end in ls)
+        return self.leases.held
 
     @property
     def loads_in_flight(self) -> int:
-        """Requests whose load was sent and is not yet reported finished."""
-        return len(self._in_flight)
+        return self.leases.loads_in_flight
 
     @property
     def tracked(self) -> int:

@@ -50,6 +50,11 @@ class StepStats:
     #: hit blocks whose destination was vLLM's null block (a sliding-window block outside
     #: the window): nothing loaded there
     null_blocks_skipped: int = 0
+    #: hits answered from same-host peers' host indexes (no directory lookup), their blocks
+    host_index_hits: int = 0
+    host_index_blocks: int = 0
+    #: same-host peers whose host indexes are mapped (a level; kept while 0)
+    host_index_peers: int = 0
     #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
     #: again (their entries forgotten), and those of them saved into Xavier's tier
     in_place_published: int = 0

@@ -26,6 +26,7 @@ from typing import (
 
 import numpy as np
 
+from ..mechanism.host_index import HostHolders
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
@@ -37,7 +38,9 @@ from ..planning.load_cost import LoadCost
 from ..planning.log_names import package_logger
 from ..planning.lookups import DirectoryLookups
 from ..planning.options import XavierOptions
+from ..planning.routes import host_id
 from ..planning.scheduler_side import SchedulerSide
+from ..planning.shards import Shards
 from ..planning.step_meta import StepMeta
 from . import none_hash
 from .actor_bridge import ActorBridge, LazyActor
@@ -55,6 +58,8 @@ logger = package_logger(__name__)
 #: how often the scheduler half asks whether the worker attached (until it has)
 READY_RECHECK_S = 0.5
 READY_CALL_S = 2.0
+#: how often the scheduler asks the directory where same-host peers' host indexes are
+HOST_POLL_S = 1.0
 #: longest the engine's start waits for the launch's block-hash seed from the directory
 SEED_CALL_S = 30.0
 
@@ -93,12 +98,21 @@ class XavierConnectorScheduler:
         self._releaser = releaser = BatchingReleaser(
             directory_sender(self._directory, bridge.start), bridge.schedule)
         self._release_failures_counted = 0
+        #: same-host peers' host indexes (``xavier_host_index``), as the directory announces
+        #: them (asked every ``HOST_POLL_S``, never waited for)
+        self._holders: Optional[HostHolders] = None
+        if options.in_place and options.host_index:
+            self._holders = HostHolders(options.rank, Shards(max(1, num_groups), tp_size))
+        self._host_poll: Optional[concurrent.futures.Future[Any]] = None
+        self._next_host_poll = 0.0
+        self._host = host_id()
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups),
                                   DirectoryLookups(self._send_lookups), releaser.release_many,
                                   take_leases=self._take_leases, tp_size=tp_size,
                                   cost=LoadCost(lag=1 if overlapped else 0,
                                                 token_budget=token_budget),
-                                  decline=options.load_policy == "cost")
+                                  decline=options.load_policy == "cost",
+                                  on_host=self._find_on_host if self._holders else None)
         #: vLLM's cache read in place (``options.in_place``): the book of published blocks
         #: once the workers' block generations are known (:meth:`_open_in_place`)
         self._book: Optional[InPlaceBook] = None
@@ -145,6 +159,29 @@ class XavierConnectorScheduler:
         rank = self.options.rank
         # no lease with the answer: a step leases what it loads (_take_leases)
         return self._bridge.start(lambda: ref.query_many(groups, requests, rank, False))
+
+    def _find_on_host(self, keys: Sequence[int]) -> Optional[QueryResult]:
+        """The longest prefix of ``keys`` a same-host peer holds (its host index)."""
+        self._poll_host_indexes()
+        return self._holders.find(keys) if self._holders is not None else None
+
+    def _poll_host_indexes(self) -> None:
+        """Map the host indexes the directory announced last; ask again every
+        ``HOST_POLL_S`` (the answer is taken by a later call, never waited for)."""
+        if self._holders is None:
+            return
+        fut = self._host_poll
+        if fut is not None and fut.done():
+            self._host_poll = None
+            try:
+                self._holders.update(fut.result())
+            except Exception as exc:  # an older directory, or gone: no same-host hits
+                logger.debug("xavier: rank %d: host indexes: %r", self.options.rank, exc)
+        now = time.monotonic()
+        if self._host_poll is None and now >= self._next_host_poll:
+            self._next_host_poll = now + HOST_POLL_S
+            ref, host, rank = self._directory.get(), self._host, self.options.rank
+            self._host_poll = self._bridge.start(lambda: ref.host_indexes(host, rank))
 
     def _take_leases(self, locations: np.ndarray) -> concurrent.futures.Future[List[int]]:
         """Leases for this rank's load of ``locations`` (rows of :class:`Location` fields;
@@ -310,8 +347,11 @@ class XavierConnectorScheduler:
             new_blocks[rid] = (cached.new_block_ids[i], rid in resumed)
         if self.options.in_place:
             self._open_in_place()
+        self._poll_host_indexes()
         self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
         meta = self.side.build_step(scheduled, new_blocks)
+        if self._holders is not None:
+            meta.stats.host_index_peers = len(self._holders.ranks)
         failures = self._releaser.failures  # release calls that failed since the last step
         meta.stats.lease_release_failures = failures - self._release_failures_counted
         self._release_failures_counted = failures
@@ -336,6 +376,8 @@ class XavierConnectorScheduler:
         directory (lease calls still unanswered first).  Idempotent."""
         deadline = time.monotonic() + timeout
         pending = self.side.close()
+        if self._holders is not None:
+            self._holders.close()
         if pending:
             concurrent.futures.wait(pending, timeout=timeout)
         if not self._releaser.flush(max(0.0, deadline - time.monotonic())):

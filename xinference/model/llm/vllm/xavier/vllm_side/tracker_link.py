@@ -3,9 +3,12 @@ actor, called through the bridge off the step thread."""
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
-from ..planning.directory_link import Entry
+from ..mechanism.host_index import HostIndex, HostIndexLink
+from ..planning.directory_link import DirectoryLink, Entry, ShardLink
+from ..planning.routes import host_id
+from ..planning.shards import Shards
 from .actor_bridge import ActorBridge, LazyActor
 
 #: longest a directory call of the storage writer may take
@@ -40,3 +43,21 @@ class TrackerLink:
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return list(self._call("move", rank, [tuple(int(x) for x in e) for e in entries],
                                tier, group, [int(s) for s in slots], int(incarnation)))
+
+    def announce_index(self, rank: int, tp_rank: int, path: str) -> None:
+        """Worker ``tp_rank`` of ``rank`` writes its host index at ``path`` on this host."""
+        self._call("announce_index", rank, tp_rank, host_id(), path)
+
+
+def writer_link(bridge: ActorBridge, tracker: LazyActor, rank: int, shards: Shards,
+                tp_rank: int, index: Optional[HostIndex]) -> DirectoryLink:
+    """The storage writer's link: the tracker, with the worker's host index written first
+    (``index``), translated to its shard's directory groups (tensor parallel)."""
+    direct = TrackerLink(bridge, tracker)
+    link: DirectoryLink = direct
+    if index is not None:
+        path = index.path
+        link = HostIndexLink(direct, index, lambda: direct.announce_index(rank, tp_rank, path))
+    if shards.tp_size > 1:
+        link = ShardLink(link, shards, tp_rank)
+    return link

@@ -41,14 +41,13 @@ import torch
 
 from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
-from ..mechanism.in_place import CacheHandles, SharedHostCaches, describe_caches
+from ..mechanism.in_place import InPlaceShare, SharedHostCaches
 from ..mechanism.kv_schema import KVLayout, layout_of
 from ..mechanism.load_handle import LoadHandle
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
 from ..planning.counters import GAUGE_NAMES, SharedCounters
-from ..planning.directory_link import DirectoryLink, ShardLink
 from ..planning.load_batch import DEST, RANK, TIER, LoadBatch, Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
@@ -58,7 +57,7 @@ from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
 from .plane_hooks import PlaneHooks, load_test_hooks
-from .tracker_link import TrackerLink
+from .tracker_link import writer_link
 
 logger = package_logger(__name__)
 
@@ -132,17 +131,14 @@ class WorkerDataPlane:
         self._pending: List[_StepLoad] = []
         self._closed = False
         #: vLLM's cache read in place by peers (``options.in_place``): the engine's block
-        #: generations (this worker's file; the scheduler bumps them) and how peers map
-        #: the cache (handed to the transfer actor at attach)
-        self.block_generations: Optional[SlotGenerations] = None
-        self.cache_handles: Optional[CacheHandles] = None
+        #: generations (the scheduler bumps them), how peers map the cache (handed to the
+        #: transfer actor at attach), the host index (:mod:`..mechanism.host_index`)
+        self.in_place: Optional[InPlaceShare] = None
         self._shared_host = shared_host
         if options.in_place and num_blocks > 0:
-            self.block_generations = SlotGenerations.create_shared(
-                int(Tier.VLLM), sorted(caches), num_blocks)
-            self.cache_handles = describe_caches(
-                {g: [t for _, t in ls] for g, ls in caches.items()}, block_dims,
-                self.block_generations, num_blocks, shared_host)
+            self.in_place = InPlaceShare.create(
+                {g: [t for _, t in ls] for g, ls in caches.items()}, block_dims, num_blocks,
+                shared_host, self.rank, tp_rank, options.host_index)
         self.hooks: Optional[PlaneHooks] = load_test_hooks(self)
 
     @property
@@ -168,7 +164,7 @@ class WorkerDataPlane:
         opts = self.options
         device = str(self.device)
         path = self.counters.path
-        in_place = self.cache_handles
+        in_place = self.in_place.handles if self.in_place is not None else None
         try:
             desc = self._bridge.call(lambda: ref.register_engine(
                 self.layout, opts, owner=os.getpid(), device=device, counters_path=path,
@@ -217,9 +213,8 @@ class WorkerDataPlane:
             self._own_releases.append(release)
         generations = SlotGenerations.open(desc["generations"])
         self._own_releases.append(generations.close)
-        link: DirectoryLink = TrackerLink(self._bridge, self._tracker)
-        if self.tp_size > 1:
-            link = ShardLink(link, self.shards, self.tp_rank)
+        link = writer_link(self._bridge, self._tracker, self.rank, self.shards, self.tp_rank,
+                           self.in_place.index if self.in_place is not None else None)
         self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
                                     stream=self.engine.stream, counters=self.counters,
                                     room_blocks=self.options.slab_blocks,
@@ -391,14 +386,14 @@ class WorkerDataPlane:
         """Register the step's newly full blocks ``(group, name, block, generation)`` as held
         in this engine's own cache, once the forward that computed them completed (an
         event on vLLM's stream, waited for by the publisher thread); never waits."""
-        if not rows or self.writer is None or self.block_generations is None:
+        if not rows or self.writer is None or self.in_place is None:
             return
         event: Optional[torch.cuda.Event] = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self.writer.publish_after([(g, k, int(Tier.VLLM), b, gen) for g, k, b, gen in rows],
-                                  self.block_generations.incarnation, event)
+                                  self.in_place.generations.incarnation, event)
         if self.hooks is not None:
             self.hooks.published_in_place(rows)
 
@@ -434,8 +429,8 @@ class WorkerDataPlane:
             release()
         self._own_releases.clear()
         self.peers.close()
-        if self.block_generations is not None:  # peers' mappings keep what they mapped
-            self.block_generations.close()
+        if self.in_place is not None:  # peers' mappings keep what they mapped
+            self.in_place.close()
         if self._shared_host is not None:
             self._shared_host.close()
         if self._attached:

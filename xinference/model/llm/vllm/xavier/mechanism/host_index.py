@@ -1,0 +1,378 @@
+"""The host index: which blocks of vLLM's own cache a worker published, in a file that the
+schedulers of the other replicas of this host read without asking anyone (issue #34).
+
+A lookup through the block directory is a round trip to the supervisor (2.4 ms at C1 on
+the H200, 31.5 ms at C32 with the queueing in its one actor) on every hit's path to its
+first token.  For a holder on the same host the answer is already in memory this host
+shares: each worker that publishes blocks in place (:mod:`..planning.in_place`) also
+writes them here, after the forward that computed them completed (the publisher thread,
+:class:`HostIndexLink`, the same moment as its directory registration), and a scheduler
+probes its peers' files inside ``get_num_new_matched_tokens`` (:class:`HostHolders`).
+
+Nothing here is trusted for the bytes.  A hit found here is a ``Tier.VLLM`` location like
+the directory's (rank, group, vLLM block id, generation, the engine's incarnation), read
+and checked after its copy exactly like one (``doc/validated-reads.md``): an entry that
+lags (its block handed out again) is a failed read, recomputed.  To keep that rare a probe
+already compares each entry's generation with the source's block generations (the file
+the source's scheduler bumps before vLLM can write a block), so an entry whose block was
+handed out since it was written is a miss at once.
+
+The file (``int64`` words, owner-locked like every Xavier file of ``/dev/shm``): a header
+of :data:`HEADER_WORDS`, then ``buckets`` buckets of :data:`WAYS` entries of
+:data:`ENTRY_WORDS` words (one 64-byte line each)::
+
+    name (3 words: the 192-bit block name) | group << 32 | block | generation |
+    incarnation | stamp (insertion order) | check
+
+One writer (the worker's publisher thread); readers in other processes never lock.  An
+entry read while it is being written is caught by its ``check`` (a keyed mix of the other
+seven words: a torn entry -- one entry's name with another's block -- passes with odds
+2**-64), so no memory-ordering argument is needed.  A bucket that is full overwrites its
+entry whose block moved on (generation changed) or else its oldest: a lost entry is only a
+directory lookup.  Memory: 64 bytes per entry, twice as many entries as vLLM has blocks
+(e.g. 25.6 MiB for 200k blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..planning.directory_link import DirectoryLink, Entry
+from ..planning.directory_types import LOCATION_COLUMNS, QueryResult
+from ..planning.load_batch import NO_LEASE, Tier
+from ..planning.log_names import package_logger
+from ..planning.shards import Shards
+from ..planning.shm_words import DATA_NAME, ShmWords, shm_dir
+from .slot_generations import SlotGenerations
+
+logger = package_logger(__name__)
+
+#: first word of the file: what it is (and its format's version): "XAVIDX", 1
+FORMAT = 0x58415649_4458_0001
+HEADER_WORDS = 32
+ENTRY_WORDS = 8
+WAYS = 8
+#: header words: format, buckets, salt, rank, tp_rank, the generations file's incarnation,
+#: its first word and blocks, the insertion stamp, then the generations file's path
+_BUCKETS, _SALT, _RANK, _TP_RANK, _GEN_INC, _GEN_FIRST, _NUM_BLOCKS, _STAMP = range(1, 9)
+_PATH_WORD, _PATH_BYTES = 12, 8 * (HEADER_WORDS - 12)
+#: entry words
+_BLOCK, _GENERATION, _INCARNATION, _ESTAMP, _CHECK = 3, 4, 5, 6, 7
+_U64 = np.uint64
+_MIX = _U64(0x9E3779B97F4A7C15)
+_LOW32 = _U64(0xFFFFFFFF)
+#: how often a worker that publishes tells the directory again where its index is
+ANNOUNCE_PERIOD_S = 5.0
+#: at most this many rounds per insert call (entries of one call that collide in a bucket
+#: wait for the next round; what is left after them is dropped: only a directory lookup)
+_MAX_ROUNDS = 16
+
+
+def name_words(names: Sequence[int]) -> np.ndarray:
+    """``names`` (192-bit ints) as rows of three ``uint64`` words, low word first."""
+    data = b"".join(int(n).to_bytes(24, "little") for n in names)
+    return np.frombuffer(data, dtype="<u8").astype(_U64).reshape(-1, 3)
+
+
+def _mix(words: np.ndarray, salt: int) -> np.ndarray:
+    """The check word of entries ``words`` (``(..., 7)`` uint64), never 0 (0: empty)."""
+    h = np.full(words.shape[:-1], _U64(salt), _U64)
+    with np.errstate(over="ignore"):
+        for i in range(words.shape[-1]):
+            h ^= words[..., i]
+            h *= _MIX
+            h ^= h >> _U64(31)
+    return h | _U64(1)
+
+
+def _buckets_of(first_words: np.ndarray, groups: np.ndarray, mask: int) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return ((first_words ^ (groups.astype(_U64) * _MIX)) & _U64(mask)).astype(np.int64)
+
+
+class HostIndex:
+    """One worker's host index file (module docstring): :meth:`create` (the owner, who
+    :meth:`insert` s), :meth:`open` (a reader, who :meth:`find` s)."""
+
+    def __init__(self, shm: ShmWords, generations: np.ndarray,
+                 own_generations: Optional[SlotGenerations] = None) -> None:
+        self._shm = shm
+        self.path = shm.path
+        header = shm.words[:HEADER_WORDS]
+        self.rank, self.tp_rank = int(header[_RANK]), int(header[_TP_RANK])
+        self.incarnation = int(header[_GEN_INC])
+        self.num_blocks = int(header[_NUM_BLOCKS])
+        self._salt = int(header[_SALT])
+        buckets = int(header[_BUCKETS])
+        self._mask = buckets - 1
+        self._table = shm.words[HEADER_WORDS:].view(_U64).reshape(buckets, WAYS, ENTRY_WORDS)
+        self._generations = generations  # the source engine's block generations
+        self._own_generations = own_generations  # a reader's mapping of them (it closes it)
+        self.inserted = self.dropped = 0
+
+    @classmethod
+    def create(cls, rank: int, tp_rank: int, generations: SlotGenerations, row: np.ndarray,
+               directory: Optional[str] = None) -> HostIndex:
+        """A new file for the engine whose block generations are ``generations`` (row
+        ``row``: one word per vLLM block), room for twice its blocks."""
+        num_blocks = len(row)
+        buckets = 1 << max(0, int(np.ceil(np.log2(max(1, 2 * num_blocks) / WAYS))))
+        shm = ShmWords.create(HEADER_WORDS + buckets * WAYS * ENTRY_WORDS, directory)
+        path, inc, layout = generations.handle()
+        encoded = path.encode()
+        if len(encoded) > _PATH_BYTES:
+            shm.close()
+            raise ValueError(f"generations: path {path!r} longer than {_PATH_BYTES} bytes")
+        words = shm.words
+        words[_BUCKETS], words[_SALT] = buckets, secrets.randbits(62)
+        words[_RANK], words[_TP_RANK], words[_GEN_INC] = rank, tp_rank, inc
+        words[_GEN_FIRST], words[_NUM_BLOCKS] = layout[0][2], num_blocks
+        words[_PATH_WORD:HEADER_WORDS].view(np.uint8)[:len(encoded)] = np.frombuffer(
+            encoded, np.uint8)
+        words[0] = FORMAT
+        return cls(shm, row)
+
+    @classmethod
+    def open(cls, path: str) -> HostIndex:
+        """Map another worker's index (read only here; closing leaves the file).  A path
+        that is not an Xavier file of :func:`~..planning.shm_words.shm_dir`, a symlink or
+        another format is an error naming it."""
+        if (not DATA_NAME.match(os.path.basename(path))
+                or os.path.dirname(os.path.abspath(path)) != os.path.abspath(shm_dir())):
+            raise ValueError(f"host index: {path!r} is not an Xavier shared-memory file")
+
+        def regular(st: os.stat_result) -> None:
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"host index: {path!r} is not a regular file")
+
+        head = ShmWords.open(path, HEADER_WORDS, check=regular)
+        try:
+            if int(head.words[0]) != FORMAT:
+                raise ValueError(f"host index: {path!r} holds format {int(head.words[0]):#x}")
+            header = head.words.copy()
+        finally:
+            head.close()
+        buckets = int(header[_BUCKETS])
+        if buckets < 1 or buckets & (buckets - 1):
+            raise ValueError(f"host index: {path!r} names {buckets} buckets")
+        raw = header[_PATH_WORD:HEADER_WORDS].view(np.uint8).tobytes().rstrip(b"\0")
+        gens = SlotGenerations.open((raw.decode(), int(header[_GEN_INC]), [
+            (int(Tier.VLLM), 0, int(header[_GEN_FIRST]), int(header[_NUM_BLOCKS]))]))
+        try:
+            shm = ShmWords.open(path, HEADER_WORDS + buckets * WAYS * ENTRY_WORDS,
+                                check=regular)
+        except BaseException:
+            gens.close()
+            raise
+        return cls(shm, gens.row(int(Tier.VLLM), 0), gens)
+
+    # ----------------------------------------------------------------- writer
+    def insert(self, rows: Sequence[Tuple[int, int, int, int]]) -> int:
+        """Write ``(group, name, block, generation)`` rows (blocks of this engine whose
+        forward completed); returns how many were written (the rest: dropped)."""
+        if not len(rows):
+            return 0
+        names = name_words([r[1] for r in rows])
+        groups = np.fromiter((r[0] for r in rows), np.int64, len(rows))
+        blocks = np.fromiter((r[2] for r in rows), np.int64, len(rows))
+        if np.any(blocks < 0) or np.any(blocks >= self.num_blocks) or np.any(groups < 0):
+            raise ValueError(f"rows: a block outside 0..{self.num_blocks - 1} or a negative "
+                             "group")
+        entries = np.zeros((len(rows), ENTRY_WORDS), _U64)
+        entries[:, :3] = names
+        entries[:, _BLOCK] = (groups.astype(_U64) << _U64(32)) | blocks.astype(_U64)
+        entries[:, _GENERATION] = np.fromiter((r[3] for r in rows), np.int64,
+                                              len(rows)).astype(_U64)
+        entries[:, _INCARNATION] = _U64(self.incarnation)
+        bucket = _buckets_of(names[:, 0], groups, self._mask)
+        pending = np.arange(len(rows))
+        written = 0
+        for _ in range(_MAX_ROUNDS):
+            if not len(pending):
+                break
+            way = self._ways_for(entries[pending], bucket[pending])
+            slot = bucket[pending] * WAYS + way
+            _, first = np.unique(slot, return_index=True)  # one writer per way per round
+            win = pending[np.sort(first)]
+            stamp = int(self._shm.words[_STAMP])
+            e = entries[win]
+            e[:, _ESTAMP] = np.arange(stamp + 1, stamp + 1 + len(win)).astype(_U64)
+            e[:, _CHECK] = _mix(e[:, :_CHECK], self._salt)
+            w = way[np.sort(first)]
+            self._table[bucket[win], w, _CHECK] = 0  # a reader in between sees no entry
+            self._table[bucket[win], w] = e
+            self._shm.words[_STAMP] = stamp + len(win)
+            written += len(win)
+            pending = np.setdiff1d(pending, win, assume_unique=True)
+        self.inserted += written
+        self.dropped += len(pending)
+        return written
+
+    def _ways_for(self, entries: np.ndarray, bucket: np.ndarray) -> np.ndarray:
+        """The way each entry goes to: its own name's entry, else an empty or stale one
+        (its block handed out since), else the bucket's oldest."""
+        held = self._table[bucket]  # (n, WAYS, ENTRY_WORDS)
+        same = np.all(held[:, :, :_BLOCK + 1] == entries[:, None, :_BLOCK + 1], axis=2)
+        blocks = (held[:, :, _BLOCK] & _LOW32).astype(np.int64)
+        blocks = np.minimum(blocks, self.num_blocks - 1)
+        stale = self._generations[blocks].astype(_U64) != held[:, :, _GENERATION]
+        empty = held[:, :, _CHECK] == 0
+        score = np.where(same & ~empty, -2,
+                         np.where(empty | stale, -1, held[:, :, _ESTAMP].astype(np.int64)))
+        return np.argmin(score, axis=1)
+
+    # ----------------------------------------------------------------- reader
+    def find(self, group: int, names: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """For each name (rows of :func:`name_words`) of ``group``: ``(block, generation)``
+        and whether it is held now (an intact entry whose generation is the block's
+        current one); ``block``/``generation`` are meaningless where not held."""
+        bucket = _buckets_of(names[:, 0], np.full(len(names), group, np.int64), self._mask)
+        held = self._table[bucket]  # a copy: what was there when read
+        match = np.all(held[:, :, :3] == names[:, None, :], axis=2)
+        match &= (held[:, :, _BLOCK] >> _U64(32)) == _U64(group)
+        match &= _mix(held[:, :, :_CHECK], self._salt) == held[:, :, _CHECK]
+        match &= held[:, :, _INCARNATION] == _U64(self.incarnation)
+        way = np.argmax(match, axis=1)
+        entry = held[np.arange(len(names)), way]
+        ok = match[np.arange(len(names)), way]
+        block = (entry[:, _BLOCK] & _LOW32).astype(np.int64)
+        generation = entry[:, _GENERATION].astype(np.int64)
+        ok &= block < self.num_blocks
+        safe = np.where(ok, block, 0)
+        ok &= self._generations[safe] == generation
+        return np.where(ok, block, -1), np.where(ok, generation, -1)
+
+    def close(self) -> None:
+        """Unmap (the owner removes the file).  Idempotent."""
+        self._table = np.zeros((1, WAYS, ENTRY_WORDS), _U64)
+        self._mask = 0
+        self._shm.close()
+        if self._own_generations is not None:
+            self._generations = np.zeros(1, np.int64)
+            self._own_generations.close()
+            self._own_generations = None
+
+
+class HostIndexLink:
+    """The worker's :class:`~..planning.directory_link.DirectoryLink` with its host index:
+    a registration of blocks of vLLM's own cache (``Tier.VLLM``, this engine's incarnation)
+    is written into the index first, then passed on; everything else is passed on as is.
+    Called by the publisher thread once the forward that computed the blocks completed.
+    ``announce`` tells the directory where the index is: before the first write, then at
+    most every :data:`ANNOUNCE_PERIOD_S` (a re-created directory learns it again).  A
+    failed write or announcement is logged and only costs peers a directory lookup."""
+
+    def __init__(self, link: DirectoryLink, index: HostIndex,
+                 announce: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._link, self._index, self._announce, self._clock = link, index, announce, clock
+        self._announced_at: Optional[float] = None
+
+    def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        if incarnation == self._index.incarnation:
+            rows = [(g, k, s, n) for g, k, t, s, n in entries if t == Tier.VLLM]
+            try:
+                self._index.insert(rows)
+                now = self._clock()
+                if self._announced_at is None or now - self._announced_at > ANNOUNCE_PERIOD_S:
+                    self._announced_at = now
+                    self._announce()
+            except Exception as exc:
+                logger.warning("rank %d: the host index (%d blocks): %r", rank, len(rows), exc)
+        return self._link.register(rank, entries, incarnation)
+
+    def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
+        return self._link.claim(rank, tier, group, slots)
+
+    def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
+             slots: Sequence[int], incarnation: int = 0) -> List[int]:
+        return self._link.move(rank, entries, tier, group, slots, incarnation)
+
+
+#: ``(rank, tp_rank, path)`` of an index announced in the block directory
+Announced = Tuple[int, int, str]
+
+
+class HostHolders:
+    """A scheduler's view of the host indexes of its same-host peers: :meth:`update` with
+    what the directory announces, :meth:`find` a request's longest prefix held by one of
+    them (scheduler thread only)."""
+
+    def __init__(self, own_rank: int, shards: Shards) -> None:
+        self._own_rank, self._shards = own_rank, shards
+        self._tables: Dict[Tuple[int, int], HostIndex] = {}
+        self.open_failures = 0
+
+    def update(self, announced: Sequence[Announced]) -> None:
+        """The peers' indexes now: new ones mapped, gone or replaced ones let go."""
+        wanted = {(int(r), int(t)): str(p) for r, t, p in announced if int(r) != self._own_rank}
+        for key in [k for k, ix in self._tables.items() if wanted.get(k) != ix.path]:
+            self._tables.pop(key).close()
+        for key, path in wanted.items():
+            if key in self._tables:
+                continue
+            try:
+                index = HostIndex.open(path)
+            except (OSError, ValueError):  # gone meanwhile, or not what it claims: no hits
+                self.open_failures += 1
+                continue
+            if (index.rank, index.tp_rank) != key:
+                index.close()
+                self.open_failures += 1
+                continue
+            self._tables[key] = index
+
+    @property
+    def ranks(self) -> List[int]:
+        """Peers with every shard's index mapped."""
+        tp = self._shards.tp_size
+        return sorted(r for r in {r for r, _ in self._tables}
+                      if all((r, t) in self._tables for t in range(tp)))
+
+    def find(self, keys: Sequence[int]) -> Optional[QueryResult]:
+        """The longest prefix of ``keys`` that one same-host peer holds in every directory
+        group (``Tier.VLLM`` locations, no leases), or None when no peer holds the first."""
+        if not keys or not self._tables:
+            return None
+        groups = self._shards.directory_groups
+        first = name_words(keys[:1])
+        words: Optional[np.ndarray] = None
+        best: Optional[Tuple[int, int, List[Tuple[np.ndarray, np.ndarray, HostIndex]]]] = None
+        for rank in self.ranks:
+            if any(self._lookup(rank, g, first)[0][0] < 0 for g in groups):
+                continue
+            if words is None:
+                words = name_words(keys)
+            n, found = len(keys), []
+            for g in groups:
+                index = self._tables[(rank, self._shards.tp_rank(g))]
+                block, gen = index.find(g, words[:n])
+                missing = np.flatnonzero(block < 0)
+                n = int(missing[0]) if len(missing) else n
+                found.append((block, gen, index))
+            if n and (best is None or n > best[1]):
+                best = (rank, n, found)
+        if best is None:
+            return None
+        rank, n, found = best
+        table = np.zeros((len(groups) * n, LOCATION_COLUMNS), np.int64)
+        for i, (g, (block, gen, index)) in enumerate(zip(groups, found)):
+            rows = table[i * n:(i + 1) * n]
+            rows[:, 0], rows[:, 1], rows[:, 2] = rank, int(Tier.VLLM), g
+            rows[:, 3], rows[:, 4], rows[:, 5] = block[:n], gen[:n], index.incarnation
+        return QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
+
+    def _lookup(self, rank: int, group: int, words: np.ndarray
+                ) -> Tuple[np.ndarray, np.ndarray]:
+        return self._tables[(rank, self._shards.tp_rank(group))].find(group, words)
+
+    def close(self) -> None:
+        for index in self._tables.values():
+            index.close()
+        self._tables.clear()
