@@ -86,6 +86,17 @@ def test_load_policy_default_environment_config_and_a_refused_value():
         XavierOptions.from_xavier_config(BASE, {"XAVIER_LOAD_POLICY": "sometimes"})
 
 
+def test_host_index_default_environment_config_and_a_refused_value():
+    """``xavier_host_index``: on unless switched off (environment, then the launch's
+    config); a value that is not a switch fails naming the option."""
+    assert XavierOptions.from_xavier_config(BASE, {}).host_index is True
+    env = {"XAVIER_HOST_INDEX": "0"}
+    assert XavierOptions.from_xavier_config(BASE, env).host_index is False
+    assert XavierOptions.from_xavier_config({**BASE, "xavier_host_index": True}, env).host_index
+    with pytest.raises(ValueError, match="^xavier_host_index: expected true or false"):
+        XavierOptions.from_xavier_config(BASE, {"XAVIER_HOST_INDEX": "maybe"})
+
+
 @pytest.mark.parametrize("name, hint", [
     ("XAVIER_CPU_BUGDET", "did you mean XAVIER_CPU_BUDGET?"),
     ("XAVIER_GPU_BUDGE", "did you mean XAVIER_GPU_BUDGET?"),

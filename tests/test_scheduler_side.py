@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
-from xinference.model.llm.vllm.xavier.planning.directory_types import Location
+from xinference.model.llm.vllm.xavier.planning.directory_types import Location, QueryResult
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
 from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
@@ -525,3 +525,69 @@ def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_load_level():
     now[0] += 1.5
     w.side.build_step([("next", 0, 1)], {})
     assert cost.fit.samples == samples  # the idle 1.5 s is no step (only the idle mark says)
+
+
+class HostWorld(World):
+    """:class:`World` where rank 3, a peer of this host, holds the first ``on_host`` of
+    the keys in vLLM's cache (what its host index answers); the directory holds what
+    ``held_keys`` names (rank 1, Xavier's GPU tier)."""
+
+    def __init__(self, held_keys: Sequence[int], on_host: Sequence[int]) -> None:
+        super().__init__(held_keys)
+        self.on_host = list(on_host)
+        self.probes = 0
+        self.side._on_host = self.find
+
+    def find(self, keys):
+        self.probes += 1
+        n = 0
+        while n < len(keys) and n < len(self.on_host) and keys[n] == self.on_host[n]:
+            n += 1
+        if not n:
+            return None
+        rows = [(3, 2, 0, 500 + i, 7, 99) for i in range(n)]  # rank 3, Tier.VLLM
+        return QueryResult(tuple(keys[:n]), rows, (0,) * n)
+
+
+def test_a_hit_a_same_host_peer_holds_is_answered_without_a_lookup():
+    w = HostWorld(held_keys=[], on_host=keys_of(8))
+    w.side.track("r", lambda: keys_of(8), 128)
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
+    assert w.side.allocated("r", [list(range(10, 18))], [[False] * 8], 7 * BS) == 7
+    meta = w.side.build_step([("r", 0, 16)], {})
+    assert w.calls == [] and meta.stats.lookup_calls == 0 and meta.stats.queries == 0
+    assert meta.stats.host_index_hits == 1 and meta.stats.host_index_blocks == 7
+    assert meta.loads.table[:, RANK].tolist() == [3] * 7
+    assert meta.loads.table[:, SLOT].tolist() == list(range(500, 507))
+    assert w.lease_calls == 0  # vLLM's cache read in place: nothing to lease
+
+
+def test_the_directory_is_asked_only_for_the_blocks_after_the_host_hit():
+    """The peer of this host holds 3 blocks, rank 1 (Xavier's tier, say) holds the next
+    4: the directory is asked for those at arrival and its answer, there by the time vLLM
+    asks, extends the hit; one that is not there yet is not waited for."""
+    keys = keys_of(8)
+    w = HostWorld(held_keys=keys[3:7], on_host=keys[:3])
+    w.side.track("r", lambda: keys, 128)
+    w.side.lookups.flush()
+    assert w.calls == [1]
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
+    w.side.allocated("r", [list(range(10, 18))], [[False] * 8], 7 * BS)
+    meta = w.side.build_step([("r", 0, 16)], {})
+    assert meta.loads.table[:, RANK].tolist() == [3] * 3 + [1] * 4
+    assert meta.stats.host_index_blocks == 3 and meta.stats.queried_blocks == 4
+    # the same, the directory slow: the host's blocks alone, at once
+    pending = []
+    w.side.lookups._send = lambda batch: pending.append(batch) or concurrent.futures.Future()
+    w.side.track("s", lambda: keys, 128)
+    w.side.lookups.flush()
+    assert w.side.match("s", num_tokens=128, num_computed_tokens=0) == 3 * BS
+    assert len(pending) == 1 and w.side.lookups.outstanding == 0  # (its late answer: dropped)
+
+
+def test_a_request_no_peer_of_the_host_holds_goes_to_the_directory():
+    w = HostWorld(held_keys=keys_of(8), on_host=[])
+    w.side.track("r", lambda: keys_of(8), 128)
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
+    meta = w.side.build_step([], {})
+    assert meta.stats.host_index_hits == 0 and meta.stats.queries == 1

@@ -30,7 +30,7 @@ seven words: a torn entry -- one entry's name with another's block -- passes wit
 2**-64), so no memory-ordering argument is needed.  A bucket that is full overwrites its
 entry whose block moved on (generation changed) or else its oldest: a lost entry is only a
 directory lookup.  Memory: 64 bytes per entry, twice as many entries as vLLM has blocks
-(e.g. 25.6 MiB for 200k blocks).
+rounded up to a power of two buckets (e.g. 32 MiB for 200k blocks).
 """
 
 from __future__ import annotations
@@ -96,6 +96,15 @@ def _buckets_of(first_words: np.ndarray, groups: np.ndarray, mask: int) -> np.nd
         return ((first_words ^ (groups.astype(_U64) * _MIX)) & _U64(mask)).astype(np.int64)
 
 
+def _check_path(path: str) -> None:
+    """``path`` names an Xavier file of :func:`~..planning.shm_words.shm_dir` (else an
+    error naming it)."""
+    if (not DATA_NAME.match(os.path.basename(path))
+            or os.path.dirname(os.path.abspath(path)) != os.path.abspath(shm_dir())
+            or os.path.islink(path)):
+        raise ValueError(f"host index: {path!r} is not an Xavier shared-memory file")
+
+
 class HostIndex:
     """One worker's host index file (module docstring): :meth:`create` (the owner, who
     :meth:`insert` s), :meth:`open` (a reader, who :meth:`find` s)."""
@@ -143,9 +152,7 @@ class HostIndex:
         """Map another worker's index (read only here; closing leaves the file).  A path
         that is not an Xavier file of :func:`~..planning.shm_words.shm_dir`, a symlink or
         another format is an error naming it."""
-        if (not DATA_NAME.match(os.path.basename(path))
-                or os.path.dirname(os.path.abspath(path)) != os.path.abspath(shm_dir())):
-            raise ValueError(f"host index: {path!r} is not an Xavier shared-memory file")
+        _check_path(path)
 
         def regular(st: os.stat_result) -> None:
             if not stat.S_ISREG(st.st_mode):
@@ -162,6 +169,7 @@ class HostIndex:
         if buckets < 1 or buckets & (buckets - 1):
             raise ValueError(f"host index: {path!r} names {buckets} buckets")
         raw = header[_PATH_WORD:HEADER_WORDS].view(np.uint8).tobytes().rstrip(b"\0")
+        _check_path(raw.decode())  # the generations file it names: an Xavier file too
         gens = SlotGenerations.open((raw.decode(), int(header[_GEN_INC]), [
             (int(Tier.VLLM), 0, int(header[_GEN_FIRST]), int(header[_NUM_BLOCKS]))]))
         try:

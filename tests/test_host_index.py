@@ -1,0 +1,240 @@
+"""The host index (mechanism/host_index.py): a worker's table of the blocks it published in
+place, probed by the schedulers of its same-host peers without a directory round trip.
+The table alone (another process writes, this one reads; moved generations, other names
+and groups, torn entries, full buckets, files that are not what they claim), the reader's
+view of its peers (HostHolders: TP shards, the longest peer), the worker's link (what it
+writes and announces), and the directory's announcements."""
+
+import multiprocessing
+import os
+import secrets
+from typing import List
+
+import numpy as np
+import pytest
+
+from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+from xinference.model.llm.vllm.xavier.mechanism import host_index as hi
+from xinference.model.llm.vllm.xavier.mechanism.host_index import (
+    HostHolders,
+    HostIndex,
+    HostIndexLink,
+    name_words,
+)
+from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations
+from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
+from xinference.model.llm.vllm.xavier.planning.load_batch import NO_LEASE, Tier
+from xinference.model.llm.vllm.xavier.planning.shards import Shards
+from xinference.model.llm.vllm.xavier.planning.shm_words import owned_name
+
+VLLM = int(Tier.VLLM)
+
+
+class Engine:
+    """One worker's block generations (as the scheduler bumps them) and its index."""
+
+    def __init__(self, rank: int, num_blocks: int = 1024, tp_rank: int = 0) -> None:
+        self.gens = SlotGenerations.create_shared(VLLM, [0], num_blocks)
+        self.row = self.gens.row(VLLM, 0)
+        self.index = HostIndex.create(rank, tp_rank, self.gens, self.row)
+
+    def publish(self, names: List[int], group: int = 0, first_block: int = 0) -> None:
+        self.index.insert([(group, n, first_block + i, int(self.row[first_block + i]))
+                           for i, n in enumerate(names)])
+
+    def close(self) -> None:
+        self.index.close()
+        self.gens.close()
+
+
+def names(n: int) -> List[int]:
+    return [secrets.randbits(192) for _ in range(n)]
+
+
+def test_what_a_worker_publishes_another_mapping_finds_and_nothing_else():
+    e = Engine(rank=1, num_blocks=4096)  # (no bucket of 8 overflows: every name stays)
+    try:
+        held = names(40)
+        e.row[:] = 3  # (blocks handed out three times before)
+        e.publish(held)
+        reader = HostIndex.open(e.index.path)
+        block, gen = reader.find(0, name_words(held))
+        assert block.tolist() == list(range(40)) and set(gen.tolist()) == {3}
+        assert (reader.find(1, name_words(held[:4]))[0] == -1).all()  # another group
+        assert (reader.find(0, name_words(names(4)))[0] == -1).all()  # other names
+        # a name equal in its low 63 bits (what a load row carries) is another name here
+        twin = (held[0] & ((1 << 63) - 1)) | (1 << 100)
+        assert reader.find(0, name_words([twin]))[0][0] == -1
+        # vLLM hands block 5 out again (the scheduler bumps it before anything writes it):
+        # its entry is a miss at once, the others stay
+        e.row[5] += 1
+        block, _ = reader.find(0, name_words(held[:8]))
+        assert block.tolist() == [0, 1, 2, 3, 4, -1, 6, 7]
+        reader.close()
+    finally:
+        e.close()
+
+
+def _publish_in_child(to_parent, to_child, held: List[int]) -> None:
+    e = Engine(rank=4)
+    e.publish(held)
+    to_parent.put((e.index.path, e.gens.handle()))
+    to_child.get()  # (the parent probes while this process owns the files)
+    e.close()
+
+
+def test_a_peer_process_finds_what_this_process_published():
+    ctx = multiprocessing.get_context("fork")
+    to_parent, to_child = ctx.Queue(), ctx.Queue()
+    held = names(16)
+    child = ctx.Process(target=_publish_in_child, args=(to_parent, to_child, held))
+    child.start()
+    try:
+        path, _ = to_parent.get(timeout=30)
+        holders = HostHolders(own_rank=2, shards=Shards(1, 1))
+        holders.update([(4, 0, path)])
+        found = holders.find(held + names(2))
+        assert found is not None and found.keys == tuple(held)
+        assert found.table[:, 0].tolist() == [4] * 16  # rank 4, Tier.VLLM, its blocks
+        assert set(found.table[:, 1].tolist()) == {VLLM}
+        assert found.table[:, 3].tolist() == list(range(16))
+        assert found.lease_ids == (NO_LEASE,) * 16  # vLLM's cache read in place: no lease
+        holders.close()
+    finally:
+        to_child.put("done")
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_torn_entry_fails_its_check():
+    """An entry read while the writer replaces it (one entry's name, another's block):
+    faked here by writing half of an entry, which a reader could otherwise only see by
+    chance.  With its check word recomputed the same entry is found: the check is what
+    keeps it out."""
+    e = Engine(rank=1)
+    try:
+        held = names(8)
+        e.publish(held)
+        table = e.index._table
+        (b0, w0), (b1, w1) = np.argwhere(table[:, :, 7] != 0)[:2]
+        table[b0, w0, 3] = table[b1, w1, 3]  # entry 0's name with entry 1's block
+        reader = HostIndex.open(e.index.path)
+        w = [int(x) for x in table[b0, w0, :3]]
+        torn_name = w[0] | w[1] << 64 | w[2] << 128
+        assert reader.find(0, name_words([torn_name]))[0][0] == -1
+        table[b0, w0, 7] = hi._mix(table[b0, w0, :7][None], e.index._salt)[0]
+        assert reader.find(0, name_words([torn_name]))[0][0] == int(table[b1, w1, 3]) & 0xFFFFFFFF
+        reader.close()
+    finally:
+        e.close()
+
+
+def test_a_full_bucket_takes_a_moved_entry_first_then_the_oldest():
+    e = Engine(rank=1, num_blocks=4)  # 2 x 4 entries: one bucket of 8 ways
+    try:
+        assert e.index._table.shape[:2] == (1, hi.WAYS)
+        first = names(8)
+        for i, n in enumerate(first):
+            e.index.insert([(0, n, i % 4, 0)])
+        e.row[2] += 1  # block 2 handed out: the entries naming it moved on
+        e.publish(names(1), first_block=0)
+        reader = HostIndex.open(e.index.path)
+        found = reader.find(0, name_words(first))[0]
+        # one of the two moved entries (blocks 2) gave way, every live one stayed
+        assert found.tolist() == [0, 1, -1, 3, 0, 1, -1, 3]
+        more = names(2)
+        e.index.insert([(0, more[0], 3, 0)])  # a way still held by a moved entry
+        e.index.insert([(0, more[1], 3, 0)])  # none left: the oldest goes (first[0])
+        found = reader.find(0, name_words(first))[0]
+        assert found[0] == -1 and found[1] == 1 and found[3] == 3
+        assert (reader.find(0, name_words(more))[0] == 3).all()
+        reader.close()
+    finally:
+        e.close()
+
+
+def test_a_file_that_is_not_an_index_is_refused_naming_it(tmp_path):
+    e = Engine(rank=1)
+    try:
+        with pytest.raises(ValueError, match="is not an Xavier shared-memory file"):
+            HostIndex.open("/etc/passwd")
+        link = owned_name()
+        os.symlink(e.index.path, link)
+        try:
+            with pytest.raises(ValueError, match="not an Xavier"):  # a symlink: refused
+                HostIndex.open(link)
+        finally:
+            os.unlink(link)
+        with pytest.raises(ValueError, match="holds format"):
+            HostIndex.open(e.gens.path)  # another Xavier file: the generations
+    finally:
+        e.close()
+
+
+def test_holders_take_the_longest_peer_and_only_one_with_every_shard():
+    shards = Shards(num_groups=1, tp_size=2)
+    held = names(12)
+    a0, a1 = Engine(rank=1, tp_rank=0), Engine(rank=1, tp_rank=1)
+    b0, b1 = Engine(rank=3, tp_rank=0), Engine(rank=3, tp_rank=1)
+    try:
+        for tp, e in enumerate((a0, a1)):  # rank 1: 6 blocks in both shards
+            e.publish(held[:6], group=shards.directory_group(0, tp))
+        b0.publish(held, group=0)  # rank 3: all 12, but only in shard 0 yet
+        holders = HostHolders(own_rank=2, shards=shards)
+        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
+                        (3, 0, b0.index.path), (2, 0, a0.index.path)])  # (own rank: skipped)
+        assert holders.ranks == [1]
+        found = holders.find(held)
+        assert found is not None and found.num_hits == 6
+        assert found.table[:, 2].tolist() == [0] * 6 + [1] * 6  # group-major: both shards
+        assert set(found.table[:, 5].tolist()) == {a0.gens.handle()[1], a1.gens.handle()[1]}
+        b1.publish(held, group=1)
+        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
+                        (3, 0, b0.index.path), (3, 1, b1.index.path)])
+        found = holders.find(held)
+        assert found.num_hits == 12 and set(found.table[:, 0].tolist()) == {3}
+        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path)])  # rank 3 went
+        assert holders.ranks == [1] and holders.find(held).num_hits == 6
+        assert holders.find(names(3)) is None
+        holders.close()
+    finally:
+        for e in (a0, a1, b0, b1):
+            e.close()
+
+
+def test_the_worker_link_writes_its_own_in_place_entries_and_announces_them():
+    e = Engine(rank=1)
+    directory = LocalDirectory()
+    announced: List[int] = []
+    now = [100.0]
+    link = HostIndexLink(directory, e.index, lambda: announced.append(1), clock=lambda: now[0])
+    try:
+        held = names(3)
+        inc = e.index.incarnation
+        link.register(1, [(0, held[0], VLLM, 0, 0), (0, held[1], 1, 7, 1)], inc)
+        link.register(1, [(0, held[2], VLLM, 2, 0)], inc + 1)  # another engine's: not here
+        reader = HostIndex.open(e.index.path)
+        assert reader.find(0, name_words(held))[0].tolist() == [0, -1, -1]
+        assert directory.directory.num_blocks == 3  # everything still reaches the directory
+        assert announced == [1]
+        now[0] += hi.ANNOUNCE_PERIOD_S + 1
+        link.register(1, [(0, held[2], VLLM, 2, 0)], inc)
+        assert announced == [1, 1] and reader.find(0, name_words(held))[0][2] == 2
+        reader.close()
+    finally:
+        e.close()
+
+
+def test_the_directory_announces_indexes_per_host_until_the_rank_goes():
+    tracker = VLLMBlockTracker.__new__(VLLMBlockTracker)
+    VLLMBlockTracker.__init__(tracker)
+    with pytest.raises(ValueError, match="^rank: 5 is not registered"):
+        tracker.announce_index(5, 0, "h1", "/dev/shm/x")
+    tracker.register_rank(1)
+    tracker.register_rank(2)
+    tracker.announce_index(1, 0, "h1", "/dev/shm/a")
+    tracker.announce_index(2, 0, "h2", "/dev/shm/b")
+    assert tracker.host_indexes("h1") == [(1, 0, "/dev/shm/a")]
+    assert tracker.host_indexes("h1", exclude_rank=1) == []
+    tracker.unregister_rank(1)
+    assert tracker.host_indexes("h1") == []
