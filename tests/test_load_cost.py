@@ -208,3 +208,28 @@ def test_a_lookup_not_yet_answered_counts_against_a_short_request():
     assert not cost.worth_looking_up(640, 0, lookup_pending=True)  # 5.1 ms < 4 + 4 ms
     assert cost.worth_looking_up(640, 0, lookup_pending=False)
     assert cost.worth_looking_up(1008, 0, lookup_pending=True)
+
+
+def test_a_short_recompute_is_read_off_the_step_time_curve_not_the_line():
+    """Prefill is convex in tokens (CPU machine, C1: a 64-token recompute added ~1-2 ms
+    while a line through all steps said 5.6 ms): steps of 1, 72, 264 and 1032 tokens
+    taking 4, 5, 8 and 40 ms.  A 64-token hit that waits 2 ms does not pay (it adds about
+    1 ms to a step) -- the line alone says it does; a 1024-token one pays."""
+    step_ms = {1: 4.0, 72: 5.0, 264: 8.0, 1032: 40.0}
+    curve, line_only = LoadCost(lag=0), LoadCost(lag=0)
+    line_only.curve.min_samples = 10 ** 9  # (no bin ever counts: the line decides)
+    rnd = random.Random(5)
+    now = 0.0
+    for _ in range(400):
+        t = rnd.choice(list(step_ms))
+        for cost in (curve, line_only):
+            cost.step(now, t)
+        now += step_ms[t] / 1000
+    for cost in (curve, line_only):
+        cost.hit_waited(0.002, others=0)
+    assert curve.recompute_s(64, 0) == pytest.approx(0.001 * 64 / 71, rel=0.05)
+    assert line_only.recompute_s(64, 0) > 0.002
+    assert not curve.pays(64, 0) and line_only.pays(64, 0)
+    assert curve.pays(1024, 0) and curve.pays(256, 0)
+    # beyond the largest step seen the line's upper slope decides (the dearer side)
+    assert curve.recompute_s(4096, 0) == line_only.recompute_s(4096, 0)
