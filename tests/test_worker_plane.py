@@ -1,6 +1,7 @@
 """The worker's data plane: loads the scheduler could not express are reported failed, and its
 peers (retries after a failed mapping, world updates) through :class:`PeerMaps`."""
 
+import threading
 import time
 
 import numpy as np
@@ -29,29 +30,75 @@ def plane_of(rank=2, defers_block_frees=False, overlapped=True, **kw):
 
 
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
-    """A dead peer costs one failed lookup, not one per step; a world update that gives it
-    a new address (recovery) allows the next try at once."""
+    """A dead peer a load asked for costs the mapping thread one failed try, not one per
+    step; a world update that gives it a new address (recovery) allows the next try at
+    once.  The load itself never tries: its rows fail at once."""
     plane = plane_of()
     plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
     tries = []
 
-    def failing_map(rank, remote=True, desc=None):
+    def failing_describe(rank, address):
+        if rank == 0:
+            return None  # (the launch's coordinator: no storage)
         tries.append(rank)
         raise ConnectionRefusedError("peer gone")
 
-    monkeypatch.setattr(plane.peers, "_map_peer", failing_map)
+    monkeypatch.setattr(plane.peers, "_describe", failing_describe)
     clock = [100.0]
     monkeypatch.setattr(peers, "_monotonic", lambda: clock[0])
+    assert plane.peers.ensure_mapped({1}) == {1} and tries == []  # (the load: no try)
+    plane.peers.premap()
     assert plane.peers.ensure_mapped({1}) == {1}
-    assert plane.peers.ensure_mapped({1}) == {1}  # within the wait: not tried
+    plane.peers.premap()  # within the wait: not tried
     assert tries == [1]
     clock[0] += peers.PEER_RETRY_S + 0.1
     assert plane.peers.ensure_mapped({1}) == {1}
+    plane.peers.premap()
     assert tries == [1, 1]
     plane.peers.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
     assert plane.peers.ensure_mapped({1}) == {1}
+    plane.peers.premap()
     assert tries == [1, 1, 1]
     assert plane.counters.snapshot()["peer_map_failures"] == 3
+    plane.close()
+
+
+def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
+    """Mapping a peer whose host answers nothing (blackholed: each call runs to its
+    timeout) happens on the mapping thread only: while the thread is inside that call,
+    holding the peers' lock, the step's thread is answered at once -- the peer's rows
+    fail, a tier refresh is queued, a world update is noted -- and no step waits."""
+    plane = plane_of()
+    plane.peers.apply_world(["m", "dark-host:1", "b"])
+    inside, release = threading.Event(), threading.Event()
+
+    def describe(rank, address):  # the descriptor arrives; the remote setup hangs
+        return {"host": "another host", "tiers": {}, "layout": plane.layout}
+
+    def hanging_map(rank, remote=True, desc=None):
+        inside.set()
+        release.wait(30)  # (xoscar's connect timeout and the bridge's 10 s, in a real run)
+        raise TimeoutError("no answer from dark-host")
+
+    monkeypatch.setattr(plane.peers, "_describe", describe)
+    monkeypatch.setattr(plane.peers, "_map_peer", hanging_map)
+    assert plane.peers.ensure_mapped({1}) == {1}  # a load asked: the thread maps it next
+    mapper = threading.Thread(target=plane.peers.premap)
+    mapper.start()
+    try:
+        assert inside.wait(10), "the mapping thread never reached the dark peer"
+        # the race is real: the mapping thread holds the peers' lock right now
+        assert not plane.peers._lock.acquire(blocking=False)
+        t0 = time.perf_counter()
+        for _ in range(100):  # a hundred steps while the peer hangs
+            assert plane.peers.ensure_mapped({1}) == {1}
+            plane.peers.refresh(1)
+            plane.counters.add("world_epoch", 1)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        release.set()
+        mapper.join(30)
+    assert plane.counters.snapshot()["peer_map_failures"] == 1
     plane.close()
 
 
@@ -105,11 +152,11 @@ def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_l
     storage.close()
 
 
-def test_a_peer_not_mapped_ahead_is_still_mapped_by_the_first_load(monkeypatch):
+def test_a_peer_not_mapped_ahead_is_mapped_once_a_load_asked_for_it(monkeypatch):
     """A peer that the mapping thread found not ready (its engine still starting, as when
-    two replicas launch together) is mapped by the first load that reads it, at once: the
-    mapping thread's failure never puts the peer in the loads' retry wait (it did: the
-    first hits after a launch on two hosts were all recomputed)."""
+    two replicas launch together), or of another host (left to its first load), is
+    mapped by the thread's next pass once a load asked for it, whatever the thread's own
+    retry wait: the first hits after a launch on two hosts are not all recomputed."""
     plane = plane_of()
     plane.peers.apply_world(["h:0", "other-host:1", "me"])
     ready = [False]
@@ -121,17 +168,18 @@ def test_a_peer_not_mapped_ahead_is_still_mapped_by_the_first_load(monkeypatch):
         return {"host": "another host", "tiers": {}, "layout": plane.layout}
 
     def map_peer(rank, remote=True, desc=None):
-        if desc is None:
-            desc = describe(rank, "")
         if remote:
             mapped.append(rank)
+            plane.engine.map_remote_storage(rank, Tier.CPU, plane.layout, lambda t: None)
         return remote
 
     monkeypatch.setattr(plane.peers, "_describe", describe)
     monkeypatch.setattr(plane.peers, "_map_peer", map_peer)
     assert plane.peers.premap() == {0, 1}
     ready[0] = True
-    assert plane.peers.ensure_mapped({1}) == set() and mapped == [1]
+    assert plane.peers.ensure_mapped({1}) == {1} and mapped == []  # the load: fails fast
+    assert plane.peers.premap() == set() and mapped == [1]  # the thread: maps it now
+    assert plane.peers.ensure_mapped({1}) == set()
     snap = plane.counters.snapshot()
     assert snap["peer_premap_failures"] == 2 and snap["peer_map_failures"] == 0
     plane.close()

@@ -222,10 +222,12 @@ class SchedulerSide:
                 self._stats.queried_blocks += len(lookup.keys)
                 host = host.followed_by(lookup.result, last - end)
         self.lookups.drop(request_id)
-        self._stats.host_index_hits += 1
-        self._stats.host_index_blocks += end - first
         self._tracked[request_id].lookup_s = 0.0
-        return self._keep(request_id, keys, first, first + host.num_hits, first, host)
+        kept = self._keep(request_id, keys, first, first + host.num_hits, first, host)
+        if kept:  # (a hit the cost model declined is no hit)
+            self._stats.host_index_hits += 1
+            self._stats.host_index_blocks += end - first
+        return kept
 
     def _keep(self, request_id: str, keys: Sequence[int], first: int, end: int, start: int,
               result: QueryResult) -> int:

@@ -4,14 +4,15 @@
 last told it and maps every peer before a load needs it, on a thread of its own
 (:meth:`PeerMaps.start`; CUDA IPC and shared memory on this host, the peer's CPU tier
 page-locked here too: :func:`~..planning.routes.peer_route`), so that no hit pays for
-it; a load that still finds its peer unmapped maps it itself.  A peer of another host is
-read through the rank's actor (NIXL or sockets) into staging rows this process maps too.
-A peer that a LOAD could not map is not tried again by loads for :data:`PEER_RETRY_S`
-(they fail fast: vLLM recomputes); a world update that changes its address ends the wait.
-The mapping thread's own failures (a peer still starting, a dead one) only delay its
-next try (:data:`PREMAP_RETRY_S`): they never keep a load from mapping the peer itself.
-A peer without storage (the launch's rank-0 coordinator) is not asked again until the
-world changes.
+it.  A load never maps a peer itself (:meth:`PeerMaps.ensure_mapped`): on vLLM's step
+thread that waited on a dark host for every step; the rows of a peer not mapped yet fail
+(vLLM recomputes them) and the mapping thread maps it next -- a peer of another host
+(read through the rank's actor: NIXL or sockets, into staging rows this process maps
+too) once a load asked for it.  A peer that a load asked for and that could not be mapped
+is not tried again for :data:`PEER_RETRY_S`; a world update that changes its address ends
+the wait.  The mapping thread's own failures (a peer still starting, a dead one) only
+delay its next try (:data:`PREMAP_RETRY_S`).  A peer without storage (the launch's rank-0
+coordinator) is not asked again until the world changes.
 """
 
 from __future__ import annotations
@@ -85,8 +86,14 @@ class PeerMaps:
         self._remote: Set[int] = set()
         #: peers whose tiers are being mapped (a load waits for all of them)
         self._in_progress: Set[int] = set()
-        #: peers to map again (a load named a tier they published after their mapping)
+        #: what loads ask of the mapping thread (guarded by ``_asks``, never held while a
+        #: peer is called: the step's thread takes it): peers to map again (a load named a
+        #: tier they published after their mapping), peers a load could not read (mapped
+        #: next, a peer of another host too), and the mapping thread's wake-up
+        self._asks = threading.Lock()
         self._refresh: Set[int] = set()
+        self._wanted: Set[int] = set()
+        self._wake = threading.Event()
 
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
@@ -105,13 +112,13 @@ class PeerMaps:
             self._mapper.start()
 
     def _premap_loop(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 self.premap()
-            except Exception as exc:  # a load maps what is still missing; try again later
+            except Exception as exc:  # loads fail fast meanwhile; try again later
                 logger.warning("xavier: rank %d: mapping peers: %r", self._rank, exc)
-            if self._stop.wait(PREMAP_PERIOD_S):
-                return
+            self._wake.wait(PREMAP_PERIOD_S)
+            self._wake.clear()
 
     def premap(self) -> Set[int]:
         """Follow the world and map every peer of THIS host not mapped yet (the mapping
@@ -125,8 +132,9 @@ class PeerMaps:
             logger.info("xavier: rank %d: rank %d's mapped storage is gone (a load found "
                         "it): mapping it again", self._rank, rank)
             self._engine.unmap_storage(rank)  # not under the lock: it may wait for loads
-        with self._lock:
+        with self._asks:
             refresh, self._refresh = self._refresh, set()
+            wanted, self._wanted = self._wanted, set()
         for rank in refresh:
             self._engine.unmap_storage(rank)
         with self._lock:
@@ -136,18 +144,19 @@ class PeerMaps:
             mapped = {r for r, _ in self._engine.mapped()}
             now = _monotonic()
             due = {r: a for r, a in enumerate(self._world)
-                   if a and r != self._rank and r not in mapped and r not in self._remote
-                   and r not in self._storageless
+                   if a and r != self._rank and r not in mapped
+                   and (r not in self._remote or r in wanted) and r not in self._storageless
                    and now >= max(self._peer_retry_at.get(r, 0.0),
-                                  self._premap_retry_at.get(r, 0.0))}
+                                  0.0 if r in wanted else self._premap_retry_at.get(r, 0.0))}
         failed: Set[int] = set()
         for rank, address in sorted(due.items()):
             t0 = time.perf_counter()
+            ahead = rank not in wanted  # (a load asked: a failure keeps loads off it a while)
             try:
                 desc = self._describe(rank, address)
-            except Exception as exc:  # e.g. a peer still starting: loads may still try it
+            except Exception as exc:  # e.g. a peer still starting: loads fail fast meanwhile
                 with self._lock:
-                    self._premap_failed(rank, exc)
+                    (self._premap_failed if ahead else self._failed_to_map)(rank, exc)
                 failed.add(rank)
                 continue
             with self._lock:
@@ -158,7 +167,7 @@ class PeerMaps:
                     continue  # the world moved or a load mapped it meanwhile
                 if desc is None:
                     self._storageless.add(rank)
-                elif not self._try_map(rank, t0, desc, ahead=True):
+                elif not self._try_map(rank, t0, desc, ahead=ahead):
                     failed.add(rank)
         return failed
 
@@ -173,6 +182,7 @@ class PeerMaps:
     def stop(self) -> None:
         """Stop the mapping thread (first thing when the plane closes).  Idempotent."""
         self._stop.set()
+        self._wake.set()
         mapper, self._mapper = self._mapper, None
         if mapper is not None and mapper is not threading.current_thread():
             mapper.join(PEER_MAP_TIMEOUT_S * 2)
@@ -225,22 +235,21 @@ class PeerMaps:
                 self._engine.unmap_storage(rank)
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
-        """Map every rank of ``ranks`` not mapped yet; returns those that cannot be.  Waits
-        for a mapping the mapping thread is making (it would be made here otherwise)."""
-        if not ranks - {r for r, _ in self._engine.mapped()} and not ranks & self._in_progress:
-            return set()
-        with self._lock:
-            return self._ensure_mapped(ranks)
-
-    def _ensure_mapped(self, ranks: Set[int]) -> Set[int]:
-        mapped = {r for r, _ in self._engine.mapped()}
-        failed: Set[int] = set()
-        for rank in sorted(ranks - mapped):
-            if _monotonic() < self._peer_retry_at.get(rank, 0.0):
-                failed.add(rank)
-            elif not self._try_map(rank, time.perf_counter()):
-                failed.add(rank)
-        return failed
+        """The ranks of ``ranks`` a load cannot read now (step's thread: never waits for a
+        peer, a lock a peer call holds, or an actor): those not mapped yet or being
+        mapped.  The mapping thread maps them next (a peer of another host too, once a load
+        asked for it; a failure keeps it off for :data:`PEER_RETRY_S`), and a world update
+        seen here wakes it; meanwhile their rows fail and vLLM recomputes them.  (It was a
+        map on the step's thread: with a peer's host dark, every step of the replica
+        waited up to ~25 s -- two bridge calls of 10 s and xoscar's connect timeout.)"""
+        if self._counters.get("world_epoch") != self._world_epoch:
+            self._wake.set()  # the mapping thread follows the world (an actor call)
+        missing = (ranks - {r for r, _ in self._engine.mapped()}) | (ranks & self._in_progress)
+        if missing:
+            with self._asks:
+                self._wanted |= missing
+            self._wake.set()
+        return missing
 
     def _try_map(self, rank: int, t0: float, desc: Optional[Dict[str, Any]] = None,
                  ahead: bool = False) -> bool:
@@ -360,8 +369,9 @@ class PeerMaps:
     def refresh(self, rank: int) -> None:
         """A load found a tier of ``rank`` it names unmapped (the peer published it after
         it was mapped here): the mapping thread maps the peer again."""
-        with self._lock:
+        with self._asks:
             self._refresh.add(rank)
+        self._wake.set()
 
     def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
         """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives

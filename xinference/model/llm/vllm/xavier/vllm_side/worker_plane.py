@@ -284,7 +284,6 @@ class WorkerDataPlane:
         self.counters.add("rows_from_gpu_tier", per_tier[Tier.GPU])
         self.counters.add("rows_from_cpu_tier", per_tier[Tier.CPU])
         self.counters.add("rows_from_vllm_cache", per_tier[Tier.VLLM])
-        self.peers.follow_world()
         codes = np.unique(batch.table[:, RANK] * len(Tier) + batch.table[:, TIER]).tolist()
         pairs = [divmod(code, len(Tier)) for code in codes]
         unreachable = self.peers.ensure_mapped({r for r, _ in pairs})
