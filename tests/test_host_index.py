@@ -58,8 +58,8 @@ def test_what_a_worker_publishes_another_mapping_finds_and_nothing_else():
         e.row[:] = 3  # (blocks handed out three times before)
         e.publish(held)
         reader = HostIndex.open(e.index.path)
-        block, gen = reader.find(0, name_words(held))
-        assert block.tolist() == list(range(40)) and set(gen.tolist()) == {3}
+        block, gen, seen = reader.find(0, name_words(held))
+        assert block.tolist() == list(range(40)) and set(gen.tolist()) == {3} and seen.all()
         assert (reader.find(1, name_words(held[:4]))[0] == -1).all()  # another group
         assert (reader.find(0, name_words(names(4)))[0] == -1).all()  # other names
         # a name equal in its low 63 bits (what a load row carries) is another name here
@@ -68,8 +68,20 @@ def test_what_a_worker_publishes_another_mapping_finds_and_nothing_else():
         # vLLM hands block 5 out again (the scheduler bumps it before anything writes it):
         # its entry is a miss at once, the others stay
         e.row[5] += 1
-        block, _ = reader.find(0, name_words(held[:8]))
-        assert block.tolist() == [0, 1, 2, 3, 4, -1, 6, 7]
+        block, _, seen = reader.find(0, name_words(held[:8]))
+        assert block.tolist() == [0, 1, 2, 3, 4, -1, 6, 7] and seen.all()  # (5: held once)
+        # one name in two blocks (two ways of its bucket, the first one's block then
+        # handed out): the live entry is found, never hidden by the moved one before it
+        twice = names(1)[0]
+        e.index.insert([(0, twice, 41, int(e.row[41])), (0, twice, 42, int(e.row[42]))])
+        ways = np.flatnonzero(e.index._table[:, :, 3] & 0xFFFFFFFF == 41)
+        assert len(ways) == 1
+        e.row[41] += 1
+        assert reader.find(0, name_words([twice]))[0].tolist() == [42]
+        # the owner closes (its engine went): a reader still mapping the file finds nothing
+        e.index.close()
+        block, _, seen = reader.find(0, name_words(held[:3]))
+        assert (block == -1).all() and not seen.any()
         reader.close()
     finally:
         e.close()
@@ -93,8 +105,8 @@ def test_a_peer_process_finds_what_this_process_published():
         path, _ = to_parent.get(timeout=30)
         holders = HostHolders(own_rank=2, shards=Shards(1, 1))
         holders.update([(4, 0, path)])
-        found = holders.find(held + names(2))
-        assert found is not None and found.keys == tuple(held)
+        found, evicted_next = holders.find(held + names(2))
+        assert found.keys == tuple(held) and not evicted_next
         assert found.table[:, 0].tolist() == [4] * 16  # rank 4, Tier.VLLM, its blocks
         assert set(found.table[:, 1].tolist()) == {VLLM}
         assert found.table[:, 3].tolist() == list(range(16))
@@ -184,17 +196,17 @@ def test_holders_take_the_longest_peer_and_only_one_with_every_shard():
         holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
                         (3, 0, b0.index.path), (2, 0, a0.index.path)])  # (own rank: skipped)
         assert holders.ranks == [1]
-        found = holders.find(held)
-        assert found is not None and found.num_hits == 6
+        found, _ = holders.find(held)
+        assert found.num_hits == 6
         assert found.table[:, 2].tolist() == [0] * 6 + [1] * 6  # group-major: both shards
         assert set(found.table[:, 5].tolist()) == {a0.gens.handle()[1], a1.gens.handle()[1]}
         b1.publish(held, group=1)
         holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
                         (3, 0, b0.index.path), (3, 1, b1.index.path)])
-        found = holders.find(held)
+        found, _ = holders.find(held)
         assert found.num_hits == 12 and set(found.table[:, 0].tolist()) == {3}
         holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path)])  # rank 3 went
-        assert holders.ranks == [1] and holders.find(held).num_hits == 6
+        assert holders.ranks == [1] and holders.find(held)[0].num_hits == 6
         assert holders.find(names(3)) is None
         holders.close()
     finally:
@@ -238,3 +250,26 @@ def test_the_directory_announces_indexes_per_host_until_the_rank_goes():
     assert tracker.host_indexes("h1", exclude_rank=1) == []
     tracker.unregister_rank(1)
     assert tracker.host_indexes("h1") == []
+    tracker.register_rank(1)
+    tracker.announce_index(1, 0, "h1", "/dev/shm/c")
+    tracker.forget(1, int(Tier.VLLM), None)  # its engine shut down (release_engine)
+    assert tracker.host_indexes("h1") == []
+
+
+def test_holders_say_when_the_block_after_the_hit_was_held_here_once():
+    """The block after a host hit whose entry moved on (vLLM handed it out: Xavier's tiers
+    may hold it now) is worth the directory's answer; one nobody here ever held is not."""
+    e = Engine(rank=1)
+    try:
+        held = names(6)
+        e.publish(held)
+        e.row[4] += 1  # block 4 handed out again: the hit ends there, its name was seen
+        holders = HostHolders(own_rank=2, shards=Shards(1, 1))
+        holders.update([(1, 0, e.index.path)])
+        found, evicted_next = holders.find(held)
+        assert found.num_hits == 4 and evicted_next
+        found, evicted_next = holders.find(held[:4] + names(2))
+        assert found.num_hits == 4 and not evicted_next
+        holders.close()
+    finally:
+        e.close()

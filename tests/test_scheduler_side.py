@@ -538,6 +538,8 @@ class HostWorld(World):
         self.probes = 0
         self.side._on_host = self.find
 
+    evicted_next = False  # the block after the host's part was held there once
+
     def find(self, keys):
         self.probes += 1
         n = 0
@@ -546,7 +548,7 @@ class HostWorld(World):
         if not n:
             return None
         rows = [(3, 2, 0, 500 + i, 7, 99) for i in range(n)]  # rank 3, Tier.VLLM
-        return QueryResult(tuple(keys[:n]), rows, (0,) * n)
+        return QueryResult(tuple(keys[:n]), rows, (0,) * n), self.evicted_next
 
 
 def test_a_hit_a_same_host_peer_holds_is_answered_without_a_lookup():
@@ -576,13 +578,34 @@ def test_the_directory_is_asked_only_for_the_blocks_after_the_host_hit():
     meta = w.side.build_step([("r", 0, 16)], {})
     assert meta.loads.table[:, RANK].tolist() == [3] * 3 + [1] * 4
     assert meta.stats.host_index_blocks == 3 and meta.stats.queried_blocks == 4
-    # the same, the directory slow: the host's blocks alone, at once
+    # the same, the directory slow: nobody of this host ever held block 3 (only another
+    # host could): the host's blocks alone, at once
     pending = []
     w.side.lookups._send = lambda batch: pending.append(batch) or concurrent.futures.Future()
     w.side.track("s", lambda: keys, 128)
     w.side.lookups.flush()
     assert w.side.match("s", num_tokens=128, num_computed_tokens=0) == 3 * BS
     assert len(pending) == 1 and w.side.lookups.outstanding == 0  # (its late answer: dropped)
+    # block 3 was held on this host once (vLLM handed it out: Xavier's tiers may hold it):
+    # the answer is waited for (within the step's budget, then asked again next step)
+    w.evicted_next = True
+    w.side.lookups._wait_budget_s = 0.0
+    w.side.track("t", lambda: keys, 128)
+    assert w.side.match("t", num_tokens=128, num_computed_tokens=0) is None
+    assert w.side.lookups.outstanding == 1
+
+
+def test_a_host_hit_gone_by_the_time_vllm_asks_still_gets_the_directorys_hit():
+    """The host held the first 3 blocks when the request arrived (the directory was asked
+    for the rest), none when vLLM asks (its entries moved on): the directory is asked
+    again from the request's first block, and its hit is the request's."""
+    keys = keys_of(8)
+    w = HostWorld(held_keys=keys[:7], on_host=keys[:3])
+    w.side.track("r", lambda: keys, 128)
+    w.on_host = []
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
+    meta = w.side.build_step([], {})
+    assert meta.stats.host_index_hits == 0 and w.calls == [1, 1]
 
 
 def test_a_request_no_peer_of_the_host_holds_goes_to_the_directory():

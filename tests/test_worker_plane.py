@@ -55,6 +55,10 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     assert plane.peers.ensure_mapped({1}) == {1}
     plane.peers.premap()
     assert tries == [1, 1]
+    clock[0] += peers.PEER_RETRY_S + 0.1  # a second failure in a row doubled the wait
+    assert plane.peers.ensure_mapped({1}) == {1}
+    plane.peers.premap()
+    assert tries == [1, 1]
     plane.peers.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
     assert plane.peers.ensure_mapped({1}) == {1}
     plane.peers.premap()

@@ -18,6 +18,7 @@ import xoscar as xo
 from .planning.block_directory import BlockDirectory, QueryResult
 from .planning.directory_types import Location
 from .planning.hash_seed import new_launch_seed
+from .planning.load_batch import Tier
 from .planning.log_names import package_logger
 
 logger = package_logger(__name__)
@@ -90,7 +91,11 @@ class VLLMBlockTracker(xo.StatelessActor):
                slots: Optional[Dict[int, Sequence[Sequence[int]]]] = None) -> int:
         """``rank`` no longer holds these ``group -> (slot, generation now)`` of ``tier``
         (vLLM handed its blocks out to be overwritten; None: any slot of the tier, its
-        engine went): their entries go."""
+        engine went): their entries go (with vLLM's whole cache, the rank's host indexes
+        too: a peer stops probing them at its next poll)."""
+        if slots is None and int(tier) == int(Tier.VLLM):
+            for key in [k for k in self._indexes if k[0] == int(rank)]:
+                del self._indexes[key]
         return self._directory.forget(int(rank), int(tier), None if slots is None else {
             int(g): [(int(s), int(n)) for s, n in ss] for g, ss in slots.items()})
 

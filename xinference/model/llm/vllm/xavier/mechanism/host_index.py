@@ -132,7 +132,8 @@ class HostIndex:
         ``row``: one word per vLLM block), room for twice its blocks."""
         num_blocks = len(row)
         buckets = 1 << max(0, int(np.ceil(np.log2(max(1, 2 * num_blocks) / WAYS))))
-        shm = ShmWords.create(HEADER_WORDS + buckets * WAYS * ENTRY_WORDS, directory)
+        shm = ShmWords.create(HEADER_WORDS + buckets * WAYS * ENTRY_WORDS, directory,
+                              reserve=True)
         path, inc, layout = generations.handle()
         encoded = path.encode()
         if len(encoded) > _PATH_BYTES:
@@ -236,33 +237,42 @@ class HostIndex:
         return np.argmin(score, axis=1)
 
     # ----------------------------------------------------------------- reader
-    def find(self, group: int, names: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def find(self, group: int, names: np.ndarray
+             ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each name (rows of :func:`name_words`) of ``group``: ``(block, generation)``
-        and whether it is held now (an intact entry whose generation is the block's
-        current one); ``block``/``generation`` are meaningless where not held."""
-        bucket = _buckets_of(names[:, 0], np.full(len(names), group, np.int64), self._mask)
+        where it is held now (an intact entry whose generation is the block's current one;
+        -1 elsewhere), and whether an intact entry names it at all (``seen``: held now, or
+        held once and handed out since -- then likely saved into Xavier's tiers).  A file
+        its owner closed holds nothing."""
+        n = len(names)
+        if int(self._shm.words[0]) != FORMAT:  # closed by its owner (its engine went)
+            return np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, bool)
+        bucket = _buckets_of(names[:, 0], np.full(n, group, np.int64), self._mask)
         held = self._table[bucket]  # a copy: what was there when read
-        match = np.all(held[:, :, :3] == names[:, None, :], axis=2)
-        match &= (held[:, :, _BLOCK] >> _U64(32)) == _U64(group)
-        match &= _mix(held[:, :, :_CHECK], self._salt) == held[:, :, _CHECK]
-        match &= held[:, :, _INCARNATION] == _U64(self.incarnation)
-        way = np.argmax(match, axis=1)
-        entry = held[np.arange(len(names)), way]
-        ok = match[np.arange(len(names)), way]
-        block = (entry[:, _BLOCK] & _LOW32).astype(np.int64)
-        generation = entry[:, _GENERATION].astype(np.int64)
-        ok &= block < self.num_blocks
-        safe = np.where(ok, block, 0)
-        ok &= self._generations[safe] == generation
-        return np.where(ok, block, -1), np.where(ok, generation, -1)
+        seen = np.all(held[:, :, :3] == names[:, None, :], axis=2)
+        seen &= (held[:, :, _BLOCK] >> _U64(32)) == _U64(group)
+        seen &= _mix(held[:, :, :_CHECK], self._salt) == held[:, :, _CHECK]
+        seen &= held[:, :, _INCARNATION] == _U64(self.incarnation)
+        blocks = (held[:, :, _BLOCK] & _LOW32).astype(np.int64)
+        seen &= blocks < self.num_blocks
+        gens = held[:, :, _GENERATION].astype(np.int64)
+        live = seen & (self._generations[np.where(seen, blocks, 0)] == gens)
+        way = np.argmax(live, axis=1)  # (a stale entry of the name never hides a live one)
+        rows = np.arange(n)
+        ok = live[rows, way]
+        return (np.where(ok, blocks[rows, way], -1), np.where(ok, gens[rows, way], -1),
+                seen.any(axis=1))
 
     def close(self) -> None:
-        """Unmap (the owner removes the file).  Idempotent."""
+        """Unmap; the owner first marks the file closed (a reader that still maps it finds
+        nothing from then on), then removes it.  Idempotent."""
+        if self._shm.owned:
+            self._shm.words[0] = 0
         self._table = np.zeros((1, WAYS, ENTRY_WORDS), _U64)
         self._mask = 0
+        self._generations = np.zeros(1, np.int64)
         self._shm.close()
         if self._own_generations is not None:
-            self._generations = np.zeros(1, np.int64)
             self._own_generations.close()
             self._own_generations = None
 
@@ -343,41 +353,45 @@ class HostHolders:
         return sorted(r for r in {r for r, _ in self._tables}
                       if all((r, t) in self._tables for t in range(tp)))
 
-    def find(self, keys: Sequence[int]) -> Optional[QueryResult]:
+    def find(self, keys: Sequence[int]) -> Optional[Tuple[QueryResult, bool]]:
         """The longest prefix of ``keys`` that one same-host peer holds in every directory
-        group (``Tier.VLLM`` locations, no leases), or None when no peer holds the first."""
+        group (``Tier.VLLM`` locations, no leases), and whether the block right after it
+        was held there once (its entry moved on: vLLM handed it out, so Xavier's tiers may
+        hold it now -- worth asking the directory); None when no peer holds the first."""
         if not keys or not self._tables:
             return None
         groups = self._shards.directory_groups
         first = name_words(keys[:1])
         words: Optional[np.ndarray] = None
-        best: Optional[Tuple[int, int, List[Tuple[np.ndarray, np.ndarray, HostIndex]]]] = None
+        best: Optional[Tuple[int, int, bool, List[Tuple[np.ndarray, np.ndarray, int]]]] = None
         for rank in self.ranks:
             if any(self._lookup(rank, g, first)[0][0] < 0 for g in groups):
                 continue
             if words is None:
                 words = name_words(keys)
-            n, found = len(keys), []
+            n, found, seen_next = len(keys), [], np.zeros(len(keys) + 1, bool)
             for g in groups:
                 index = self._tables[(rank, self._shards.tp_rank(g))]
-                block, gen = index.find(g, words[:n])
+                block, gen, seen = index.find(g, words[:n])
                 missing = np.flatnonzero(block < 0)
                 n = int(missing[0]) if len(missing) else n
-                found.append((block, gen, index))
+                seen_next[:len(seen)] |= seen
+                found.append((block, gen, index.incarnation))
             if n and (best is None or n > best[1]):
-                best = (rank, n, found)
+                best = (rank, n, bool(seen_next[n]), found)
         if best is None:
             return None
-        rank, n, found = best
+        rank, n, evicted_next, found = best
         table = np.zeros((len(groups) * n, LOCATION_COLUMNS), np.int64)
-        for i, (g, (block, gen, index)) in enumerate(zip(groups, found)):
+        for i, (g, (block, gen, incarnation)) in enumerate(zip(groups, found)):
             rows = table[i * n:(i + 1) * n]
             rows[:, 0], rows[:, 1], rows[:, 2] = rank, int(Tier.VLLM), g
-            rows[:, 3], rows[:, 4], rows[:, 5] = block[:n], gen[:n], index.incarnation
-        return QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
+            rows[:, 3], rows[:, 4], rows[:, 5] = block[:n], gen[:n], incarnation
+        hit = QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
+        return hit, evicted_next
 
     def _lookup(self, rank: int, group: int, words: np.ndarray
-                ) -> Tuple[np.ndarray, np.ndarray]:
+                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._tables[(rank, self._shards.tp_rank(group))].find(group, words)
 
     def close(self) -> None:

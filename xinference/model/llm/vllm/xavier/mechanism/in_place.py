@@ -24,12 +24,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ..planning.load_batch import Tier
+from ..planning.log_names import package_logger
 from ..planning.shm_words import owned_name, remove_files
 from .block_copy import as_byte_rows, block_views
 from .host_index import HostIndex
 from .kv_schema import KVLayout, layout_of, torch_dtype
 from .slot_generations import GenerationsHandle, SlotGenerations
 from .snapshot_storage import open_ipc, pin_host, shm_free_bytes, unpin_host
+
+logger = package_logger(__name__)
 
 #: per layer: (file, dtype, shape, stride, offset in elements, file bytes)
 ShmLayer = Tuple[str, str, Tuple[int, ...], Tuple[int, ...], int, int]
@@ -141,10 +144,23 @@ class InPlaceShare:
                num_blocks: int, shared: Optional[SharedHostCaches], rank: int, tp_rank: int,
                host_index: bool) -> InPlaceShare:
         gens = SlotGenerations.create_shared(int(Tier.VLLM), sorted(caches), num_blocks)
-        index = (HostIndex.create(rank, tp_rank, gens, gens.row(int(Tier.VLLM), min(caches)))
-                 if host_index else None)
-        handles = describe_caches(caches, block_dims, gens, num_blocks, shared,
-                                  index.path if index is not None else "")
+        index: Optional[HostIndex] = None
+        try:
+            if host_index:
+                try:
+                    index = HostIndex.create(rank, tp_rank, gens,
+                                             gens.row(int(Tier.VLLM), min(caches)))
+                except OSError as exc:  # e.g. /dev/shm full: peers then ask the directory
+                    logger.warning("xavier: rank %d: no host index (%r): same-host peers "
+                                   "find this replica's blocks through the directory", rank,
+                                   exc)
+            handles = describe_caches(caches, block_dims, gens, num_blocks, shared,
+                                      index.path if index is not None else "")
+        except BaseException:
+            if index is not None:
+                index.close()
+            gens.close()
+            raise
         return cls(gens, handles, index)
 
     def close(self) -> None:

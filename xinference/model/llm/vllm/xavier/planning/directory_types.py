@@ -77,19 +77,21 @@ class QueryResult:
     def lease_ids(self) -> Tuple[int, ...]:
         return tuple(self.lease_table.tolist())
 
-    def followed_by(self, other: QueryResult, limit: int) -> QueryResult:
-        """These hits, then the first ``limit`` of ``other``'s (the answer for the keys
-        right after these, in the same groups)."""
-        n, m = self.num_hits, min(other.num_hits, max(0, limit))
+    def followed_by(self, other: QueryResult, limit: int, skip: int = 0) -> QueryResult:
+        """These hits, then at most ``limit`` of ``other``'s from its ``skip``-th (``other``
+        answers keys of which the ``skip``-th is the one right after these, in the same
+        groups)."""
+        n, m = self.num_hits, max(0, min(other.num_hits - skip, limit))
         if not m:
             return self
         groups = len(self.table) // n if n else len(other.table) // other.num_hits
+        o = other.num_hits
         table = np.concatenate([self.table.reshape(groups, n, -1),
-                                other.table.reshape(groups, other.num_hits, -1)[:, :m]], 1)
+                                other.table.reshape(groups, o, -1)[:, skip:skip + m]], 1)
         leases = np.concatenate([self.lease_table.reshape(groups, n),
-                                 other.lease_table.reshape(groups, other.num_hits)[:, :m]], 1)
-        return QueryResult(self.keys + other.keys[:m], table.reshape(-1, LOCATION_COLUMNS),
-                           leases.reshape(-1))
+                                 other.lease_table.reshape(groups, o)[:, skip:skip + m]], 1)
+        return QueryResult(self.keys + other.keys[skip:skip + m],
+                           table.reshape(-1, LOCATION_COLUMNS), leases.reshape(-1))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, QueryResult):

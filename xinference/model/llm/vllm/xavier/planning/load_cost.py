@@ -107,19 +107,26 @@ class StepTimeCurve:
     with fewer than ``min_samples`` samples are left out."""
 
     decay: float
-    min_samples: int = 4
+    min_samples: float = 4.0
     bins: Dict[int, List[float]] = field(default_factory=dict)  # bin -> [w, tokens, s]
 
     def add(self, tokens: float, seconds: float) -> None:
-        b = self.bins.setdefault(int(tokens).bit_length(), [0.0, 0.0, 0.0, 0])
-        b[0], b[1], b[2] = (self.decay * b[0] + 1.0, self.decay * b[1] + tokens,
-                            self.decay * b[2] + seconds)
-        b[3] += 1
+        """One step's sample; every bin ages with it (a bin no step fell into for long
+        fades: it was measured on another load)."""
+        for b in self.bins.values():
+            b[0], b[1], b[2], b[3] = (self.decay * b[0], self.decay * b[1],
+                                      self.decay * b[2], self.decay * b[3])
+        b = self.bins.setdefault(int(tokens).bit_length(), [0.0, 0.0, 0.0, 0.0])
+        b[0], b[1], b[2], b[3] = b[0] + 1.0, b[1] + tokens, b[2] + seconds, b[3] + 1.0
 
     def points(self) -> List[Tuple[float, float]]:
-        """``(mean tokens, mean seconds)`` of every bin with enough samples, by tokens."""
-        return [(b[1] / b[0], b[2] / b[0]) for _, b in sorted(self.bins.items())
-                if b[3] >= self.min_samples]
+        """``(mean tokens, mean seconds)`` of every bin with enough (weighted) samples, by
+        tokens, never falling (a bin's noise cannot make more tokens look cheaper)."""
+        pts = [(b[1] / b[0], b[2] / b[0]) for _, b in sorted(self.bins.items())
+               if b[3] >= self.min_samples]
+        for i in range(1, len(pts)):
+            pts[i] = (pts[i][0], max(pts[i][1], pts[i - 1][1]))
+        return pts
 
     def added_s(self, tokens: int) -> Optional[float]:
         """What ``tokens`` more tokens add to a step: the curve at ``tokens`` less the
@@ -188,11 +195,15 @@ class LoadCost:
         """The engine holds no request: the interval to its next step is not a step's."""
         self._idle = True
 
-    def hit_waited(self, seconds: float, others: int, lookup_s: float = 0.0) -> None:
+    def hit_waited(self, seconds: float, others: int,
+                   lookup_s: Optional[float] = 0.0) -> None:
         """A hit reached its first forward ``seconds`` after its blocks were allocated, with
-        ``others`` requests running then; its lookup took ``lookup_s`` (asked to answered)."""
+        ``others`` requests running then; its lookup took ``lookup_s`` (asked to answered;
+        None: it made none, e.g. found in a host index)."""
         lv = self._last_level = level_of(others)
         for means, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
+            if value is None:
+                continue
             old = means[lv]
             means[lv] = value if old is None else old + self.wait_weight * (value - old)
 

@@ -60,8 +60,9 @@ from .step_meta import ExportRow, StepMeta, StepStats
 logger = package_logger(__name__)
 
 #: the longest prefix of these block names that one same-host peer holds (its host index,
-#: :mod:`~..mechanism.host_index`), as the directory would answer it; None: no hit
-HostFind = Callable[[Sequence[int]], Optional[QueryResult]]
+#: :mod:`~..mechanism.host_index`), as the directory would answer it, and whether the block
+#: after it was held there once (Xavier's tiers may hold it now); None: no hit
+HostFind = Callable[[Sequence[int]], Optional[Tuple[QueryResult, bool]]]
 
 @dataclass
 class _Hit:
@@ -85,7 +86,7 @@ class _Tracked:
     loaded: bool = False
     declined: bool = False  # its hit did not pay (:mod:`.load_cost`): vLLM computes it
     others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
-    lookup_s: float = 0.0  # its lookup's time from asked to answered
+    lookup_s: Optional[float] = 0.0  # its lookup's time, asked to answered (None: none)
     #: clock readings: tracked, its hit answered, its load allocated (None: not yet)
     arrived_at: float = 0.0
     answered_at: Optional[float] = None
@@ -138,12 +139,12 @@ class SchedulerSide:
         if sharing and ready and loads:
             last = self._last_block(keys(), num_tokens)
             host = self._host_hit(keys()[:last]) if last > 0 else None
-            held = host.num_hits if host is not None else 0  # the directory: for the rest
+            held = host[0].num_hits if host is not None else 0  # the directory: for the rest
             if held < last:
                 self.lookups.ask(request_id, held, keys()[held:last])
 
-    def _host_hit(self, keys: Sequence[int]) -> Optional[QueryResult]:
-        """The longest prefix of ``keys`` a same-host peer holds (None: none)."""
+    def _host_hit(self, keys: Sequence[int]) -> Optional[Tuple[QueryResult, bool]]:
+        """The longest prefix of ``keys`` a same-host peer holds (None: none) (:data:`HostFind`)."""
         return self._on_host(keys) if self._on_host is not None and len(keys) else None
 
     def _last_block(self, keys: Sequence[int], num_tokens: int) -> int:
@@ -172,7 +173,7 @@ class SchedulerSide:
             return 0
         host = self._host_hit(keys[first:last])
         if host is not None:  # a same-host peer holds the start: no directory round trip
-            return self._keep_host(request_id, keys, first, last, host)
+            return self._keep_host(request_id, keys, first, last, *host)
         if self._decline and self.cost is not None and not self.cost.worth_looking_up(
                 (last - first) * self.block_size, self._others(request_id),
                 not self.lookups.answered(request_id)):
@@ -194,8 +195,9 @@ class SchedulerSide:
         tracked.lookup_s = (lookup.answered_at or lookup.asked_at) - lookup.asked_at
         end = min(start + result.num_hits, last)
         if start > first or end <= first:
-            if start != first and end <= first and last > first:
-                # the answer covers only blocks this replica has itself: ask from `first`
+            if start != first and last > first:
+                # the answer covers only blocks this replica has itself, or starts after
+                # `first` (asked after a host hit that is gone now): ask from `first`
                 self.lookups.ask(request_id, first, keys[first:last])
                 state, lookup = self.lookups.take(request_id)
                 if state is State.PENDING:
@@ -209,20 +211,30 @@ class SchedulerSide:
         return self._keep(request_id, keys, first, end, start, result)
 
     def _keep_host(self, request_id: str, keys: Sequence[int], first: int, last: int,
-                   host: QueryResult) -> int:
+                   host: QueryResult, evicted_next: bool) -> Optional[int]:
         """Hold the hit same-host peers' host indexes answered from block ``first``, followed
-        by the directory's answer for the blocks after it if that is already there (asked
-        at arrival: Xavier's tiers or another host may hold more; never waited for)."""
+        by the directory's answer for the blocks after it (asked at arrival): taken if it
+        is there; waited for (within the step's budget, else ``None``: vLLM asks again)
+        only when the block after the host hit was held on this host once -- vLLM handed it
+        out, so Xavier's tiers may hold it.  Otherwise nobody of this host ever computed
+        it and the directory's answer is not waited for (only another host could hold
+        it)."""
         end = first + host.num_hits
-        if end < last and self.lookups.answered(request_id):
+        state, lookup = State.NONE, None
+        if end < last and (evicted_next or self.lookups.answered(request_id)):
             state, lookup = self.lookups.take(request_id)
-            if (state is State.DONE and lookup is not None and lookup.result is not None
-                    and lookup.start == end):
-                self._stats.queries += 1
-                self._stats.queried_blocks += len(lookup.keys)
-                host = host.followed_by(lookup.result, last - end)
+            if state is State.NONE and evicted_next:
+                self.lookups.ask(request_id, end, keys[end:last])
+                state, lookup = self.lookups.take(request_id)
+            if state is State.PENDING:
+                return None
+        if state is State.DONE and lookup is not None and lookup.result is not None:
+            self._stats.queries += 1
+            self._stats.queried_blocks += len(lookup.keys)
+            if lookup.start <= end < lookup.start + lookup.result.num_hits:
+                host = host.followed_by(lookup.result, last - end, end - lookup.start)
         self.lookups.drop(request_id)
-        self._tracked[request_id].lookup_s = 0.0
+        self._tracked[request_id].lookup_s = None  # (no lookup: not a lookup's time)
         kept = self._keep(request_id, keys, first, first + host.num_hits, first, host)
         if kept:  # (a hit the cost model declined is no hit)
             self._stats.host_index_hits += 1

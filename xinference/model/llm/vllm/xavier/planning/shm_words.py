@@ -118,11 +118,21 @@ class ShmWords:
         self.words: np.ndarray = np.frombuffer(mapping, dtype=np.int64, count=count)
 
     @classmethod
-    def create(cls, count: int, directory: Optional[str] = None) -> ShmWords:
-        """A new file of ``count`` zero words, owned here (:meth:`close` removes it)."""
+    def create(cls, count: int, directory: Optional[str] = None,
+               reserve: bool = False) -> ShmWords:
+        """A new file of ``count`` zero words, owned here (:meth:`close` removes it).
+        ``reserve``: its pages are allocated now (``OSError`` if the file system has no
+        room), not at a first write that would then kill the process (SIGBUS on tmpfs)."""
         path = owned_name(directory)
         with open(path, "wb") as f:
             f.truncate(8 * count)
+            if reserve:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, 8 * count)
+                except OSError:
+                    f.close()
+                    os.unlink(path)
+                    raise
         return cls._map(path, count, owner=True)
 
     @classmethod
@@ -143,6 +153,11 @@ class ShmWords:
         finally:
             os.close(fd)
         return cls(path, mapping, count, owner)
+
+    @property
+    def owned(self) -> bool:
+        """Whether this process created the file (and removes it on :meth:`close`)."""
+        return self._owner
 
     def close(self) -> None:
         """Unmap (and, for the owner, remove the file); :attr:`words` then reads zeros.

@@ -160,8 +160,9 @@ class XavierConnectorScheduler:
         # no lease with the answer: a step leases what it loads (_take_leases)
         return self._bridge.start(lambda: ref.query_many(groups, requests, rank, False))
 
-    def _find_on_host(self, keys: Sequence[int]) -> Optional[QueryResult]:
-        """The longest prefix of ``keys`` a same-host peer holds (its host index)."""
+    def _find_on_host(self, keys: Sequence[int]) -> Optional[Tuple[QueryResult, bool]]:
+        """The longest prefix of ``keys`` a same-host peer holds (its host index), and
+        whether the block after it was held there once."""
         self._poll_host_indexes()
         return self._holders.find(keys) if self._holders is not None else None
 
@@ -171,13 +172,16 @@ class XavierConnectorScheduler:
         if self._holders is None:
             return
         fut = self._host_poll
-        if fut is not None and fut.done():
+        now = time.monotonic()
+        if fut is not None and not fut.done() and now > self._next_host_poll + HOST_POLL_S:
+            fut.cancel()  # unanswered for two periods (a directory gone): ask again
+            self._host_poll = None
+        elif fut is not None and fut.done():
             self._host_poll = None
             try:
                 self._holders.update(fut.result())
             except Exception as exc:  # an older directory, or gone: no same-host hits
                 logger.debug("xavier: rank %d: host indexes: %r", self.options.rank, exc)
-        now = time.monotonic()
         if self._host_poll is None and now >= self._next_host_poll:
             self._next_host_poll = now + HOST_POLL_S
             ref, host, rank = self._directory.get(), self._host, self.options.rank

@@ -45,6 +45,7 @@ logger = package_logger(__name__)
 CALL_TIMEOUT_S = 30.0
 #: a peer that could not be mapped is not tried again for this long
 PEER_RETRY_S = 5.0
+PEER_RETRY_MAX_S = 60.0
 PEER_MAP_TIMEOUT_S = 10.0
 #: how often the mapping thread looks for a world update or an unmapped peer
 PREMAP_PERIOD_S = 0.5
@@ -72,6 +73,7 @@ class PeerMaps:
         self._peer_retry_at: Dict[int, float] = {}
         #: the mapping thread does not try these peers again before these times
         self._premap_retry_at: Dict[int, float] = {}
+        self._failures_in_a_row: Dict[int, int] = {}  # of peers loads asked for
         #: peers that hold no storage (nothing to map) until the world changes
         self._storageless: Set[int] = set()
         #: staging row set -> group -> per-layer rows (set 0 from the descriptor at open,
@@ -149,7 +151,8 @@ class PeerMaps:
                    and now >= max(self._peer_retry_at.get(r, 0.0),
                                   0.0 if r in wanted else self._premap_retry_at.get(r, 0.0))}
         failed: Set[int] = set()
-        for rank, address in sorted(due.items()):
+        # this host's peers first: a dark host of another one must not delay them
+        for rank, address in sorted(due.items(), key=lambda x: (x[0] in self._remote, x[0])):
             t0 = time.perf_counter()
             ahead = rank not in wanted  # (a load asked: a failure keeps loads off it a while)
             try:
@@ -229,6 +232,7 @@ class PeerMaps:
             now = world[rank] if rank < len(world) else ""
             if rank != self._rank and was != now:
                 self._peer_retry_at.pop(rank, None)
+                self._failures_in_a_row.pop(rank, None)
                 self._premap_retry_at.pop(rank, None)
                 self._storageless.discard(rank)
                 self._remote.discard(rank)
@@ -261,16 +265,23 @@ class PeerMaps:
             if self._map_peer(rank, not ahead, desc):
                 self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
             (self._premap_retry_at if ahead else self._peer_retry_at).pop(rank, None)
+            self._failures_in_a_row.pop(rank, None)
             return True
         except Exception as exc:
             (self._premap_failed if ahead else self._failed_to_map)(rank, exc)
             return False
 
     def _failed_to_map(self, rank: int, exc: BaseException) -> None:
+        """A peer a load asked for could not be mapped: not tried again for
+        :data:`PEER_RETRY_S`, doubled with each failure in a row up to
+        :data:`PEER_RETRY_MAX_S` (a dark host costs the mapping thread one timeout a
+        minute, not one every few seconds)."""
         self._counters.add("peer_map_failures")
+        n = self._failures_in_a_row[rank] = self._failures_in_a_row.get(rank, 0) + 1
+        wait = min(PEER_RETRY_MAX_S, PEER_RETRY_S * 2 ** (n - 1))
         logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
-                       self._rank, rank, PEER_RETRY_S, exc)
-        self._peer_retry_at[rank] = _monotonic() + PEER_RETRY_S
+                       self._rank, rank, wait, exc)
+        self._peer_retry_at[rank] = _monotonic() + wait
 
     def _describe(self, rank: int, address: str) -> Optional[Dict[str, Any]]:
         """``rank``'s storage descriptor, from its transfer actor at ``address`` (a call to
