@@ -30,9 +30,9 @@ def plane_of(rank=2, defers_block_frees=False, overlapped=True, **kw):
 
 
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
-    """A dead peer a load asked for costs the mapping thread one failed try, not one per
-    step; a world update that gives it a new address (recovery) allows the next try at
-    once.  The load itself never tries: its rows fail at once."""
+    """A dead peer costs one failed try, not one per step: the next after PEER_RETRY_S,
+    doubling with each failure in a row; a world update that gives it a new address
+    (recovery) allows the next try at once."""
     plane = plane_of()
     plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
     tries = []
@@ -46,22 +46,18 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     monkeypatch.setattr(plane.peers, "_describe", failing_describe)
     clock = [100.0]
     monkeypatch.setattr(peers, "_monotonic", lambda: clock[0])
-    assert plane.peers.ensure_mapped({1}) == {1} and tries == []  # (the load: no try)
-    plane.peers.premap()
     assert plane.peers.ensure_mapped({1}) == {1}
-    plane.peers.premap()  # within the wait: not tried
+    assert plane.peers.ensure_mapped({1}) == {1}  # within the wait: not tried
+    plane.peers.premap()  # (nor by the mapping thread, which the load woke)
     assert tries == [1]
     clock[0] += peers.PEER_RETRY_S + 0.1
     assert plane.peers.ensure_mapped({1}) == {1}
-    plane.peers.premap()
     assert tries == [1, 1]
     clock[0] += peers.PEER_RETRY_S + 0.1  # a second failure in a row doubled the wait
     assert plane.peers.ensure_mapped({1}) == {1}
-    plane.peers.premap()
     assert tries == [1, 1]
     plane.peers.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
     assert plane.peers.ensure_mapped({1}) == {1}
-    plane.peers.premap()
     assert tries == [1, 1, 1]
     assert plane.counters.snapshot()["peer_map_failures"] == 3
     plane.close()
@@ -77,6 +73,8 @@ def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
     inside, release = threading.Event(), threading.Event()
 
     def describe(rank, address):  # the descriptor arrives; the remote setup hangs
+        if rank == 0:
+            return None
         return {"host": "another host", "tiers": {}, "layout": plane.layout}
 
     def hanging_map(rank, remote=True, desc=None):
@@ -85,6 +83,7 @@ def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
         raise TimeoutError("no answer from dark-host")
 
     monkeypatch.setattr(plane.peers, "_describe", describe)
+    plane.peers.premap()  # the mapping thread saw the peer (of another host) while it lived
     monkeypatch.setattr(plane.peers, "_map_peer", hanging_map)
     assert plane.peers.ensure_mapped({1}) == {1}  # a load asked: the thread maps it next
     mapper = threading.Thread(target=plane.peers.premap)

@@ -4,15 +4,17 @@
 last told it and maps every peer before a load needs it, on a thread of its own
 (:meth:`PeerMaps.start`; CUDA IPC and shared memory on this host, the peer's CPU tier
 page-locked here too: :func:`~..planning.routes.peer_route`), so that no hit pays for
-it.  A load never maps a peer itself (:meth:`PeerMaps.ensure_mapped`): on vLLM's step
-thread that waited on a dark host for every step; the rows of a peer not mapped yet fail
-(vLLM recomputes them) and the mapping thread maps it next -- a peer of another host
-(read through the rank's actor: NIXL or sockets, into staging rows this process maps
-too) once a load asked for it.  A peer that a load asked for and that could not be mapped
-is not tried again for :data:`PEER_RETRY_S`; a world update that changes its address ends
-the wait.  The mapping thread's own failures (a peer still starting, a dead one) only
-delay its next try (:data:`PREMAP_RETRY_S`).  A peer without storage (the launch's rank-0
-coordinator) is not asked again until the world changes.
+it.  No load waits for a peer of another host or for the mapping thread
+(:meth:`PeerMaps.ensure_mapped`; until session 27 loads mapped every peer on vLLM's step
+thread, and with a peer's host dark every step waited up to ~25 s): the rows of a peer
+that cannot be read now fail (vLLM recomputes them) and the mapping thread maps it next
+-- a peer of another host (read through the rank's actor: NIXL or sockets, into staging
+rows this process maps too) once a load asked for it.  A peer that a load asked for and
+that could not be mapped is not tried again for :data:`PEER_RETRY_S`, doubling to
+:data:`PEER_RETRY_MAX_S`; a world update that changes its address ends the wait.  The
+mapping thread's own failures (a peer still starting) only delay its next try
+(:data:`PREMAP_RETRY_S`).  A peer without storage (the launch's rank-0 coordinator) is
+not asked again until the world changes.
 """
 
 from __future__ import annotations
@@ -61,23 +63,20 @@ class PeerMaps:
                  transfer: LazyActor, engine: GPUTransfer, counters: SharedCounters,
                  pin: bool, tp_rank: int = 0, layout: Optional[KVLayout] = None) -> None:
         self._rank, self._options, self._bridge = rank, options, bridge
-        #: the TP worker this is: it maps and reads shard ``tp_rank`` of every peer
-        self._tp_rank = tp_rank
-        #: this worker's KV layout: a peer's must match it (TP degree included)
-        self._layout = layout
+        #: the TP worker this is (it reads shard ``tp_rank`` of every peer) and its KV
+        #: layout (a peer's must match it, TP degree included)
+        self._tp_rank, self._layout = tp_rank, layout
         self._transfer, self._engine, self._counters = transfer, engine, counters
-        self._pin = pin
+        self._pin, self._world_epoch = pin, 0
         self._world: List[str] = []
-        self._world_epoch = 0
-        #: loads do not try these peers again before these times (a load failed to map)
+        #: no try of these peers before these times (one a load asked for failed; the
+        #: mapping thread's own pass failed)
         self._peer_retry_at: Dict[int, float] = {}
-        #: the mapping thread does not try these peers again before these times
         self._premap_retry_at: Dict[int, float] = {}
         self._failures_in_a_row: Dict[int, int] = {}  # of peers loads asked for
-        #: peers that hold no storage (nothing to map) until the world changes
-        self._storageless: Set[int] = set()
-        #: staging row set -> group -> per-layer rows (set 0 from the descriptor at open,
-        #: a later one when a fetch's answer first names it)
+        self._storageless: Set[int] = set()  # hold no storage (until the world changes)
+        #: staging row set -> group -> per-layer rows (set 0 from the descriptor at open, a
+        #: later one when a fetch's answer first names it)
         self._staging: Dict[int, Dict[int, List[torch.Tensor]]] = {}
         self._host = ""
         #: held while the world or a mapping changes (the step's thread and the mapper)
@@ -88,14 +87,12 @@ class PeerMaps:
         self._remote: Set[int] = set()
         #: peers whose tiers are being mapped (a load waits for all of them)
         self._in_progress: Set[int] = set()
-        #: what loads ask of the mapping thread (guarded by ``_asks``, never held while a
-        #: peer is called: the step's thread takes it): peers to map again (a load named a
-        #: tier they published after their mapping), peers a load could not read (mapped
-        #: next, a peer of another host too), and the mapping thread's wake-up
-        self._asks = threading.Lock()
+        #: what loads ask of the mapping thread (under ``_asks``, never held while a peer is
+        #: called): peers to map again (a load named a tier they published after their
+        #: mapping), peers a load could not read (mapped next, of another host too)
+        self._asks, self._wake = threading.Lock(), threading.Event()
         self._refresh: Set[int] = set()
         self._wanted: Set[int] = set()
-        self._wake = threading.Event()
 
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
@@ -175,8 +172,7 @@ class PeerMaps:
         return failed
 
     def _premap_failed(self, rank: int, exc: BaseException) -> None:
-        """The mapping thread could not map ``rank`` (lock held): it tries again after
-        :data:`PREMAP_RETRY_S`; loads are not held back (they try the peer themselves)."""
+        """The mapping thread could not map ``rank`` ahead (lock held): next try later."""
         self._counters.add("peer_premap_failures")
         logger.info("xavier: rank %d: rank %d not mapped ahead (next try in %.0f s): %r",
                     self._rank, rank, PREMAP_RETRY_S, exc)
@@ -208,7 +204,6 @@ class PeerMaps:
                 self._follow_world(epoch)
 
     def _follow_world(self, epoch: int) -> None:
-        self._world_epoch = epoch
         self._counters.add("world_updates_seen")
         ref = self._transfer.get(timeout=CALL_TIMEOUT_S)
         try:
@@ -217,6 +212,7 @@ class PeerMaps:
             logger.warning("xavier: rank %d: reading the new world failed: %r", self._rank, exc)
             world = []
         self.apply_world(world)
+        self._world_epoch = epoch  # (loads trust the mappings again)
         logger.info("xavier: rank %d: world %s", self._rank, world)
 
     def apply_world(self, world: List[str]) -> None:
@@ -239,16 +235,27 @@ class PeerMaps:
                 self._engine.unmap_storage(rank)
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
-        """The ranks of ``ranks`` a load cannot read now (step's thread: never waits for a
-        peer, a lock a peer call holds, or an actor): those not mapped yet or being
-        mapped.  The mapping thread maps them next (a peer of another host too, once a load
-        asked for it; a failure keeps it off for :data:`PEER_RETRY_S`), and a world update
-        seen here wakes it; meanwhile their rows fail and vLLM recomputes them.  (It was a
-        map on the step's thread: with a peer's host dark, every step of the replica
-        waited up to ~25 s -- two bridge calls of 10 s and xoscar's connect timeout.)"""
+        """The ranks of ``ranks`` a load cannot read now (vLLM's step thread: it never waits
+        for a peer of another host, see the module docstring).  A peer not mapped yet that
+        is not known to be of another host and did not fail lately is mapped here (after
+        the mapping thread's work on this host, which holds the lock; a remote setup never
+        holds it)."""
         if self._counters.get("world_epoch") != self._world_epoch:
-            self._wake.set()  # the mapping thread follows the world (an actor call)
+            self._wake.set()  # the mapping thread follows the world (an actor call): until
+            return set(ranks)  # then no mapping is trusted (a rank died or moved)
         missing = (ranks - {r for r, _ in self._engine.mapped()}) | (ranks & self._in_progress)
+        if not missing:
+            return set()
+        now = _monotonic()
+        here = [r for r in sorted(missing)
+                if r not in self._remote and now >= self._peer_retry_at.get(r, 0.0)]
+        if here and self._lock.acquire(timeout=PEER_MAP_TIMEOUT_S):  # (this host's work only)
+            try:
+                for rank in here:  # (one of another host: found so, and left to the thread)
+                    self._try_map(rank, time.perf_counter(), remote=False)
+            finally:
+                self._lock.release()
+            missing -= {r for r, _ in self._engine.mapped()}
         if missing:
             with self._asks:
                 self._wanted |= missing
@@ -256,13 +263,13 @@ class PeerMaps:
         return missing
 
     def _try_map(self, rank: int, t0: float, desc: Optional[Dict[str, Any]] = None,
-                 ahead: bool = False) -> bool:
+                 ahead: bool = False, remote: Optional[bool] = None) -> bool:
         """Map ``rank`` (lock held) from ``desc`` (asked for when None), counting the time
         or the failure; False if it failed.  For a load: a failure keeps loads off the
         peer for :data:`PEER_RETRY_S`.  ``ahead`` (the mapping thread): a peer of another
         host is left to its first load, and a failure only delays the thread's next try."""
         try:
-            if self._map_peer(rank, not ahead, desc):
+            if self._map_peer(rank, not ahead if remote is None else remote, desc):
                 self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
             (self._premap_retry_at if ahead else self._peer_retry_at).pop(rank, None)
             self._failures_in_a_row.pop(rank, None)
@@ -342,13 +349,17 @@ class PeerMaps:
                 self._in_progress.discard(rank)
             self._counters.add("peers_mapped_ipc")
             return True
-        if not remote:
+        if not remote and desc["host"] != self._host:  # (this host's, NIXL forced: mapped)
             self._remote.add(rank)
             return False
         own = self._transfer.get(timeout=CALL_TIMEOUT_S)
         if own is None:
             raise LookupError("the rank's transfer actor is not reachable")
-        self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
+        self._lock.release()  # (the mapping thread's: a dark host holds up no load here)
+        try:
+            self._bridge.call(lambda: own.map_remote(rank), PEER_MAP_TIMEOUT_S)
+        finally:
+            self._lock.acquire()
         tiers = [Tier(t) for t in sorted(desc["tiers"])] + ([Tier.VLLM] if in_place else [])
         for tier in tiers:
             self._engine.map_remote_storage(rank, tier, shard_layout,
@@ -378,8 +389,8 @@ class PeerMaps:
             raise
 
     def refresh(self, rank: int) -> None:
-        """A load found a tier of ``rank`` it names unmapped (the peer published it after
-        it was mapped here): the mapping thread maps the peer again."""
+        """A load found a tier of ``rank`` unmapped (published after the peer was mapped
+        here): the mapping thread maps the peer again."""
         with self._asks:
             self._refresh.add(rank)
         self._wake.set()
