@@ -237,6 +237,7 @@ def test_directory_restart_then_ranks_reregister_misses_then_hits(world, qwen_pa
     new_prefix = tokens(7100, 128)
     new_asked = new_prefix + tokens(7101, 20)
     base_new = exported_on_a(lt, r, new_prefix, new_asked)
+    before = lt.run(b.counters())
     hit = lt.run(b.generate([new_asked]))[0]
     assert hit["ids"] == base_new
     gained = lt.run(b.counters()).get("hit_blocks", 0) - before.get("hit_blocks", 0)

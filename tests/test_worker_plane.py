@@ -64,40 +64,52 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
 
 
 def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
-    """Mapping a peer whose host answers nothing (blackholed: each call runs to its
-    timeout) happens on the mapping thread only: while the thread is inside that call,
-    holding the peers' lock, the step's thread is answered at once -- the peer's rows
-    fail, a tier refresh is queued, a world update is noted -- and no step waits."""
+    """Setting up a peer whose host answers nothing (blackholed: the call runs to its
+    timeout) happens on the mapping thread only, without the lock loads take: while the
+    thread is inside that call, the step's thread is answered at once -- the peer's rows
+    fail, a tier refresh is queued, a world update is read from the rank's own actor --
+    and no step waits."""
     plane = plane_of()
-    plane.peers.apply_world(["m", "dark-host:1", "b"])
+    world = ["m", "dark-host:1", "b"]
+    plane.peers.apply_world(world)
     inside, release = threading.Event(), threading.Event()
 
-    def describe(rank, address):  # the descriptor arrives; the remote setup hangs
-        if rank == 0:
-            return None
-        return {"host": "another host", "tiers": {}, "layout": plane.layout}
+    class Own:  # this rank's transfer actor (answers) and the dark peer behind it
+        def map_remote(self, rank):
+            return "hang"
 
-    def hanging_map(rank, remote=True, desc=None):
-        inside.set()
-        release.wait(30)  # (xoscar's connect timeout and the bridge's 10 s, in a real run)
-        raise TimeoutError("no answer from dark-host")
+        def world(self):
+            return list(world)
+
+    class Bridge:
+        def call(self, make, timeout=None):
+            result = make()
+            if result == "hang":
+                inside.set()
+                release.wait(30)  # (xoscar's connect timeout, the bridge's 10 s, for real)
+                raise TimeoutError("no answer from dark-host")
+            return result
+
+    def describe(rank, address):  # the descriptor arrived while the host lived
+        return None if rank == 0 else {"host": "another host", "tiers": {},
+                                       "layout": plane.layout}
 
     monkeypatch.setattr(plane.peers, "_describe", describe)
+    monkeypatch.setattr(plane.peers, "_bridge", Bridge())
+    monkeypatch.setattr(plane.peers._transfer, "get", lambda timeout=None: Own())
     plane.peers.premap()  # the mapping thread saw the peer (of another host) while it lived
-    monkeypatch.setattr(plane.peers, "_map_peer", hanging_map)
-    assert plane.peers.ensure_mapped({1}) == {1}  # a load asked: the thread maps it next
+    assert plane.peers.ensure_mapped({1}) == {1}  # a load asked: the thread sets it up next
     mapper = threading.Thread(target=plane.peers.premap)
     mapper.start()
     try:
         assert inside.wait(10), "the mapping thread never reached the dark peer"
-        # the race is real: the mapping thread holds the peers' lock right now
-        assert not plane.peers._lock.acquire(blocking=False)
         t0 = time.perf_counter()
         for _ in range(100):  # a hundred steps while the peer hangs
             assert plane.peers.ensure_mapped({1}) == {1}
             plane.peers.refresh(1)
             plane.counters.add("world_epoch", 1)
         assert time.perf_counter() - t0 < 1.0
+        assert mapper.is_alive() and not release.is_set()  # (the hang lasted throughout)
     finally:
         release.set()
         mapper.join(30)

@@ -240,9 +240,7 @@ class PeerMaps:
         is not known to be of another host and did not fail lately is mapped here (after
         the mapping thread's work on this host, which holds the lock; a remote setup never
         holds it)."""
-        if self._counters.get("world_epoch") != self._world_epoch:
-            self._wake.set()  # the mapping thread follows the world (an actor call): until
-            return set(ranks)  # then no mapping is trusted (a rank died or moved)
+        self.follow_world()  # (asks this rank's own actor, never a peer)
         missing = (ranks - {r for r, _ in self._engine.mapped()}) | (ranks & self._in_progress)
         if not missing:
             return set()
