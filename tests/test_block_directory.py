@@ -36,6 +36,22 @@ def test_gpu_tier_preferred():
     assert d.query(0, [10], exclude_rank=0).locations[0].rank == 2
 
 
+def test_among_many_holders_the_first_unleased_device_copy_is_taken():
+    """A common prefix held by 64 replicas (#36: the scan per key stops at the first copy
+    nothing is preferred to): a host copy and a leased device copy listed first are passed
+    over; the choice is the one the full scan made."""
+    d = BlockDirectory()
+    d.register(1, [(0, 10, CPU, 0, 1)])
+    d.register(2, [(0, 10, GPU, 0, 1)])
+    held = d.query(0, [10], exclude_rank=0)  # leases rank 2's copy
+    assert held.locations[0].rank == 2
+    for rank in range(3, 67):
+        d.register(rank, [(0, 10, 2, rank, 1)])  # vLLM's cache read in place (never leased)
+    assert d.query(0, [10], exclude_rank=0, lease=False).locations[0].rank == 3
+    d.release(held.lease_ids)
+    assert d.query(0, [10], exclude_rank=0, lease=False).locations[0].rank == 2
+
+
 def test_claim_refuses_leased_slots_and_unregisters_granted_ones():
     d = BlockDirectory()
     d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1)])

@@ -262,12 +262,15 @@ class BlockDirectory:
         locs: List[Location] = []
         for key in keys:
             best: Optional[Location] = None
+            best_pref = (2, 0)
             for loc in self._by_key.get((group, key), {}).values():
                 if loc.rank == exclude_rank or loc.rank not in self._ranks:
                     continue
-                if best is None or _preference(loc, self._lease_count) < _preference(
-                        best, self._lease_count):
-                    best = loc
+                pref = _preference(loc, self._lease_count)
+                if best is None or pref < best_pref:
+                    best, best_pref = loc, pref
+                    if pref == (0, 0):  # device memory, unleased: none is preferred to it
+                        break
             if best is None:
                 if (group, key) not in self._by_key and self._short.get(
                         (group, row_key(key)), key) != key:
