@@ -54,8 +54,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         self._directory.register_rank(rank, tp_size)
 
     def unregister_rank(self, rank: int) -> int:
-        for key in [k for k in self._indexes if k[0] == rank]:
-            del self._indexes[key]
+        self._drop_indexes(rank)
         dropped = self._directory.unregister_rank(rank)
         if dropped:  # a rank that comes back: its old blocks go (a first start drops none)
             logger.info("block tracker: rank %d re-registered, %d old blocks dropped", rank,
@@ -69,6 +68,10 @@ class VLLMBlockTracker(xo.StatelessActor):
         if int(rank) not in self._directory.ranks:
             raise ValueError(f"rank: {rank} is not registered")
         self._indexes[(int(rank), int(tp_rank))] = (str(host), str(path))
+
+    def _drop_indexes(self, rank: int) -> None:
+        for key in [k for k in self._indexes if k[0] == int(rank)]:
+            del self._indexes[key]
 
     def host_indexes(self, host: str, exclude_rank: Optional[int] = None
                      ) -> List[Tuple[int, int, str]]:
@@ -94,8 +97,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         engine went): their entries go (with vLLM's whole cache, the rank's host indexes
         too: a peer stops probing them at its next poll)."""
         if slots is None and int(tier) == int(Tier.VLLM):
-            for key in [k for k in self._indexes if k[0] == int(rank)]:
-                del self._indexes[key]
+            self._drop_indexes(rank)
         return self._directory.forget(int(rank), int(tier), None if slots is None else {
             int(g): [(int(s), int(n)) for s, n in ss] for g, ss in slots.items()})
 
