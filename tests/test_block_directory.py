@@ -255,7 +255,7 @@ def test_a_forged_short_key_collision_is_a_counted_miss():
     d.release(hit.lease_ids)
     assert d.claim(1, 0, 0, [4]) == [4]  # the block goes: nothing is left to mismatch
     assert d.query(0, [forged], exclude_rank=2).num_hits == 0
-    assert d.stats.identity_mismatches == 1 and not d._short
+    assert d.stats.identity_mismatches == 1 and d.num_keys == 0
 
 
 def test_an_answer_crosses_processes_in_its_compact_form_unchanged():
@@ -385,3 +385,55 @@ def test_a_loader_leases_its_reads_when_it_allocates_them_and_only_what_still_ho
     assert d.stats.leases_refused == 5 and d.outstanding_leases == 0
     with pytest.raises(DirectoryError, match="^holder: "):
         d.lease(-3, locs)
+
+
+def test_a_departed_ranks_copies_are_never_offered_and_leave_their_records():
+    """Unregistering a rank (or forgetting a whole tier) drops its places at once and leaves
+    its entries as garbage swept later (#36: a rank of 100k blocks held the actor ~0.2 s):
+    before the sweep no lookup offers them, a rank of the same number registered again is
+    offered only for what it registered anew (the same block in the same slot too, which
+    the sweep must not take out), and after it nothing of the old rank is left."""
+    from xinference.model.llm.vllm.xavier.planning import block_directory
+
+    d = BlockDirectory()
+    keys = [(1 << 150) | k for k in range(3 * block_directory.SWEEP_PER_CALL)]
+    d.register(1, [(0, k, GPU, i, 1) for i, k in enumerate(keys)], incarnation=5)
+    d.register(2, [(0, keys[0], CPU, 0, 1)])
+    assert d.unregister_rank(1) == len(keys) and d.num_blocks == 1
+    assert d._garbage  # left to sweep: the call did a bounded part of the work
+    assert d.query(0, keys[:1], exclude_rank=3).locations == (Location(2, CPU, 0, 0, 1),)
+    assert d.query(0, keys[1:2], exclude_rank=3).num_hits == 0
+    # back under the same rank number: the same block in the same slot, another elsewhere
+    d.register(1, [(0, keys[1], GPU, 1, 1), (0, keys[5], GPU, 9, 2)], incarnation=6)
+    assert d.query(0, keys[4:6], exclude_rank=3).num_hits == 0  # keys[4]: the old rank's
+    assert d.query(0, keys[5:6], exclude_rank=3).locations == (Location(1, GPU, 0, 9, 2, 6),)
+    d.sweep(-1)
+    assert d.query(0, keys[1:2], exclude_rank=3).locations == (Location(1, GPU, 0, 1, 1, 6),)
+    assert d.num_keys == 3 and d.num_blocks == 3  # keys[0] (rank 2), keys[1], keys[5]
+    assert d.forget(1, GPU) == 2 and d.num_keys == 1
+    assert d.stats.identity_mismatches == 0
+
+
+def test_a_field_too_large_for_an_entry_is_refused_naming_it():
+    d = BlockDirectory()
+    for entry, field in (((0, 1 << 192, GPU, 0, 1), "key"), ((1 << 16, 1, GPU, 0, 1), "group"),
+                         ((0, 1, GPU, 1 << 32, 1), "slot"),
+                         ((0, 1, GPU, 0, 1 << 64), "generation")):
+        with pytest.raises(DirectoryError, match=f"^{field}: at most"):
+            d.register(1, [entry])
+    with pytest.raises(DirectoryError, match="^rank: at most"):
+        d.register(1 << 16, [(0, 1, GPU, 0, 1)])
+    assert d.num_blocks == 0
+
+
+def test_a_lease_id_cannot_be_guessed_from_ones_own():
+    """Another replica's lease is freed only by its id: with ids counted up from a random
+    start (before #36), a holder who knew its own id freed its neighbour's by trying the
+    ids next to it, and the source could then reuse the slot under the neighbour's load."""
+    d = BlockDirectory()
+    d.register(1, [(0, 10, GPU, 0, 1), (0, 11, GPU, 1, 1)])
+    mine = d.query(0, [10], exclude_rank=2).lease_ids[0]
+    theirs = d.query(0, [11], exclude_rank=3)
+    assert d.release([mine + i for i in range(-1000, 1001) if i]) == 0
+    assert d.outstanding_leases == 2 and d.claim(1, GPU, 0, [1]) == []
+    assert d.release(theirs.lease_ids) == 1

@@ -40,47 +40,42 @@ each one is atomic with respect to the others.
   claim or a query near ``max_leases`` first drops the expired ones (``leases_expired``).
   A holder that loads after its lease expired may find the slot reused; its check after
   the copy (``doc/validated-reads.md``) then fails the read: a miss, never wrong KV.
-* Lease ids are unique across directory incarnations (:func:`fresh_lease_ids`): a late
-  release from before a directory was re-created frees nothing of the new one's.
+* Lease ids are random (:mod:`.directory_leases`): nobody frees a lease by guessing its
+  id, and a late release from before a directory was re-created frees nothing of the new
+  one's.
 
-Memory is bounded by the number of registered slots (one key per slot, one
-location per (key, rank)); ``max_leases`` bounds outstanding leases.
+Memory is bounded by the number of registered slots (one entry per slot: one int,
+:mod:`.directory_entries`, kept by reference under its place and its short name) and by
+what a departed rank left, swept :data:`SWEEP_PER_CALL` entries per call;
+``max_leases`` bounds outstanding leases.  Unregistering a rank or forgetting a whole tier
+drops its places at once (its entries become garbage, skipped by every lookup), so the
+actor is never held for long by a rank with many blocks.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import time
 from dataclasses import dataclass, field
-from typing import (
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
-)
+from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .block_names import row_key
-from .directory_types import (
-    DirectoryStats,
-    LeaseRecord,
-    Location,
-    QueryResult,
-    SlotId,
-    fresh_lease_ids,
-)
-from .load_batch import NO_LEASE, Tier, read_preference
+from . import directory_entries as ent
+from .block_names import ROW_KEY_MASK
+from .directory_leases import Leases
+from .directory_types import DirectoryStats, Location, QueryResult
+from .load_batch import NO_LEASE, Tier
 
-BlockId = Tuple[int, int]  # (group, key)
 #: no holder named (a query without ``exclude_rank``)
 NO_HOLDER = -1
 #: how long a lease holds a slot unless released: longer than a request waits in vLLM's
 #: queue between its lookup and its load in any run measured here (seconds at C32)
 LEASE_TTL_S = 120.0
+#: entries a departed rank left that each call removes from their records (a few ms)
+SWEEP_PER_CALL = 4096
+#: valid copies of one block a query weighs (device copies come first in a record): with
+#: 64 holders leased alike, the cost of a lookup stays that of a few
+CANDIDATES_PER_BLOCK = 4
+_EMPTY: Dict[int, int] = {}
 
 
 class DirectoryError(ValueError):
@@ -96,24 +91,22 @@ class BlockDirectory:
     max_leases: int = 1_000_000
     lease_ttl_s: float = LEASE_TTL_S
     clock: Callable[[], float] = time.monotonic
-    _by_key: Dict[BlockId, Dict[int, Location]] = field(default_factory=dict)
-    #: -> (key, generation, incarnation)
-    _by_slot: Dict[SlotId, Tuple[int, int, int]] = field(default_factory=dict)
-    #: (group, low 63 bits of a key) -> a key registered with them (only to count
-    #: ``identity_mismatches``; lookups go by the full key)
-    _short: Dict[BlockId, int] = field(default_factory=dict)
-    #: lease id -> its record, in the order granted (ids grow): the oldest come first
-    _leases: Dict[int, LeaseRecord] = field(default_factory=dict)
-    _lease_count: Dict[SlotId, int] = field(default_factory=dict)
+    #: short name -> its record (:mod:`.directory_entries`)
+    _records: Dict[int, ent.Record] = field(default_factory=dict)
+    #: rank -> place -> the entry there (the truth: any other entry is garbage)
+    _places: Dict[int, Dict[int, int]] = field(default_factory=dict)
+    #: entries dropped with their rank or tier, still in records (swept a bit per call)
+    _garbage: Deque[List[int]] = field(default_factory=collections.deque)
     _ranks: Set[int] = field(default_factory=set)
-    #: slot -> the generation it had when its rank forgot it (older registrations refused)
-    _floors: Dict[SlotId, int] = field(default_factory=dict)
+    #: rank -> place -> the generation it had when forgotten (older registrations refused)
+    _floors: Dict[int, Dict[int, int]] = field(default_factory=dict)
     #: rank -> its engine's tensor-parallel degree (given at register_rank)
     _tp_sizes: Dict[int, int] = field(default_factory=dict)
-    #: lease ids: unique across directory incarnations (a re-created directory must not
-    #: hand out an id that an old incarnation's reader may still release late)
-    _ids: itertools.count[int] = field(default_factory=fresh_lease_ids)
     stats: DirectoryStats = field(default_factory=DirectoryStats)
+    _leases: Leases = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._leases = Leases(self.max_leases, self.lease_ttl_s, self.clock, self.stats)
 
     # ---------------------------------------------------------------- ranks
     def register_rank(self, rank: int, tp_size: int = 1) -> None:
@@ -131,23 +124,34 @@ class BlockDirectory:
         self._tp_sizes[rank] = tp_size
 
     def unregister_rank(self, rank: int) -> int:
-        """Forget every block and lease of ``rank``; returns the blocks dropped."""
+        """Forget every block and lease of ``rank``; returns the blocks dropped.  Its places
+        go at once (its entries are then garbage that no lookup returns), its entries leave
+        their records a few thousand per later call (:meth:`sweep`)."""
         self._ranks.discard(rank)
         self._tp_sizes.pop(rank, None)
-        slots = [s for s in self._by_slot if s[0] == rank]
-        for s in slots:
-            key = self._by_slot.pop(s)[0]
-            self._unlink((s[2], key), rank, s)
-        for lease_id in [i for i, s in self._leases.items() if s.slot[0] == rank]:
-            del self._leases[lease_id]
-        for s in [s for s in self._lease_count if s[0] == rank]:
-            del self._lease_count[s]
-        for s in [s for s in self._floors if s[0] == rank]:
-            del self._floors[s]
-        held = [i for i, s in self._leases.items() if s.holder == rank]
-        self._drop_leases(held)
-        self.stats.leases_of_gone_holders += len(held)
-        return len(slots)
+        places = self._places.pop(rank, _EMPTY)
+        self._floors.pop(rank, None)
+        if places:
+            self._garbage.append(list(places.values()))
+        self._leases.drop_rank(rank)
+        self.sweep()
+        return len(places)
+
+    def sweep(self, budget: int = SWEEP_PER_CALL) -> int:
+        """Remove up to ``budget`` garbage entries from their records (every mutating call
+        and every query does; ``budget`` < 0: all); returns how many were removed."""
+        done = 0
+        while self._garbage and (budget < 0 or done < budget):
+            batch = self._garbage[-1]
+            while batch and (budget < 0 or done < budget):
+                entry = batch.pop()
+                if self._places.get(ent.rank_of(entry), _EMPTY).get(
+                        ent.place_of(entry)) is not entry:
+                    self._unlink(entry)
+                done += 1
+            if not batch:
+                self._garbage.pop()
+        return done
 
     # -------------------------------------------------------------- blocks
     def register(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]],
@@ -162,43 +166,52 @@ class BlockDirectory:
         storage's late registration wins instead, its reads fail the loader's check and
         miss).  Returns how many entries were recorded.
         """
-        _check_int("rank", rank)
-        _check_int("incarnation", incarnation)
+        _check_int("rank", rank, ent.LIMITS["rank"])
+        _check_int("incarnation", incarnation, ent.LIMITS["incarnation"])
+        self.sweep()
         self._ranks.add(rank)
+        places = self._places.setdefault(rank, {})
+        floors = self._floors.get(rank, _EMPTY)
         recorded = 0
         for group, key, tier, slot, gen in entries:
-            _check_int("group", group)
-            _check_int("key", key)
+            _check_int("group", group, ent.LIMITS["group"])
+            _check_int("key", key, ent.LIMITS["key"])
             Tier(_check_int("tier", tier))
-            _check_int("slot", slot)
-            _check_int("generation", gen)
-            sid = (rank, tier, group, slot)
-            if gen < self._floors.get(sid, 0):  # forgotten at a newer generation already
+            _check_int("slot", slot, ent.LIMITS["slot"])
+            _check_int("generation", gen, ent.LIMITS["generation"])
+            where = ent.place(tier, group, slot)
+            if gen < floors.get(where, 0):  # forgotten at a newer generation already
                 self.stats.stale_registrations += 1
                 continue
-            prev = self._by_slot.get(sid)
+            prev = places.get(where)
             if prev is not None:
-                prev_key, prev_gen, prev_inc = prev
+                prev_key = ent.name_of(prev)
+                prev_gen, prev_inc = ent.identity_of(prev)
                 same = prev_inc == incarnation
                 if same and (gen < prev_gen or (gen == prev_gen and prev_key != key)):
                     self.stats.stale_registrations += 1
                     continue
-                if (prev_key, prev_gen, prev_inc) != (key, gen, incarnation):
-                    if same and self._lease_count.get(sid):
-                        raise DirectoryError(
-                            f"slot: rank {rank} tier {tier} slot {slot} is leased; it was "
-                            "reused without claim()")
-                    self._unlink((group, prev_key), rank, sid)
-            old = self._by_key.get((group, key), {}).get(rank)
-            if old is not None and _sid(old) != sid:
+                if (prev_key, prev_gen, prev_inc) == (key, gen, incarnation):
+                    recorded += 1
+                    continue
+                if same and self._leases.on((rank, where)):
+                    raise DirectoryError(
+                        f"slot: rank {rank} tier {tier} slot {slot} is leased; it was "
+                        "reused without claim()")
+                del places[where]
+                self._unlink(prev)
+            short = ent.short_name(key, group)
+            record = self._records.get(short)
+            for other in ent.entries(record) if record is not None else ():
                 # one location per (key, rank): the newest registration wins (a block
                 # demoted to the CPU tier is registered there before its GPU slot is claimed)
-                self._by_slot.pop(_sid(old), None)
-            self._by_slot[sid] = (key, gen, incarnation)
-            if (group, key) not in self._by_key:
-                self._short[(group, row_key(key))] = key
-            self._by_key.setdefault((group, key), {})[rank] = Location(
-                rank, tier, group, slot, gen, incarnation)
+                if ent.rank_of(other) == rank and ent.name_of(other) == key:
+                    record = ent.without_entry(record, other)  # type: ignore[arg-type]
+                    if places.get(ent.place_of(other)) is other:
+                        del places[ent.place_of(other)]
+            entry = ent.pack(key, rank, tier, group, slot, gen, incarnation)
+            self._records[short] = ent.with_entry(record, entry, tier != Tier.CPU)
+            places[where] = entry
             recorded += 1
         self.stats.registered += recorded
         return recorded
@@ -207,40 +220,45 @@ class BlockDirectory:
         """The storage of ``rank``/``tier``/``group`` wants to reuse ``slots``: returns those
         it may reuse (now unregistered); leased slots are refused and stay registered
         (expired leases are dropped first)."""
-        self.expire_leases()
+        self.sweep()
+        self._leases.expire()
+        places = self._places.get(rank, _EMPTY)
         granted = []
         for slot in slots:
-            sid = (rank, tier, group, slot)
-            if self._lease_count.get(sid):
+            where = ent.place(tier, group, slot)
+            if self._leases.on((rank, where)):
                 self.stats.claims_refused += 1
                 continue
-            prev = self._by_slot.pop(sid, None)
+            prev = places.pop(where, None)
             if prev is not None:
-                self._unlink((group, prev[0]), rank, sid)
+                self._unlink(prev)
             granted.append(slot)
         return granted
 
     def forget(self, rank: int, tier: int,
                slots: Optional[Mapping[int, Sequence[Tuple[int, int]]]] = None) -> int:
         """``rank`` no longer holds ``slots`` (group -> ``(slot, generation now)``) of ``tier``
-        (None: any slot of it): their entries go, leased or not (vLLM's cache read in place:
-        a lease never stopped vLLM); a registration of an older generation of such a slot,
-        arriving late, is refused as stale.  Returns the entries dropped."""
+        (None: any slot of it, dropped at once like a departed rank's): their entries go,
+        leased or not (vLLM's cache read in place: a lease never stopped vLLM); a
+        registration of an older generation of such a slot, arriving late, is refused as
+        stale.  Returns the entries dropped."""
+        self.sweep()
+        places = self._places.get(rank, _EMPTY)
         if slots is None:
-            mine: Dict[int, List[Tuple[int, int]]] = {}
-            for r, t, g, s in self._by_slot:
-                if (r, t) == (rank, tier):
-                    mine.setdefault(g, []).append((s, 0))
-            slots = mine
+            mine = [p for p in places if ent.tier_of_place(p) == tier]
+            self._garbage.append([places.pop(p) for p in mine])
+            self.stats.forgotten += len(mine)
+            return len(mine)
+        floors = self._floors.setdefault(rank, {})
         dropped = 0
         for group, group_slots in slots.items():
             for slot, gen in group_slots:
-                sid = (rank, int(tier), int(group), int(slot))
+                where = ent.place(int(tier), int(group), int(slot))
                 if gen:
-                    self._floors[sid] = int(gen)
-                prev = self._by_slot.pop(sid, None)
+                    floors[where] = int(gen)
+                prev = places.pop(where, None)
                 if prev is not None:
-                    self._unlink((int(group), prev[0]), rank, sid)
+                    self._unlink(prev)
                     dropped += 1
         self.stats.forgotten += dropped
         return dropped
@@ -256,38 +274,62 @@ class BlockDirectory:
               exclude_rank: Optional[int] = None, lease: bool = True) -> QueryResult:
         """Longest prefix of ``keys`` of ``group`` held by ranks other than ``exclude_rank``,
         leased (``lease``; else every lease id is ``NO_LEASE``: the loader takes its leases
-        when it allocates the destinations, :meth:`lease`)."""
+        when it allocates the destinations, :meth:`lease`).  Of a block's copies it offers
+        device memory before host memory, then the least leased, among the first
+        :data:`CANDIDATES_PER_BLOCK` valid ones."""
+        self.sweep()
         self.stats.queries += 1
-        hit_keys: List[int] = []
-        locs: List[Location] = []
+        chosen: List[int] = []
         for key in keys:
-            best: Optional[Location] = None
-            best_pref = (2, 0)
-            for loc in self._by_key.get((group, key), {}).values():
-                if loc.rank == exclude_rank or loc.rank not in self._ranks:
-                    continue
-                pref = _preference(loc, self._lease_count)
-                if best is None or pref < best_pref:
-                    best, best_pref = loc, pref
-                    if pref == (0, 0):  # device memory, unleased: none is preferred to it
-                        break
+            best = self._best_copy(group, key, exclude_rank)
             if best is None:
-                if (group, key) not in self._by_key and self._short.get(
-                        (group, row_key(key)), key) != key:
-                    self.stats.identity_mismatches += 1
                 break
-            hit_keys.append(key)
-            locs.append(best)
-        leased = sum(1 for loc in locs if loc.tier != Tier.VLLM) if lease else 0
-        if not self._room_for_leases(leased):
-            # refuse rather than grow without bound: a miss is always safe
-            hit_keys, locs = [], []
-        holder = NO_HOLDER if exclude_rank is None else exclude_rank
-        lease_ids = self._grant(locs, holder) if lease else [NO_LEASE] * len(locs)
-        if not locs:
+            chosen.append(best)
+        held = [(ent.rank_of(e), ent.place_of(e)) for e in chosen
+                if ent.tier_of(e) != Tier.VLLM] if lease else []
+        if not self._leases.room_for(len(held)):
+            chosen = []  # refuse rather than grow without bound: a miss is always safe
+        if not chosen:
             self.stats.missed_queries += 1
-        self.stats.hit_blocks += len(locs)
-        return QueryResult(tuple(hit_keys), tuple(locs), tuple(lease_ids))
+            return QueryResult((), (), ())
+        ids = iter(self._leases.grant(held, NO_HOLDER if exclude_rank is None else exclude_rank))
+        lease_ids = [NO_LEASE if not lease or ent.tier_of(e) == Tier.VLLM else next(ids)
+                     for e in chosen]
+        self.stats.hit_blocks += len(chosen)
+        return QueryResult(tuple(keys[:len(chosen)]), ent.location_table(chosen), lease_ids)
+
+    def _best_copy(self, group: int, key: int, exclude_rank: Optional[int]) -> Optional[int]:
+        """The entry of ``key``'s copy a query offers, None if no other rank holds it (a
+        record of only other names with the same short name counts a mismatch).  Device
+        memory first, then the least leased (:data:`CANDIDATES_PER_BLOCK` weighed)."""
+        record = self._records.get(((key & ROW_KEY_MASK) << 16) | group)
+        if record is None:
+            return None
+        places, counts = self._places, self._leases.counts
+        best: Optional[int] = None
+        best_pref, seen, named = (2, 0), 0, False
+        for entry in ent.entries(record):
+            if entry >> ent.NAME_SHIFT != key:
+                continue
+            named = True
+            rank = (entry >> ent.RANK_SHIFT) & 0xFFFF
+            where = (entry >> ent.PLACE_SHIFT) & ent.PLACE_MASK
+            if rank == exclude_rank or places.get(rank, _EMPTY).get(where) is not entry:
+                continue  # (its rank gone, its slot reused: garbage)
+            tier = (entry >> ent.TIER_SHIFT) & 0xFF
+            if tier == Tier.VLLM:
+                return entry  # device memory, never leased: none is preferred to it
+            pref = (tier == Tier.CPU, counts.get((rank, where), 0))
+            if best is None or pref < best_pref:
+                best, best_pref = entry, pref
+                if pref == (0, 0):
+                    break
+            seen += 1
+            if seen >= CANDIDATES_PER_BLOCK:
+                break
+        if not named:
+            self.stats.identity_mismatches += 1
+        return best
 
     def lease(self, holder: int, locations: Sequence[Location]) -> List[int]:
         """Leases for ``holder``'s load of ``locations`` (taken when its destination blocks
@@ -298,41 +340,19 @@ class BlockDirectory:
         after expiry (the reads are then unprotected: still checked, at worst recomputed)."""
         _check_int("holder", holder)
         live = [self._names_its_slot(loc) for loc in locations]
-        if not self._room_for_leases(sum(live)):
+        if not self._leases.room_for(sum(live)):
             self.stats.leases_refused += sum(live)
             return [NO_LEASE] * len(locations)
-        granted = iter(self._grant([loc for loc, ok in zip(locations, live) if ok], holder))
+        granted = iter(self._leases.grant([(loc.rank, ent.place(loc.tier, loc.group, loc.slot))
+                                           for loc, ok in zip(locations, live) if ok], holder))
         return [next(granted) if ok else NO_LEASE for ok in live]
 
     def _names_its_slot(self, loc: Location) -> bool:
         """``loc`` is of Xavier's tiers and its slot still holds what it names."""
-        if loc.tier == Tier.VLLM or loc.rank not in self._ranks:
+        if loc.tier == Tier.VLLM:
             return False
-        held = self._by_slot.get(_sid(loc))
-        return held is not None and held[1:] == (loc.generation, loc.incarnation)
-
-    def _room_for_leases(self, n: int) -> bool:
-        """Whether ``n`` more leases fit under ``max_leases`` (expired ones dropped first)."""
-        if n and len(self._leases) + n > self.max_leases:
-            self.expire_leases()
-        return not n or len(self._leases) + n <= self.max_leases
-
-    def _grant(self, locs: Sequence[Location], holder: int) -> List[int]:
-        """A lease per location of Xavier's tiers, held by ``holder``; ``NO_LEASE`` for one
-        read in place (checked after the copy, nothing of Xavier's reused under it)."""
-        lease_ids = []
-        now = self.clock() if locs else 0.0
-        for loc in locs:
-            if loc.tier == Tier.VLLM:
-                lease_ids.append(NO_LEASE)
-                continue
-            lease_id = next(self._ids)
-            sid = _sid(loc)
-            self._leases[lease_id] = LeaseRecord(sid, holder, now)
-            self._lease_count[sid] = self._lease_count.get(sid, 0) + 1
-            lease_ids.append(lease_id)
-        self.stats.leases_granted += sum(1 for i in lease_ids if i != NO_LEASE)
-        return lease_ids
+        held = self._places.get(loc.rank, _EMPTY).get(ent.place(loc.tier, loc.group, loc.slot))
+        return held is not None and ent.identity_of(held) == (loc.generation, loc.incarnation)
 
     def query_prefix(self, groups: Sequence[int], keys: Sequence[int],
                      exclude_rank: Optional[int] = None, lease: bool = True) -> QueryResult:
@@ -363,37 +383,11 @@ class BlockDirectory:
     def release(self, lease_ids: Iterable[int]) -> int:
         """Release leases; unknown ids (already released, purged rank) are counted, not errors.
         Returns how many were released."""
-        released = 0
-        for lease_id in lease_ids:
-            if lease_id == NO_LEASE:  # a location read in place: nothing was leased
-                continue
-            if lease_id not in self._leases:
-                self.stats.unknown_releases += 1
-                continue
-            self._drop_leases([lease_id])
-            released += 1
-        self.stats.leases_released += released
-        return released
+        return self._leases.release(lease_ids)
 
     def expire_leases(self) -> int:
-        """Drop the leases older than ``lease_ttl_s`` (oldest first; stops at the first
-        younger one); returns how many went."""
-        deadline = self.clock() - self.lease_ttl_s
-        old = list(itertools.takewhile(lambda i: self._leases[i].granted_at < deadline,
-                                       self._leases))
-        self._drop_leases(old)
-        self.stats.leases_expired += len(old)
-        return len(old)
-
-    def _drop_leases(self, lease_ids: Iterable[int]) -> None:
-        """Forget these (outstanding) leases and their holds on their slots."""
-        for lease_id in lease_ids:
-            sid = self._leases.pop(lease_id).slot
-            left = self._lease_count[sid] - 1
-            if left:
-                self._lease_count[sid] = left
-            else:
-                del self._lease_count[sid]
+        """Drop the leases older than ``lease_ttl_s``; returns how many went."""
+        return self._leases.expire()
 
     # --------------------------------------------------------------- views
     @property
@@ -403,45 +397,38 @@ class BlockDirectory:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._by_slot)
+        return sum(len(places) for places in self._places.values())
 
     @property
     def num_keys(self) -> int:
-        return len(self._by_key)
+        """Block names held (garbage swept first; names equal in their low 63 bits count
+        once)."""
+        self.sweep(-1)
+        return len(self._records)
 
     @property
     def outstanding_leases(self) -> int:
         return len(self._leases)
 
     def leased(self, rank: int, tier: int, group: int, slot: int) -> int:
-        return self._lease_count.get((rank, tier, group, slot), 0)
+        return self._leases.on((rank, ent.place(tier, group, slot)))
 
-    def _unlink(self, key: BlockId, rank: int, sid: SlotId) -> None:
-        """Forget block ``key`` on ``rank`` if its location is ``sid``."""
-        locs = self._by_key.get(key)
-        if locs is None:
+    def _unlink(self, entry: int) -> None:
+        """Take ``entry`` out of its record."""
+        short = ent.short_name(ent.name_of(entry), ent.group_of(entry))
+        record = self._records.get(short)
+        if record is None:
             return
-        loc = locs.get(rank)
-        if loc is not None and _sid(loc) == sid:
-            del locs[rank]
-            if not locs:
-                del self._by_key[key]
-                short = (key[0], row_key(key[1]))
-                if self._short.get(short) == key[1]:
-                    del self._short[short]
+        left = ent.without_entry(record, entry)
+        if left is None:
+            del self._records[short]
+        elif left is not record:
+            self._records[short] = left
 
 
-def _preference(loc: Location, lease_count: Dict[SlotId, int]) -> Tuple[int, int]:
-    """Which of a block's copies a query offers (lower first): device memory before host
-    memory (:func:`~.load_batch.read_preference`), then the less leased one."""
-    return read_preference(loc.tier), lease_count.get(_sid(loc), 0)
-
-
-def _sid(loc: Location) -> SlotId:
-    return (loc.rank, loc.tier, loc.group, loc.slot)
-
-
-def _check_int(name: str, value: object) -> int:
+def _check_int(name: str, value: object, limit: Optional[int] = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise DirectoryError(f"{name}: expected a non-negative int, got {value!r}")
+    if limit is not None and value > limit:
+        raise DirectoryError(f"{name}: at most {limit}, got {value}")
     return value

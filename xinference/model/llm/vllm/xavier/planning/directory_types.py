@@ -1,23 +1,21 @@
 """The nouns the block directory answers with (pure): a block's :class:`Location`, a
 query's :class:`QueryResult` (with its compact wire form), a :class:`LeaseRecord`, the
-:class:`DirectoryStats`, lease ids (:func:`fresh_lease_ids`).  Used by
+:class:`DirectoryStats`.  Used by
 :mod:`.block_directory` and by everything that reads its answers."""
 
 from __future__ import annotations
 
 import itertools
-import secrets
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-SlotId = Tuple[int, int, int, int]  # (rank, tier, group, slot)
-
 
 class LeaseRecord(NamedTuple):
-    """One outstanding lease: the slot it holds, who holds it, since when (the clock's)."""
-    slot: SlotId
+    """One outstanding lease: the slot it holds (its rank, its place on the rank:
+    :func:`~.directory_entries.place`), who holds it, since when (the clock's)."""
+    slot: Tuple[int, int]
     holder: int
     granted_at: float
 
@@ -110,18 +108,6 @@ class QueryResult:
         scheduler): its arrays.  Pickled object by object, 512 hits took ~2.2 ms (dumps
         + loads) on the CPU machine, on every hit's path to its first token."""
         return QueryResult, (self.keys, self.table, self.lease_table)
-
-
-#: lease ids of one directory incarnation start at a random offset below this bound, so
-#: that the ranges of two incarnations overlap with a chance of about (leases granted) / 2**62
-LEASE_ID_SPACE = 2 ** 62
-
-
-def fresh_lease_ids() -> itertools.count[int]:
-    """Lease ids of a new directory incarnation: consecutive from a random start, so that a
-    release that outlived an older incarnation (a re-created supervisor actor) names no
-    lease of this one and is counted as unknown.  Stays within ``int64``."""
-    return itertools.count(1 + secrets.randbelow(LEASE_ID_SPACE))
 
 
 @dataclass
