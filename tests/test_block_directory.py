@@ -423,7 +423,12 @@ def test_a_field_too_large_for_an_entry_is_refused_naming_it():
             d.register(1, [entry])
     with pytest.raises(DirectoryError, match="^rank: at most"):
         d.register(1 << 16, [(0, 1, GPU, 0, 1)])
+    with pytest.raises(DirectoryError, match="^tier: expected a non-negative int"):
+        d.register(1, [(0, 1, True, 0, 1)])  # (a bool is no tier)
     assert d.num_blocks == 0
+    from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+
+    assert d.register(1, [(0, 1, Tier.CPU, 0, 1)]) == 1  # a Tier member is one
 
 
 def test_a_lease_id_cannot_be_guessed_from_ones_own():

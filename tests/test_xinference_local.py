@@ -29,7 +29,6 @@ from .support.xinference_server import (
     DEVICE,
     MODEL,
     cli_launch,
-    counters,
     launch_body,
     metrics_endpoint,
     scrape,
@@ -63,8 +62,9 @@ def two_requests_sharing_a_prefix(server, tag, offset):
 
 
 def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_server):
-    import asyncio
-
+    """A REST launch with Xavier in an authenticated deployment (the server's pools and
+    engines hold ``XOSCAR_AUTH_KEY``): the prefix is shared, and a client without the key, or with
+    another, is refused by a replica's transfer actor that answers the same call with it."""
     server = xinference_server
     envs = xavier_envs()
     assert server.launch(launch_body(tiny_model_dir, envs)) == {"model_uid": MODEL}
@@ -76,7 +76,7 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
     assert len(attached) == 2
     addresses = rank_addresses(server)
     usages = two_requests_sharing_a_prefix(server, "request", 7000)
-    c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
+    c = {r: server.counters(addresses[r], r) for r in (1, 2)}
     print("xavier counters per rank:", {r: {k: c[r].get(k, 0) for k in (
         "requests_with_hits", "hit_blocks", "hit_tokens", "batch_calls", "blocks_written",
         "export_exported", "rows_from_gpu_tier", "rows_from_cpu_tier",
@@ -91,6 +91,10 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
     # read in place from the other replica's vLLM cache (the default)
     assert sum(c[r].get("rows_from_vllm_cache", 0) for r in (1, 2)) == sum(
         c[r].get("hit_blocks", 0) for r in (1, 2))
+    # the negative control: the call that just answered, without the key and with another
+    for key in (None, "another-key"):
+        refused = server.actor_call(addresses[1], "vllm-transfer-actor-1", "counters", key)
+        assert refused.startswith("REFUSED ServerClosed"), (key, refused)
 
     # the same counters on the worker's metrics endpoint, per replica (sent every 5 s)
     endpoint = metrics_endpoint(server.home)
@@ -167,7 +171,6 @@ def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_d
     worker attaches with its own shard, and a prefix one replica computed is loaded by the
     other on both shards.  On this 2-core machine vLLM's CPU build runs TP=2 with one OpenMP
     thread per worker, bound through the launch's ``envs`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
-    import asyncio
 
     server = xinference_server
     envs = xavier_envs()
@@ -187,7 +190,7 @@ def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_d
     assert len(server.log_lines("init_xavier: workers attached=True")) == 2
     addresses = rank_addresses(server)
     usages = two_requests_sharing_a_prefix(server, "tp request", 9000)
-    c = {r: asyncio.run(counters(addresses[r], r)) for r in (1, 2)}
+    c = {r: server.counters(addresses[r], r) for r in (1, 2)}
     total = {k: sum(c[r].get(k, 0) for r in (1, 2)) for k in (
         "requests_with_hits", "hit_blocks", "batch_calls", "blocks_written",
         "load_failures")}

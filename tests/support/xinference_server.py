@@ -4,14 +4,14 @@ bodies, the ``xinference`` CLI, the worker's metrics endpoint (see ``test_xinfer
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-
-import xoscar as xo
+from typing import Dict, Optional
 
 from .pools import free_port, gpus_from_env
 from .processes import engine_cores
@@ -26,16 +26,40 @@ LOCAL_CMD = ([LOCAL_SCRIPT] if os.path.exists(LOCAL_SCRIPT) else
               "import sys; from xinference.deploy.cmdline import local; sys.exit(local())"])
 
 
+#: a client of one actor method in a process of its own: the key of its environment is the
+#: one it signs frames with (xoscar reads ``XOSCAR_AUTH_KEY`` per frame, process-wide, so the
+#: test process, which also talks to pools without a key, never sets it)
+ACTOR_CLIENT = r"""
+import asyncio, json, sys
+import xoscar as xo
+
+async def main():
+    ref = await xo.actor_ref(sys.argv[1], sys.argv[2])
+    print("ANSWER " + json.dumps(await asyncio.wait_for(getattr(ref, sys.argv[3])(), 60)),
+          flush=True)
+
+try:
+    asyncio.run(main())
+except BaseException as exc:
+    print("REFUSED", type(exc).__name__, str(exc)[:200], flush=True)
+"""
+
+
 class Server:
     """``xinference-local`` in its own process group, its log in ``home``; one serves every
-    test that needs it (the ``xinference_server`` fixture, ``tests/support/worlds.py``)."""
+    test that needs it (the ``xinference_server`` fixture, ``tests/support/worlds.py``).
+    Started as an authenticated deployment (issue #36): ``XOSCAR_AUTH_KEY`` (a fresh random
+    key) in its environment, inherited by every pool and vLLM engine it starts, so every
+    test of a launch through it (hits included) runs with xoscar's frame authentication."""
 
     def __init__(self, home: str) -> None:
         self.home = home
         self._log_mark = 0
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1")
+        self.auth_key = secrets.token_hex(16)
+        env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1",
+                   XOSCAR_AUTH_KEY=self.auth_key)
         self.log = open(os.path.join(home, "xinference-local.log"), "w")
         self.proc = subprocess.Popen(
             LOCAL_CMD + ["--host", "127.0.0.1", "--port", str(self.port)],
@@ -74,6 +98,26 @@ class Server:
                 if exc.code != 503 or time.monotonic() > deadline:
                     raise
                 time.sleep(2)
+
+    def actor_call(self, address: str, uid: str, method: str, key: Optional[str] = "") -> str:
+        """``method()`` of actor ``uid`` at ``address``, called from a process whose key is
+        ``key`` ("": the server's, None: none); the answer line: ``ANSWER <json>`` or
+        ``REFUSED <error>``."""
+        env = dict(os.environ)
+        env.pop("XOSCAR_AUTH_KEY", None)
+        if key is not None:
+            env["XOSCAR_AUTH_KEY"] = key or self.auth_key
+        out = subprocess.run([sys.executable, "-c", ACTOR_CLIENT, address, uid, method],
+                             env=env, capture_output=True, text=True, timeout=120)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ANSWER", "REFUSED"))]
+        assert lines, out.stderr[-2000:]
+        return lines[-1]
+
+    def counters(self, address: str, rank: int) -> Dict[str, int]:
+        """Rank ``rank``'s transfer actor's counters (a client with the cluster's key)."""
+        line = self.actor_call(address, f"vllm-transfer-actor-{rank}", "counters")
+        assert line.startswith("ANSWER "), line
+        return json.loads(line[len("ANSWER "):])
 
     def begin_test(self) -> None:
         """Between two tests: no model is left running (a failed test may leave one: it is
@@ -193,6 +237,3 @@ def wait_for_series(endpoint, metric, count, timeout):
         time.sleep(1)
 
 
-async def counters(address, rank):
-    ref = await xo.actor_ref(address, f"vllm-transfer-actor-{rank}")
-    return await ref.counters()
