@@ -16,6 +16,18 @@ Pure Python, no actor: what the supervisor's directory actor would spend.  Three
   Xavier's GPU tier with every copy leased once (``gpu-leased``: no copy is preferred, the
   worst case of the choice); p50 of ``--reps``.
 
+* **simulation** (``--replicas``, default 64): one second of that many replicas against one
+  directory, at the per-replica rates of the H200 C32 run of session 26 (shared 8K
+  prefixes, ``results/serving_bench-cuda-qwen2.5-0.5b-steady-session26.json``: 32
+  requests in 3.08 s, 8320 blocks published in place in 88 steps per replica): each
+  replica registers the blocks of a step :data:`REGISTER_CALLS_PER_S` times a second
+  (:data:`BLOCKS_PER_REGISTER` new blocks, as many of its old ones forgotten: vLLM reused
+  them) and looks up :data:`LOOKUPS_PER_S` prompts a second whose first 512 blocks every
+  replica holds; each replica holds ``--held`` blocks.  Prints the directory's busy time
+  per simulated second (above 1 s it cannot keep up) and each call's cost; and the busy
+  time when a same-host peer of each replica holds the prefix (the host index answers it,
+  the directory is asked only from the block after it: a miss here).
+
 ``--code CHECKOUT`` measures another checkout's ``planning/`` (two versions of the
 directory compared in one session, on one machine).
 """
@@ -39,6 +51,10 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANNING = os.path.join("xinference", "model", "llm", "vllm", "xavier", "planning")
 GPU, VLLM = 0, 2
 BlockDirectory: Any = None
+#: per replica, from the H200 C32 run (see the docstring)
+REGISTER_CALLS_PER_S = 29
+BLOCKS_PER_REGISTER = 94
+LOOKUPS_PER_S = 10.4
 
 
 def load_directory(checkout: str) -> Any:
@@ -108,12 +124,65 @@ def lookup_ms(holders: int, keys_n: int, tier: str, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
+    """One simulated second of ``replicas`` replicas (see the module docstring)."""
+    d = BlockDirectory()
+    prefix = [secrets.randbits(192) for _ in range(keys_n)]
+    owned: Dict[int, List[Any]] = {}  # rank -> its blocks (name, slot), oldest first
+    for rank in range(1, replicas + 1):
+        d.register_rank(rank)
+        own = [(k, i) for i, k in enumerate(
+            prefix + [secrets.randbits(192) for _ in range(held - keys_n)])]
+        d.register(rank, [(0, k, VLLM, i, 1) for k, i in own], 7)
+        owned[rank] = own
+    calls = []  # (kind, rank) in the order they would arrive, spread over the second
+    for rank in range(1, replicas + 1):
+        calls += [("register", rank)] * REGISTER_CALLS_PER_S
+        calls += [("lookup", rank)] * round(LOOKUPS_PER_S)
+    secrets.SystemRandom().shuffle(calls)
+    spent = {"register": 0.0, "lookup": 0.0, "after_host_hit": 0.0}
+    count = {"register": 0, "lookup": 0}
+    for kind, rank in calls:
+        if kind == "register":
+            # the oldest blocks after the prefix go (vLLM reused their slots for new ones)
+            own = owned[rank]
+            gone = own[keys_n:keys_n + BLOCKS_PER_REGISTER]
+            del own[keys_n:keys_n + BLOCKS_PER_REGISTER]
+            new = [(secrets.randbits(192), slot) for _, slot in gone]
+            own += new
+            t0 = time.perf_counter()
+            d.forget(rank, VLLM, {0: [(slot, 2) for _, slot in gone]})
+            d.register(rank, [(0, k, VLLM, slot, 2) for k, slot in new], 7)
+        else:
+            t0 = time.perf_counter()
+            hit = d.query_prefix([0], prefix, exclude_rank=rank, lease=False)
+            assert hit.num_hits == keys_n
+            t1 = time.perf_counter()
+            # with a same-host holder, the host index answers the prefix and the directory
+            # is asked only from the block after it (here: the prompt's own, a miss)
+            d.query_prefix([0], [secrets.randbits(192)], exclude_rank=rank, lease=False)
+            spent["after_host_hit"] += time.perf_counter() - t1
+            t0 += time.perf_counter() - t1
+        spent[kind] += time.perf_counter() - t0
+        count[kind] += 1
+    busy = spent["register"] + spent["lookup"]
+    return {"replicas": replicas, "held_per_replica": held, "entries": replicas * held,
+            "busy_s_per_simulated_s": busy,
+            "busy_s_if_same_host_peers_hold_the_prefix": spent["register"]
+            + spent["after_host_hit"],
+            "register_ms_per_call": 1e3 * spent["register"] / count["register"],
+            "lookup_ms_per_call": 1e3 * spent["lookup"] / count["lookup"],
+            "register_calls": count["register"], "lookups": count["lookup"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--entries", type=int, default=200_000)
     ap.add_argument("--holders", default="1,8,64")
     ap.add_argument("--keys", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--replicas", type=int, default=64)
+    ap.add_argument("--held", type=int, default=8192, help="blocks each replica holds")
     ap.add_argument("--code", default=HERE, help="the checkout whose directory is measured")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "doc",
                                                   "results", "directory_scale_bench.json"))
@@ -135,6 +204,8 @@ def main() -> None:
             rows.append({"holders": holders, "keys": a.keys, "tier": tier, "p50_ms": ms})
             print(f"{holders:4d} holders, {a.keys} keys ({tier}): {ms:7.2f} ms per lookup")
     out["lookups"] = rows
+    out["simulation"] = simulation(a.replicas, a.held, a.keys)
+    print("simulation:", {k: round(v, 3) for k, v in out["simulation"].items()})
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {a.out}")
