@@ -117,6 +117,63 @@ def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
     plane.close()
 
 
+def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
+    """A read from a mapped peer of another host that got no answer (its host went dark:
+    the call ran to its timeout on the one completion thread) keeps the peer's rows out of
+    loads for FETCH_RETRY_S, doubling with each such failure in a row; a read that works,
+    or a world update that moves the peer, ends it; a read refused for this rank's own
+    reasons (staging rows busy) keeps nobody out."""
+    from xinference.model.llm.vllm.xavier.mechanism.remote_fetch import StagingBusyError
+    from xinference.model.llm.vllm.xavier.vllm_side import remote_reads
+
+    plane = plane_of()
+    plane.peers.apply_world(["m", "other-host:1", "b"])
+    monkeypatch.setattr(plane.engine, "mapped", lambda: {(1, Tier.CPU)})
+    clock = [100.0]
+    monkeypatch.setattr(remote_reads, "_monotonic", lambda: clock[0])
+    outcome = [TimeoutError("actor call did not finish within 30.0 s")]
+
+    class Own:
+        async def fetch_blocks(self, rank, tier, group, slots, tp_rank):
+            if outcome[0] is not None:
+                raise outcome[0]
+            return (len(slots), 7, [1] * len(slots)), 0
+
+    plane.peers.reads._staging = {0: {0: [np.zeros((4, 8), np.uint8)]}}
+    fetch = plane.peers.reads.reader(Own(), 1, Tier.CPU)
+
+    class Transfer:
+        src_slots, group = np.array([0, 1]), 0
+
+    def read_fails(exc_type):
+        try:
+            fetch(Transfer())
+        except exc_type:
+            return True
+        return False
+
+    try:
+        assert plane.peers.ensure_mapped({1}) == set()  # mapped, no failure yet
+        assert read_fails(TimeoutError)
+        assert plane.peers.ensure_mapped({1}) == {1}  # kept out: its rows recompute at once
+        clock[0] += remote_reads.FETCH_RETRY_S + 0.1
+        assert plane.peers.ensure_mapped({1}) == set()
+        outcome[0] = ConnectionRefusedError("refused")
+        assert read_fails(ConnectionRefusedError)  # a second failure in a row: 10 s
+        clock[0] += remote_reads.FETCH_RETRY_S + 0.1
+        assert plane.peers.ensure_mapped({1}) == {1}
+        plane.peers.apply_world(["m", "other-host:2", "b"])  # recovered elsewhere
+        assert plane.peers.ensure_mapped({1}) == set()
+        outcome[0] = StagingBusyError("both staging row sets in use")
+        assert read_fails(StagingBusyError)
+        assert plane.peers.ensure_mapped({1}) == set()  # not the peer's failure
+        outcome[0] = None
+        assert fetch(Transfer()).identity.incarnation == 7
+        assert plane.counters.snapshot()["peers_kept_out"] == 2
+    finally:
+        plane.close()
+
+
 def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_loads(
         monkeypatch):
     """The mapping thread's pass (:meth:`PeerMaps.premap`): every peer of the world that
@@ -249,7 +306,7 @@ def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
             return sets.handles(index)
 
     plane.peers.opened({"staging": sets.handles(0), "host": "h", "world": []})
-    fetch = plane.peers._remote_fetch(Own(), 1, Tier.CPU)
+    fetch = plane.peers.reads.reader(Own(), 1, Tier.CPU)
 
     class Transfer:
         src_slots, group = np.array([0, 1]), 0
@@ -263,7 +320,7 @@ def test_a_remote_fetch_returns_the_rows_of_the_staging_set_its_answer_names():
             rows = fetched.staging
             assert len(rows) == len(layout.groups[0].layers)
             assert all(r.shape[0] == 2 and bool((r == 0x10 + index).all()) for r in rows)
-        assert sorted(plane.peers._staging) == [0, 1]
+        assert sorted(plane.peers.reads._staging) == [0, 1]
         assert isinstance(rows[0], torch.Tensor)
     finally:
         plane.close()

@@ -72,7 +72,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "room_copy_us", "room_directory_us",
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
-    "peer_premap_failures", "world_updates_seen",
+    "peer_premap_failures", "peers_kept_out", "world_updates_seen",
     # page-locked host tiers read and written through CUDA views (mechanism/uva.py)
     "uva_storages_mapped", "uva_tiers_written",
     # test-only fault switches (XAVIER_TEST_FAULTS=1)

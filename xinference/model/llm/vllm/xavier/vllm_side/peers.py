@@ -7,7 +7,8 @@ page-locked here too: :func:`~..planning.routes.peer_route`), so that no hit pay
 it.  No load waits for a peer of another host or for the mapping thread
 (:meth:`PeerMaps.ensure_mapped`; until session 27 loads mapped every peer on vLLM's step
 thread, and with a peer's host dark every step waited up to ~25 s): the rows of a peer
-that cannot be read now fail (vLLM recomputes them) and the mapping thread maps it next
+that cannot be read now fail (vLLM recomputes them; so do those of a peer whose reads
+failed lately: :mod:`.remote_reads`) and the mapping thread maps it next
 -- a peer of another host (read through the rank's actor: NIXL or sockets, into staging
 rows this process maps too) once a load asked for it.  A peer that a load asked for and
 that could not be mapped is not tried again for :data:`PEER_RETRY_S`, doubling to
@@ -24,22 +25,18 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Set
 
-import numpy as np
-import torch
-
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.in_place import CacheHandles, open_caches
 from ..mechanism.kv_schema import KVLayout
-from ..mechanism.load_handle import FetchedRows
-from ..mechanism.read_checks import SourceIdentity
 from ..mechanism.slot_generations import SlotGenerations
-from ..mechanism.snapshot_storage import open_shm, open_tier
+from ..mechanism.snapshot_storage import open_tier
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions, transfer_actor_uid
 from ..planning.routes import ROUTE_IPC, peer_route
 from .actor_bridge import ActorBridge, LazyActor
+from .remote_reads import RemoteReads
 
 logger = package_logger(__name__)
 
@@ -75,9 +72,8 @@ class PeerMaps:
         self._premap_retry_at: Dict[int, float] = {}
         self._failures_in_a_row: Dict[int, int] = {}  # of peers loads asked for
         self._storageless: Set[int] = set()  # hold no storage (until the world changes)
-        #: staging row set -> group -> per-layer rows (set 0 from the descriptor at open, a
-        #: later one when a fetch's answer first names it)
-        self._staging: Dict[int, Dict[int, List[torch.Tensor]]] = {}
+        #: reads of other hosts' storages, and the peers they keep out for a while
+        self.reads = RemoteReads(rank, tp_rank, bridge, counters)
         self._host = ""
         #: held while the world or a mapping changes (the step's thread and the mapper)
         self._lock = threading.RLock()
@@ -97,7 +93,7 @@ class PeerMaps:
     def opened(self, desc: Dict[str, Any]) -> None:
         """The rank's own storage was opened from the actor's descriptor ``desc``: its host,
         world and staging rows."""
-        self._staging = {0: {g: list(ts) for g, ts in open_shm(desc["staging"]).items()}}
+        self.reads.opened(desc["staging"])
         self._host = str(desc["host"])
         self._world = list(desc.get("world") or [])
         self._world_epoch = self._counters.get("world_epoch")
@@ -191,7 +187,7 @@ class PeerMaps:
         when it closes).  Idempotent."""
         self.stop()
         with self._lock:
-            self._staging.clear()
+            self.reads.close()
 
     def follow_world(self) -> None:
         """A world update (the actor bumped ``world_epoch``): drop the mappings of every
@@ -232,6 +228,7 @@ class PeerMaps:
                 self._premap_retry_at.pop(rank, None)
                 self._storageless.discard(rank)
                 self._remote.discard(rank)
+                self.reads.forget(rank)
                 self._engine.unmap_storage(rank)
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
@@ -242,8 +239,9 @@ class PeerMaps:
         holds it)."""
         self.follow_world()  # (asks this rank's own actor, never a peer)
         missing = (ranks - {r for r, _ in self._engine.mapped()}) | (ranks & self._in_progress)
+        kept_out = self.reads.kept_out(ranks - missing)  # (their reads failed lately)
         if not missing:
-            return set()
+            return kept_out
         now = _monotonic()
         here = [r for r in sorted(missing)
                 if r not in self._remote and now >= self._peer_retry_at.get(r, 0.0)]
@@ -258,7 +256,7 @@ class PeerMaps:
             with self._asks:
                 self._wanted |= missing
             self._wake.set()
-        return missing
+        return missing | kept_out
 
     def _try_map(self, rank: int, t0: float, desc: Optional[Dict[str, Any]] = None,
                  ahead: bool = False, remote: Optional[bool] = None) -> bool:
@@ -361,7 +359,7 @@ class PeerMaps:
         tiers = [Tier(t) for t in sorted(desc["tiers"])] + ([Tier.VLLM] if in_place else [])
         for tier in tiers:
             self._engine.map_remote_storage(rank, tier, shard_layout,
-                                           self._remote_fetch(own, rank, tier))
+                                           self.reads.reader(own, rank, tier))
         return True
 
     def _map_in_place(self, rank: int, handles: CacheHandles) -> None:
@@ -392,38 +390,6 @@ class PeerMaps:
         with self._asks:
             self._refresh.add(rank)
         self._wake.set()
-
-    def _remote_fetch(self, own: Any, rank: int, tier: Tier) -> Any:
-        """Reads of ``rank``'s ``tier`` through this rank's transfer actor, which receives
-        them (NIXL or sockets) into staging rows this process maps too: the row set its
-        answer names (a second set exists once a fetch timed out and still ran when the
-        next one came: see :mod:`..mechanism.remote_fetch`)."""
-        def fetch(transfer: Any) -> FetchedRows:
-            slots = [int(s) for s in transfer.src_slots]
-            group = int(transfer.group)
-            tp_rank = self._tp_rank
-            served, index = self._bridge.call(lambda: own.fetch_blocks(rank, int(tier), group,
-                                                                       slots, tp_rank),
-                                              CALL_TIMEOUT_S)
-            _, incarnation, generations = served
-            return FetchedRows([s[:len(slots)] for s in self._staging_set(own, int(index))[group]],
-                               SourceIdentity(int(incarnation), np.asarray(generations, np.int64)))
-
-        return fetch
-
-    def _staging_set(self, own: Any, index: int) -> Dict[int, List[torch.Tensor]]:
-        """Staging row set ``index``, mapped on first use (completion thread only)."""
-        rows = self._staging.get(index)
-        if rows is None:
-            tp_rank = self._tp_rank
-            handles = self._bridge.call(lambda: own.staging_handles(tp_rank, index),
-                                        CALL_TIMEOUT_S)
-            rows = {g: list(ts) for g, ts in open_shm(handles).items()}
-            self._staging[index] = rows
-            logger.info("xavier: rank %d: staging row set %d mapped (a remote fetch timed "
-                        "out and was still running when the next one came)", self._rank,
-                        index)
-        return rows
 
 
 def _closing_after_all(gens: SlotGenerations, tiers: int) -> List[Any]:
