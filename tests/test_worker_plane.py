@@ -174,6 +174,23 @@ def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
         plane.close()
 
 
+def test_a_steps_levels_reach_the_counters_down_to_zero_where_zero_is_a_level():
+    """``host_index_peers`` falls back to 0 when the last same-host peer goes (it stayed at
+    its last value before session 28); a step without a host index (-1) leaves it; the cost
+    model's estimates, 0 while unknown, keep their last known value."""
+    plane = plane_of()
+    try:
+        plane.add_step_stats({"host_index_peers": 2, "cost_hit_wait_us": 900, "hit_blocks": 3})
+        plane.add_step_stats({"host_index_peers": 0, "cost_hit_wait_us": 0, "hit_blocks": 2})
+        got = plane.counters.snapshot()
+        assert (got["host_index_peers"], got["cost_hit_wait_us"], got["hit_blocks"]) == (0, 900, 5)
+        plane.add_step_stats({"host_index_peers": 1})
+        plane.add_step_stats({"host_index_peers": -1})
+        assert plane.counters.snapshot()["host_index_peers"] == 1
+    finally:
+        plane.close()
+
+
 def test_premapping_maps_this_hosts_peers_once_and_leaves_other_hosts_to_their_loads(
         monkeypatch):
     """The mapping thread's pass (:meth:`PeerMaps.premap`): every peer of the world that

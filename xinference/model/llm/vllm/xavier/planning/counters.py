@@ -92,6 +92,9 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 # written by the transfer actor into its worker's file: the
                                 # world changed (the worker re-reads it before its next load)
                                 "world_epoch")
+#: levels a step reports down to 0 (a step that does not know one reports -1); the other
+#: levels keep their last known value when a step reports 0 (the cost model's, unknown)
+ZERO_LEVELS: Tuple[str, ...] = ("host_index_peers",)
 ALL_NAMES: Tuple[str, ...] = COUNTER_NAMES + GAUGE_NAMES
 _INDEX: Dict[str, int] = {name: i for i, name in enumerate(ALL_NAMES)}
 

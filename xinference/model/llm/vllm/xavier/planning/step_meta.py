@@ -53,8 +53,8 @@ class StepStats:
     #: hits answered from same-host peers' host indexes (no directory lookup), their blocks
     host_index_hits: int = 0
     host_index_blocks: int = 0
-    #: same-host peers whose host indexes are mapped (a level; kept while 0)
-    host_index_peers: int = 0
+    #: same-host peers whose host indexes are mapped (a level, down to 0; -1: no index)
+    host_index_peers: int = -1
     #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
     #: again (their entries forgotten), and those of them saved into Xavier's tier
     in_place_published: int = 0

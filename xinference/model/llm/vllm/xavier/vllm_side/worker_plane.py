@@ -47,7 +47,7 @@ from ..mechanism.load_handle import LoadHandle
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
-from ..planning.counters import GAUGE_NAMES, SharedCounters
+from ..planning.counters import GAUGE_NAMES, ZERO_LEVELS, SharedCounters
 from ..planning.load_batch import DEST, RANK, TIER, LoadBatch, Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
@@ -397,9 +397,14 @@ class WorkerDataPlane:
             self.hooks.published_in_place(rows)
 
     def add_step_stats(self, stats: Dict[str, int]) -> None:
+        """Add the step's figures to the counters; set its levels (:data:`GAUGE_NAMES`: a 0
+        only for :data:`ZERO_LEVELS`, the others keep their last known value)."""
         for name, value in stats.items():
-            if value:  # the cost model's estimates are levels
-                (self.counters.set if name in GAUGE_NAMES else self.counters.add)(name, value)
+            if name not in GAUGE_NAMES:
+                if value:
+                    self.counters.add(name, value)
+            elif value > 0 or (value == 0 and name in ZERO_LEVELS):
+                self.counters.set(name, value)
 
     # ------------------------------------------------------------------ close
     def flush(self, timeout: float = 30.0) -> None:
