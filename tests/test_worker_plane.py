@@ -120,9 +120,11 @@ def test_a_dark_host_never_holds_the_step_thread(monkeypatch):
 def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
     """A read from a mapped peer of another host that got no answer (its host went dark:
     the call ran to its timeout on the one completion thread) keeps the peer's rows out of
-    loads for FETCH_RETRY_S, doubling with each such failure in a row; a read that works,
-    or a world update that moves the peer, ends it; a read refused for this rank's own
-    reasons (staging rows busy) keeps nobody out."""
+    loads for FETCH_RETRY_S, doubling with each such failure in a row; a read of it planned
+    before fails at once without counting; a read that works ends the keep-out and the
+    doubling, so does a world update that moves the peer, and a failure long after the
+    last keep-out starts the doubling again; a read refused for this rank's own reasons
+    (staging rows busy) keeps nobody out."""
     from xinference.model.llm.vllm.xavier.mechanism.remote_fetch import StagingBusyError
     from xinference.model.llm.vllm.xavier.vllm_side import remote_reads
 
@@ -132,9 +134,11 @@ def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(remote_reads, "_monotonic", lambda: clock[0])
     outcome = [TimeoutError("actor call did not finish within 30.0 s")]
+    calls = []
 
     class Own:
         async def fetch_blocks(self, rank, tier, group, slots, tp_rank):
+            calls.append(rank)
             if outcome[0] is not None:
                 raise outcome[0]
             return (len(slots), 7, [1] * len(slots)), 0
@@ -152,24 +156,38 @@ def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
             return True
         return False
 
+    def kept_out_after(seconds):
+        clock[0] += seconds
+        return plane.peers.ensure_mapped({1}) == {1}
+
     try:
         assert plane.peers.ensure_mapped({1}) == set()  # mapped, no failure yet
         assert read_fails(TimeoutError)
-        assert plane.peers.ensure_mapped({1}) == {1}  # kept out: its rows recompute at once
-        clock[0] += remote_reads.FETCH_RETRY_S + 0.1
-        assert plane.peers.ensure_mapped({1}) == set()
+        assert kept_out_after(0)  # its rows recompute at once
+        assert read_fails(remote_reads.PeerKeptOutError) and calls == [1]  # planned before
+        assert not kept_out_after(remote_reads.FETCH_RETRY_S + 0.1)
         outcome[0] = ConnectionRefusedError("refused")
         assert read_fails(ConnectionRefusedError)  # a second failure in a row: 10 s
-        clock[0] += remote_reads.FETCH_RETRY_S + 0.1
-        assert plane.peers.ensure_mapped({1}) == {1}
+        assert kept_out_after(remote_reads.FETCH_RETRY_S + 0.1)
+        assert not kept_out_after(remote_reads.FETCH_RETRY_S)
+        outcome[0] = None
+        assert fetch(Transfer()).identity.incarnation == 7  # it answers again
+        outcome[0] = TimeoutError("again")
+        assert read_fails(TimeoutError)  # the doubling started again: 5 s
+        assert not kept_out_after(remote_reads.FETCH_RETRY_S + 0.1)
+        assert read_fails(TimeoutError)  # in a row: 10 s ...
+        assert not kept_out_after(2 * remote_reads.FETCH_RETRY_S + 0.1)
+        clock[0] += remote_reads.FETCH_RETRY_MAX_S + 1  # ... but long after the last one
+        assert read_fails(TimeoutError)
+        assert not kept_out_after(remote_reads.FETCH_RETRY_S + 0.1)
+        assert read_fails(TimeoutError)
+        assert kept_out_after(0.1)
         plane.peers.apply_world(["m", "other-host:2", "b"])  # recovered elsewhere
-        assert plane.peers.ensure_mapped({1}) == set()
+        assert not kept_out_after(0)
         outcome[0] = StagingBusyError("both staging row sets in use")
         assert read_fails(StagingBusyError)
-        assert plane.peers.ensure_mapped({1}) == set()  # not the peer's failure
-        outcome[0] = None
-        assert fetch(Transfer()).identity.incarnation == 7
-        assert plane.counters.snapshot()["peers_kept_out"] == 2
+        assert not kept_out_after(0)  # not the peer's failure
+        assert plane.counters.snapshot()["peers_kept_out"] == 6
     finally:
         plane.close()
 

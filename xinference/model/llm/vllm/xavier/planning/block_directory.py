@@ -61,6 +61,7 @@ from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Seq
 
 from . import directory_entries as ent
 from .block_names import ROW_KEY_MASK
+from .directory_entries import DirectoryError
 from .directory_leases import Leases
 from .directory_types import DirectoryStats, Location, QueryResult
 from .load_batch import NO_LEASE, Tier
@@ -77,10 +78,6 @@ SWEEP_PER_CALL = 4096
 CANDIDATES_PER_BLOCK = 4
 _EMPTY: Dict[int, int] = {}
 _TIERS = frozenset(int(t) for t in Tier)
-
-
-class DirectoryError(ValueError):
-    """Bad input to the directory; the message names the field."""
 
 
 @dataclass
@@ -114,7 +111,7 @@ class BlockDirectory:
         """``rank``'s engine joins; ``tp_size``: its tensor-parallel degree.  The ranks of one
         directory share one degree (a directory group names a shard, :mod:`.shards`): a
         rank of another degree than the ranks registered is refused, naming it."""
-        _check_int("rank", rank)
+        ent.check_int("rank", rank)
         others = {tp for r, tp in self._tp_sizes.items() if r != rank}
         if others and tp_size not in others:
             raise DirectoryError(
@@ -167,8 +164,8 @@ class BlockDirectory:
         storage's late registration wins instead, its reads fail the loader's check and
         miss).  Returns how many entries were recorded.
         """
-        _check_int("rank", rank, ent.LIMITS["rank"])
-        _check_int("incarnation", incarnation, ent.LIMITS["incarnation"])
+        ent.check_int("rank", rank, ent.LIMITS["rank"])
+        ent.check_int("incarnation", incarnation, ent.LIMITS["incarnation"])
         self.sweep()
         self._ranks.add(rank)
         places = self._places.setdefault(rank, {})
@@ -182,7 +179,7 @@ class BlockDirectory:
                     and type(gen) is int and type(tier) is int
                     and 0 <= group <= g_max and 0 <= key <= k_max
                     and tier in _TIERS and 0 <= slot <= s_max and 0 <= gen <= n_max):
-                _check_entry(group, key, tier, slot, gen)  # (one call per entry cost ~25 %)
+                ent.check_entry(group, key, tier, slot, gen)  # (one call per entry cost ~25 %)
             where = ent.place(tier, group, slot)
             if gen < floors.get(where, 0):  # forgotten at a newer generation already
                 self.stats.stale_registrations += 1
@@ -228,7 +225,7 @@ class BlockDirectory:
         self._leases.expire()
         places = self._places.get(rank, _EMPTY)
         granted = []
-        for slot in slots:
+        for slot in ent.checked_places(tier, group, slots):
             where = ent.place(tier, group, slot)
             if self._leases.on((rank, where)):
                 self.stats.claims_refused += 1
@@ -256,8 +253,9 @@ class BlockDirectory:
         floors = self._floors.setdefault(rank, {})
         dropped = 0
         for group, group_slots in slots.items():
-            for slot, gen in group_slots:
-                where = ent.place(int(tier), int(group), int(slot))
+            checked = ent.checked_places(tier, group, [slot for slot, _ in group_slots])
+            for slot, (_, gen) in zip(checked, group_slots):
+                where = ent.place(int(tier), int(group), slot)
                 if gen:
                     floors[where] = int(gen)
                 prev = places.pop(where, None)
@@ -342,7 +340,7 @@ class BlockDirectory:
         longer holds what it names (its rank gone, the slot forgotten or reused: the read
         fails its check anyway), and for all of them when the lease bound is reached even
         after expiry (the reads are then unprotected: still checked, at worst recomputed)."""
-        _check_int("holder", holder)
+        ent.check_int("holder", holder)
         live = [self._names_its_slot(loc) for loc in locations]
         if not self._leases.room_for(sum(live)):
             self.stats.leases_refused += sum(live)
@@ -405,9 +403,9 @@ class BlockDirectory:
 
     @property
     def num_keys(self) -> int:
-        """Block names held (garbage swept first; names equal in their low 63 bits count
-        once)."""
-        self.sweep(-1)
+        """Block names held (after a bounded sweep: a departed rank's names count until
+        swept; names equal in their low 63 bits count once)."""
+        self.sweep()
         return len(self._records)
 
     @property
@@ -428,21 +426,3 @@ class BlockDirectory:
             del self._records[short]
         elif left is not record:
             self._records[short] = left
-
-
-def _check_entry(group: object, key: object, tier: object, slot: object, gen: object) -> None:
-    """Raise naming the first bad field of a registered entry (none: it is good, e.g. a
-    ``Tier`` member as its tier)."""
-    _check_int("group", group, ent.LIMITS["group"])
-    _check_int("key", key, ent.LIMITS["key"])
-    Tier(_check_int("tier", tier))
-    _check_int("slot", slot, ent.LIMITS["slot"])
-    _check_int("generation", gen, ent.LIMITS["generation"])
-
-
-def _check_int(name: str, value: object, limit: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise DirectoryError(f"{name}: expected a non-negative int, got {value!r}")
-    if limit is not None and value > limit:
-        raise DirectoryError(f"{name}: at most {limit}, got {value}")
-    return value

@@ -19,7 +19,8 @@ tier (8), 8 unused, rank (16), name (192): :data:`ENTRY_DTYPE`.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Union
+import operator
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -43,6 +44,10 @@ LIMITS = {"rank": (1 << 16) - 1, "tier": (1 << 8) - 1, "group": (1 << 16) - 1,
 _M64 = (1 << 64) - 1
 #: a place (:func:`place`) is bits 128..191 of an entry: slot, group, tier
 PLACE_MASK = _M64
+
+class DirectoryError(ValueError):
+    """Bad input to the directory; the message names the field."""
+
 
 #: a record: one entry, or the entries sharing one short name (device copies first)
 Record = Union[int, Tuple[int, ...]]
@@ -135,3 +140,36 @@ def without_entry(record: Record, entry: int) -> Record | None:
         return record
     left = tuple(e for e in record if e is not entry)
     return None if not left else left[0] if len(left) == 1 else left
+
+
+def check_entry(group: object, key: object, tier: object, slot: object, gen: object) -> None:
+    """Raise naming the first bad field of a registered entry (none: it is good, e.g. a
+    ``Tier`` member as its tier)."""
+    check_int("group", group, LIMITS["group"])
+    check_int("key", key, LIMITS["key"])
+    Tier(check_int("tier", tier))
+    check_int("slot", slot, LIMITS["slot"])
+    check_int("generation", gen, LIMITS["generation"])
+
+
+def checked_places(tier: object, group: object, slots: Sequence[object]) -> List[int]:
+    """``slots`` as ints, their place's fields in range (else another slot's place would be
+    named); numpy's ints are ints here."""
+    Tier(check_int("tier", _as_int(tier)))
+    check_int("group", _as_int(group), LIMITS["group"])
+    return [check_int("slot", _as_int(slot), LIMITS["slot"]) for slot in slots]
+
+
+def _as_int(value: object) -> object:
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return value  # (refused by check_int, naming it)
+
+
+def check_int(name: str, value: object, limit: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DirectoryError(f"{name}: expected a non-negative int, got {value!r}")
+    if limit is not None and value > limit:
+        raise DirectoryError(f"{name}: at most {limit}, got {value}")
+    return value

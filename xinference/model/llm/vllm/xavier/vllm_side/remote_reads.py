@@ -6,9 +6,11 @@ completion thread (every later load's completion waits behind it), so a read tha
 for want of the peer (no answer in time, a refused or broken connection) keeps that peer's
 rows out of loads for :data:`FETCH_RETRY_S`, doubling with each such failure in a row up
 to :data:`FETCH_RETRY_MAX_S` (issue #36): their blocks are recomputed at once instead
-(:meth:`RemoteReads.kept_out`, asked by :meth:`~.peers.PeerMaps.ensure_mapped`).  A read
-refused for reasons of this rank's own (staging rows busy, rows not all written) keeps
-nobody out.
+(:meth:`RemoteReads.kept_out`, asked by :meth:`~.peers.PeerMaps.ensure_mapped`), and a
+read of it already planned fails at once (:class:`PeerKeptOutError`, not a new failure).
+A read that works ends the keep-out; a failure long after the last keep-out ended starts
+the doubling again.  A read refused for reasons of this rank's own (staging rows busy,
+rows not all written) keeps nobody out.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ PEER_FAILURES = (TimeoutError, ConnectionError, OSError, ServerClosed)
 _monotonic = time.monotonic  # the keep-out clock (tests move it)
 
 
+class PeerKeptOutError(RuntimeError):
+    """A read of a peer kept out of loads now (its blocks are recomputed)."""
+
+
 class RemoteReads:
     """One worker's reads of other hosts' storages (see the module docstring)."""
 
@@ -71,7 +77,7 @@ class RemoteReads:
             return {r for r in ranks if self._kept_out_until.get(r, 0.0) > now}
 
     def forget(self, rank: int) -> None:
-        """``rank`` moved (a world update): its reads are tried again at once."""
+        """``rank`` answered a read, or moved (a world update): no keep-out, no doubling."""
         with self._lock:
             self._kept_out_until.pop(rank, None)
             self._failures_in_a_row.pop(rank, None)
@@ -82,6 +88,8 @@ class RemoteReads:
         set its answer names (a second set exists once a fetch timed out and still ran
         when the next one came: see :mod:`..mechanism.remote_fetch`)."""
         def fetch(transfer: Any) -> FetchedRows:
+            if self.kept_out({rank}):  # (planned before its keep-out: one timeout is enough)
+                raise PeerKeptOutError(f"rank {rank}: kept out of loads after a failed read")
             slots = [int(s) for s in transfer.src_slots]
             group = int(transfer.group)
             tp_rank = self._tp_rank
@@ -92,8 +100,7 @@ class RemoteReads:
             except PEER_FAILURES as exc:
                 self._keep_out(rank, exc)
                 raise
-            with self._lock:
-                self._failures_in_a_row.pop(rank, None)
+            self.forget(rank)  # (it answers: no keep-out, no doubling)
             _, incarnation, generations = served
             return FetchedRows([s[:len(slots)] for s in self._staging_set(own, int(index))[group]],
                                SourceIdentity(int(incarnation), np.asarray(generations, np.int64)))
@@ -101,10 +108,13 @@ class RemoteReads:
         return fetch
 
     def _keep_out(self, rank: int, exc: BaseException) -> None:
+        now = _monotonic()
         with self._lock:
+            if now - self._kept_out_until.get(rank, now) > FETCH_RETRY_MAX_S:
+                self._failures_in_a_row.pop(rank, None)  # long ago: start again
             n = self._failures_in_a_row[rank] = self._failures_in_a_row.get(rank, 0) + 1
             wait = min(FETCH_RETRY_MAX_S, FETCH_RETRY_S * 2 ** (n - 1))
-            self._kept_out_until[rank] = _monotonic() + wait
+            self._kept_out_until[rank] = now + wait
         self._counters.add("peers_kept_out")
         logger.warning("xavier: rank %d: a read of rank %d failed (%r): its rows are left out "
                        "of loads (recomputed) for %.0f s", self._rank, rank, exc, wait)
