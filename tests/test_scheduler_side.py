@@ -135,6 +135,30 @@ def test_a_request_is_offered_one_load_and_recomputes_after_it_failed():
     w.side.finished("r")
 
 
+def test_a_failed_loads_wait_is_not_learned_as_a_hits_wait():
+    """vLLM asks again after a failed load and recomputes: the request's time until its
+    first forward (a dark peer's read ran into its 30 s timeout) is not a hit's wait, so the
+    cost model does not learn it and the step does not count a hit started.  Control: a
+    load that worked is learned."""
+    for failed in (True, False):
+        cost = measured_cost()
+        w = World(held_keys=keys_of(100), cost=cost)
+        now = [10.0]
+        w.side._clock = lambda now=now: now[0]
+        w.side.track("r", lambda: keys_of(200), 200 * BS)
+        assert w.side.match("r", 200 * BS, 0) == 100 * BS
+        w.side.allocated("r", [list(range(200))], [[False] * 200], 100 * BS)
+        w.side.build_step([], {})
+        now[0] += 31.0
+        w.side.loads_finished(["r"])
+        if failed:
+            assert w.side.match("r", 200 * BS, 0) == 0  # vLLM asks again: recomputed
+        started = w.side.build_step([("r", 0 if failed else 100 * BS, 8)], {}).stats
+        assert started.hits_started == (0 if failed else 1)
+        assert (cost.expected_wait_s(0) < 1.0) == failed
+        w.side.finished("r")
+
+
 def test_fewer_external_tokens_than_offered_leases_only_the_blocks_taken():
     w = World(held_keys=keys_of(6))
     w.side.track("r", lambda: keys_of(6), 200)

@@ -156,6 +156,11 @@ class SchedulerSide:
         """External tokens loadable beyond ``num_computed_tokens`` (block aligned), or
         ``None`` while the lookup is out."""
         tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.loaded:
+            # its load failed (or it was preempted): the time until its first forward is
+            # a recompute's, not a hit's wait (one dark peer's 30 s timeout, learned, made
+            # the cost model decline every hit of its level for the next 31)
+            tracked.allocated_at = None
         if (tracked is None or not tracked.sharing or not tracked.loads or not ready
                 or tracked.loaded or tracked.declined):
             self._drop_hit(request_id)
