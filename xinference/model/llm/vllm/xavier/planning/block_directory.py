@@ -60,11 +60,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import directory_entries as ent
-from .block_names import ROW_KEY_MASK
 from .directory_entries import DirectoryError
 from .directory_leases import Leases
 from .directory_types import DirectoryStats, Location, QueryResult
-from .load_batch import NO_LEASE, Tier
+from .load_batch import NO_LEASE, Tier, read_preference
 
 #: no holder named (a query without ``exclude_rank``)
 NO_HOLDER = -1
@@ -78,6 +77,8 @@ SWEEP_PER_CALL = 4096
 CANDIDATES_PER_BLOCK = 4
 _EMPTY: Dict[int, int] = {}
 _TIERS = frozenset(int(t) for t in Tier)
+#: read_preference by tier, looked up without a call (the lookup loop)
+_PREFERENCE = tuple(read_preference(t) for t in range(max(_TIERS) + 1))
 
 
 @dataclass
@@ -211,7 +212,7 @@ class BlockDirectory:
                     if places.get(ent.place_of(other)) is other:
                         del places[ent.place_of(other)]
             entry = ent.pack(key, rank, tier, group, slot, gen, incarnation)
-            self._records[short] = ent.with_entry(record, entry, tier != Tier.CPU)
+            self._records[short] = ent.with_entry(record, entry, read_preference(tier) == 0)
             places[where] = entry
             recorded += 1
         self.stats.registered += recorded
@@ -304,7 +305,7 @@ class BlockDirectory:
         """The entry of ``key``'s copy a query offers, None if no other rank holds it (a
         record of only other names with the same short name counts a mismatch).  Device
         memory first, then the least leased (:data:`CANDIDATES_PER_BLOCK` weighed)."""
-        record = self._records.get(((key & ROW_KEY_MASK) << 16) | group)
+        record = self._records.get(ent.short_name(key, group))
         if record is None:
             return None
         places, counts = self._places, self._leases.counts
@@ -321,7 +322,7 @@ class BlockDirectory:
             tier = (entry >> ent.TIER_SHIFT) & 0xFF
             if tier == Tier.VLLM:
                 return entry  # device memory, never leased: none is preferred to it
-            pref = (tier == Tier.CPU, counts.get((rank, where), 0))
+            pref = (_PREFERENCE[tier], counts.get((rank, where), 0))
             if best is None or pref < best_pref:
                 best, best_pref = entry, pref
                 if pref == (0, 0):

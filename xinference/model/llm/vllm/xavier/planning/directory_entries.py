@@ -26,7 +26,7 @@ import numpy as np
 
 from .block_names import ROW_KEY_MASK
 from .directory_types import Location
-from .load_batch import Tier
+from .load_batch import Tier, read_preference
 
 #: an entry's fields, low bits first, each on whole bytes: :data:`ENTRY_DTYPE` reads a
 #: query's chosen entries in one go (:func:`location_table`)
@@ -127,7 +127,7 @@ def with_entry(record: Record | None, entry: int, device: bool) -> Record:
     held = entries(record)
     if not device:
         return held + (entry,)
-    at = next((i for i, e in enumerate(held) if tier_of(e) == Tier.CPU), len(held))
+    at = next((i for i, e in enumerate(held) if read_preference(tier_of(e))), len(held))
     return held[:at] + (entry,) + held[at:]
 
 
