@@ -148,6 +148,13 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
           f"{now.get('cost_hit_wait_us', 0)} us")
     assert now.get("cost_hit_wait_us", 0) > 0
     assert 0 < now.get("cost_prefill_ns_per_token", 0) * 200 < took_ns
+    # every step's time in the connector (scheduler half + worker half) was measured: the
+    # longest, and a histogram whose counts fall with its bounds (planning/step_hold.py)
+    over = [now.get(f"steps_held_over_{ms}ms", 0) for ms in (10, 50, 250)]
+    print(f"step hold: longest {now.get('step_hold_max_us', 0)} us, over 10/50/250 ms {over}")
+    assert now.get("step_hold_max_us", 0) > 0
+    assert over[0] >= over[1] >= over[2] and over[0] < now["scheduler_steps"]
+    assert (now["step_hold_max_us"] > 10_000) == (over[0] > 0)
 
 
 def test_negative_control_copy_skipped_changes_tokens(world):

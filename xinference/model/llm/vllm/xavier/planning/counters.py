@@ -21,6 +21,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Protocol, 
 import numpy as np
 
 from .shm_words import DATA_NAME, ShmWords, shm_dir
+from .step_hold import HOLD_COUNTER_NAMES, HOLD_MAX_NAME
 
 #: every counter the worker's data plane and the scheduler side keep, in file order
 COUNTER_NAMES: Tuple[str, ...] = (
@@ -70,6 +71,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "room_skipped_no_lower_slot", "room_us",
     # of room_us: copies between tiers (complete on return), directory calls (claim, move)
     "room_copy_us", "room_directory_us",
+    # worker steps the connector held longer than 10 / 50 / 250 ms (its scheduler half's
+    # time building the step plus its worker half's in it: :mod:`.step_hold`)
+    *HOLD_COUNTER_NAMES,
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
     "peer_premap_failures", "peers_kept_out", "world_updates_seen",
@@ -84,6 +88,8 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 "storage_gpu_free_blocks", "storage_cpu_free_blocks",
                                 # the longest load launch so far (µs)
                                 "load_launch_max_us",
+                                # the longest step hold so far (µs, :mod:`.step_hold`)
+                                HOLD_MAX_NAME,
                                 # the cost model's latest estimates (0 until first known)
                                 "cost_prefill_ns_per_token", "cost_step_fixed_us",
                                 "cost_hit_wait_us",
@@ -238,6 +244,8 @@ class TransferCounters:
 
 
 _HELP = {
+    "steps_held_over_50ms": "worker steps Xavier's connector held longer than 50 ms",
+    "step_hold_max_us": "longest time Xavier's connector held one step (microseconds)",
     "hit_blocks": "KV blocks found on other replicas and loaded instead of recomputed",
     "useful_bytes": "bytes of KV blocks read by loads",
     "blocks_written": "KV blocks written into this replica's cache by loads",

@@ -12,9 +12,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..mechanism.in_place import share_host_caches
+from ..planning.counters import elapsed_us
 from ..planning.load_batch import DEST
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions
+from ..planning.step_hold import StepHoldClock, count_step_hold
 from ..planning.step_meta import StepMeta
 from .actor_bridge import ActorBridge
 from .connector_stats import CounterDeltas, XavierKVConnectorStats
@@ -63,6 +65,8 @@ class XavierConnectorWorker:
         self._tp_rank = 0
         self._device: Optional[torch.device] = None
         self._stats: Optional[CounterDeltas] = None
+        #: this step's time in the connector so far (closed by :meth:`finished_loads`)
+        self._hold = StepHoldClock()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> Optional[str]:
         """Build the data plane on ``kv_caches`` and attach it; returns why sharing cannot
@@ -110,9 +114,14 @@ class XavierConnectorWorker:
 
     def start_loads(self, step: Optional[StepMeta]) -> None:
         """Launch ``step``'s loads on the data plane (never waits for them)."""
+        with elapsed_us(self._hold.add):
+            self._start_loads(step)
+
+    def _start_loads(self, step: Optional[StepMeta]) -> None:
         plane = self.plane
         if step is None:
             return
+        self._hold.add(step.stats.scheduler_us)  # the step's scheduler half
         if plane is None:
             self.fail_loads(step)
             return
@@ -129,21 +138,27 @@ class XavierConnectorWorker:
         (never waits on the host)."""
         if step is None or self.plane is None:
             return
-        if step.exports:
-            self.plane.export(step.exports)
-        if step.in_place:
-            self.plane.publish_in_place(step.in_place)
+        with elapsed_us(self._hold.add):
+            if step.exports:
+                self.plane.export(step.exports)
+            if step.in_place:
+                self.plane.publish_in_place(step.in_place)
 
     def finished_loads(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their
-        failed blocks are kept for :meth:`take_load_errors`."""
-        done, self._failed_requests = self._failed_requests, set()
+        failed blocks are kept for :meth:`take_load_errors`.  The step's last call: its
+        hold is counted here (:mod:`..planning.step_hold`)."""
+        with elapsed_us(self._hold.add):
+            done, self._failed_requests = self._failed_requests, set()
+            if self.plane is not None:
+                stream = torch.cuda.current_stream(self._device) if (
+                    self._device is not None and self._device.type == "cuda") else None
+                loaded, failed = self.plane.finished(stream)
+                self._load_errors.update(failed)
+                done |= loaded
+        held = self._hold.take()
         if self.plane is not None:
-            stream = torch.cuda.current_stream(self._device) if (
-                self._device is not None and self._device.type == "cuda") else None
-            loaded, failed = self.plane.finished(stream)
-            self._load_errors.update(failed)
-            done |= loaded
+            count_step_hold(self.plane.counters, held)
         return None, (done or None)
 
     def take_load_errors(self) -> Set[int]:
