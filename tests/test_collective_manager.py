@@ -24,7 +24,7 @@ from .support.probe_actor import OverlayProbeActor
 
 MODEL_UID = "liveness-model"
 INTERVAL_S = 0.5
-TIMEOUT_S = 30.0
+TIMEOUT_S = 2.0
 
 
 def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
@@ -36,15 +36,22 @@ def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
             tracker = await xo.create_actor(
                 VLLMBlockTracker, address=pool.external_address,
                 uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
-            # checks every 0.5 s, each allowed 30 s: a live rank on a busy machine is never
-            # a miss (the negative control), a dead one fails at once (connection refused,
-            # or no such actor once its process is back)
+            # checks every 0.5 s, each judged 2 s after its start, late answers counted: a
+            # live rank on a busy machine is never silent that long (the negative control), a
+            # dead one answers nothing (connection refused, or no such actor once its process
+            # is back)
             manager = await xo.create_actor(
                 CollectiveManager, MODEL_UID, liveness_interval_s=INTERVAL_S,
                 liveness_timeout_s=TIMEOUT_S,
                 address=pool.external_address,
                 uid=f"{CollectiveManager.default_uid()}-{MODEL_UID}")
             addresses = sub_pool_addresses(pool)
+            # before any rank registers: the probe's first call imports the overlay in rank
+            # 1's process (seconds on a busy machine, during which that process answers
+            # nothing: a rank there would rightly be dropped)
+            probe = await xo.create_actor(OverlayProbeActor, address=addresses[0],
+                                          uid="probe-1")
+            pid = (await probe.where())["pid"]
             ranks = {}
             for rank, address in zip((1, 2), addresses):
                 ranks[rank] = await xo.create_actor(
@@ -59,10 +66,6 @@ def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
             await asyncio.sleep(6 * INTERVAL_S)
             assert (await manager.liveness())["ranks"] == [1, 2]
             assert (await manager.liveness())["dropped_unreachable"] == 0
-
-            probe = await xo.create_actor(OverlayProbeActor, address=addresses[0],
-                                          uid="probe-1")
-            pid = (await probe.where())["pid"]
             os.kill(pid, signal.SIGKILL)
             t0 = time.monotonic()
             while (await manager.liveness())["ranks"] != [2]:
@@ -173,5 +176,68 @@ def test_a_rank_whose_world_update_hangs_holds_no_one_up_and_gets_the_world_late
             assert (await manager.liveness())["world_updates_retried"] >= 1
             for m in (manager, slow):
                 await xo.destroy_actor(m)
+
+    asyncio.run(run())
+
+
+class SlowOrDarkRank(Rank0TransferActor):
+    """A rank whose liveness answers take ``delay_s`` (a busy but live rank), and that can
+    go dark: its checks then never answer (a blackholed host: no refusal, no reset)."""
+
+    def __init__(self, rank: int, delay_s: float) -> None:
+        super().__init__(rank=rank)
+        self._delay_s = delay_s
+        self._dark = False
+
+    async def is_ready(self) -> bool:
+        await asyncio.sleep(self._delay_s)
+        while self._dark:
+            await asyncio.sleep(3600)
+        return True
+
+    def go_dark(self) -> None:
+        self._dark = True
+
+
+def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
+    """Checks start on a fixed cadence and are judged their timeout later, but an answer
+    that comes late still counts: a rank that answers every check after 1.75 timeouts stays
+    registered for many rounds (with late answers ignored it would be dropped after two),
+    while one that goes dark is dropped within ``LIVENESS_MISSES`` intervals plus the
+    timeout (#36: a blackholed host leaves the directory in about 11 s by default)."""
+    interval, timeout = 0.5, 0.2
+
+    async def run():
+        async with actor_pool(n_process=0) as pool:
+            addr = pool.external_address
+            tracker = await xo.create_actor(VLLMBlockTracker, address=addr,
+                                            uid=f"{VLLMBlockTracker.default_uid()}-dark")
+            manager = await xo.create_actor(CollectiveManager, "dark",
+                                            liveness_interval_s=interval,
+                                            liveness_timeout_s=timeout, address=addr,
+                                            uid=f"{CollectiveManager.default_uid()}-dark")
+            ranks = {r: await xo.create_actor(SlowOrDarkRank, r, 1.75 * timeout, address=addr,
+                                              uid=transfer_actor_uid(r)) for r in (1, 2)}
+            for rank in ranks:
+                await manager.register_rank(rank, addr)
+                await tracker.register_rank(rank)
+                await tracker.register(rank, [(0, 1000 * rank + i, 0, i, 1) for i in range(4)])
+            await asyncio.sleep(8 * interval)  # both slow, both live: nobody dropped
+            live = await manager.liveness()
+            assert live["ranks"] == [1, 2] and live["dropped_unreachable"] == 0, live
+
+            await ranks[1].go_dark()
+            t0 = time.monotonic()
+            while (await manager.liveness())["ranks"] != [2]:
+                assert time.monotonic() - t0 < 10 * interval, await manager.liveness()
+                await asyncio.sleep(0.02)
+            dropped_after = time.monotonic() - t0
+            print(f"the dark rank dropped {dropped_after:.2f} s after it went dark")
+            # (its last answer may have come just before: then two full rounds after it)
+            bound = CollectiveManager.LIVENESS_MISSES * interval + timeout
+            assert dropped_after <= bound + 0.3, (dropped_after, bound)
+            assert (await tracker.stats())["blocks"] == 4  # rank 2's only
+            assert (await manager.liveness())["dropped_unreachable"] == 1
+            await xo.destroy_actor(manager)
 
     asyncio.run(run())

@@ -8,9 +8,10 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
   maps its peers again on first use.  Ranks that cannot be reached are logged, not fatal: a
   rank that misses an update only misses hits (its loads from an unmapped peer fail and
   vLLM recomputes).  It also checks every few seconds that each rank still answers: a rank
-  whose worker or host died (Xinference tells Xavier nothing then) is unregistered after
-  :attr:`CollectiveManager.LIVENESS_MISSES` missed checks in a row, so its blocks leave the
-  directory and the other ranks stop trying to read them.
+  whose worker or host died or went dark (Xinference tells Xavier nothing then) is
+  unregistered once it has answered none of :attr:`CollectiveManager.LIVENESS_MISSES`
+  checks in a row, so its blocks leave the directory and the other ranks stop trying to
+  read them.
 * :class:`Rank0ModelActor` (worker, GPU-less subpool, uid ``"<model_uid>-rank0"``): rank 0
   holds no engine; its :class:`Rank0TransferActor` only answers the world updates so that
   the manager can treat all ranks alike.
@@ -19,7 +20,9 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict, List, Optional, Tuple
+import collections
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import xoscar as xo
 
@@ -109,9 +112,11 @@ class Rank0ModelActor(xo.StatelessActor):
 class CollectiveManager(xo.StatelessActor):
     """Rank registry of one Xavier model (uid ``f"{default_uid()}-{model_uid}"``)."""
 
-    #: seconds between two liveness checks of every rank, and the time one check may take
+    #: seconds between the starts of two liveness checks of every rank (a fixed cadence)
     LIVENESS_INTERVAL_S = 5.0
-    #: missed checks in a row after which a rank counts as dead and is unregistered
+    #: seconds after a check's start at which its verdict is taken
+    LIVENESS_TIMEOUT_S = 1.0
+    #: checks in a row a rank answered none of before it counts as dead and is unregistered
     LIVENESS_MISSES = 2
 
     @classmethod
@@ -120,9 +125,14 @@ class CollectiveManager(xo.StatelessActor):
 
     def __init__(self, model_uid: str, liveness_interval_s: Optional[float] = None,
                  liveness_timeout_s: Optional[float] = None) -> None:
-        """``liveness_interval_s``: seconds between two checks (default
-        :attr:`LIVENESS_INTERVAL_S`); ``liveness_timeout_s``: how long one check may take
-        before it counts as a miss (default: the interval)."""
+        """``liveness_interval_s``: seconds between the starts of two checks (default
+        :attr:`LIVENESS_INTERVAL_S`); ``liveness_timeout_s``: seconds after a check's start
+        at which it is judged (default :attr:`LIVENESS_TIMEOUT_S`).  A late answer still
+        counts: a rank is dropped only when it answered nothing since the start of the
+        check before (silent for an interval plus the timeout), so a dark host leaves within
+        ``(LIVENESS_MISSES - 1) * interval + timeout`` of its next check, at most
+        ``LIVENESS_MISSES * interval + timeout`` after it went dark, while a slow but live
+        rank is never dropped.  A world update may take ``max(interval, timeout)``."""
         super().__init__()
         self._model_uid = model_uid
         self._addresses: Dict[int, str] = {}
@@ -133,7 +143,12 @@ class CollectiveManager(xo.StatelessActor):
         self._tracker: Any = None
         self._lock = asyncio.Lock()
         self._interval = float(liveness_interval_s or self.LIVENESS_INTERVAL_S)
-        self._timeout = float(liveness_timeout_s or self._interval)
+        self._timeout = float(liveness_timeout_s or self.LIVENESS_TIMEOUT_S)
+        self._update_timeout = max(self._interval, self._timeout)
+        #: (rank, generation) -> when it last answered a check (or registered), monotonic
+        self._answered: Dict[Tuple[int, int], float] = {}
+        #: (rank, generation) -> its check in flight (one at a time per rank)
+        self._asking: Dict[Tuple[int, int], asyncio.Task] = {}
         self._watch: Optional[asyncio.Task] = None
         self.world_updates = 0
         self.ranks_dropped_unreachable = 0
@@ -161,6 +176,7 @@ class CollectiveManager(xo.StatelessActor):
             self._refs[rank] = ref
             self._addresses[rank] = address
             self._generation[rank] = self._generation.get(rank, 0) + 1
+            self._answered[(rank, self._generation[rank])] = time.monotonic()
         logger.info("xavier %s: rank %d registered at %s%s", self._model_uid, rank, address,
                     " (world update)" if update else "")
         if update:
@@ -197,50 +213,81 @@ class CollectiveManager(xo.StatelessActor):
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+        for task in list(self._asking.values()):
+            task.cancel()
 
     async def _watch_ranks(self) -> None:
-        """Every interval, ask every registered rank whether it is there; a rank that has
-        not answered :attr:`LIVENESS_MISSES` times in a row is unregistered."""
-        misses: Dict[tuple, int] = {}
+        """Every interval (a fixed cadence: a hung check never delays the next round), ask
+        every registered rank whether it is there; judge the round its timeout later."""
+        starts: Deque[float] = collections.deque(maxlen=self.LIVENESS_MISSES)
         while True:
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self._interval - self._timeout if self._interval >
+                                self._timeout else self._interval)
+            starts.append(time.monotonic())
             try:
-                await self._check_ranks(misses)
+                checked = await self._start_checks()
+                await asyncio.sleep(self._timeout)
+                if len(starts) == self.LIVENESS_MISSES:
+                    await self._judge(checked, starts[0])
             except Exception as exc:  # the watch outlives one bad round
                 logger.warning("xavier %s: rank liveness check failed: %r", self._model_uid,
                                exc)
 
-    async def _check_ranks(self, misses: Dict[tuple, int]) -> None:
+    async def _start_checks(self) -> List[Tuple[int, int, Any]]:
+        """Ask every rank that has no check in flight; the ranks registered now."""
         async with self._lock:
             checked = [(rank, self._generation.get(rank, 0), ref)
                        for rank, ref in self._refs.items()]
-        results = await asyncio.gather(
-            *(asyncio.wait_for(ref.is_ready(), self._timeout) for _, _, ref in checked),
-            return_exceptions=True)
         current = {(rank, generation) for rank, generation, _ in checked}
-        for stale in [key for key in misses if key not in current]:
-            del misses[stale]  # unregistered or registered again meanwhile
-        retry = []
-        for (rank, generation, ref), result in zip(checked, results):
+        for stale in [key for key in self._answered if key not in current]:
+            del self._answered[stale]  # unregistered or registered again meanwhile
+            task = self._asking.pop(stale, None)
+            if task is not None:
+                task.cancel()
+        for rank, generation, ref in checked:
             key = (rank, generation)
-            if not isinstance(result, Exception):
-                misses.pop(key, None)
-                if self._behind.get(rank) == generation:
-                    retry.append((rank, generation, ref))
-                continue
-            misses[key] = misses.get(key, 0) + 1
-            if misses[key] >= self.LIVENESS_MISSES:
-                misses.pop(key, None)
-                await self._drop_unreachable(rank, generation, result)
+            if key not in self._asking:
+                self._asking[key] = asyncio.create_task(self._ask(key, ref))
+        return checked
+
+    async def _ask(self, key: Tuple[int, int], ref: Any) -> None:
+        """One check: an answer (any value) is recorded when it comes, however late; a
+        check is given up after an interval plus the timeout (its rank has been judged by
+        then), an error (refused connection, no such actor) is no answer."""
+        try:
+            await asyncio.wait_for(ref.is_ready(), self._interval + self._timeout)
+        except Exception as exc:
+            logger.debug("xavier %s: rank %d did not answer a liveness check: %r",
+                         self._model_uid, key[0], exc)
+        else:
+            if key in self._answered:
+                self._answered[key] = time.monotonic()
+        finally:
+            self._asking.pop(key, None)
+
+    async def _judge(self, checked: List[Tuple[int, int, Any]], since: float) -> None:
+        """Drop the ranks that answered nothing since ``since`` (the start of the first of
+        the last :attr:`LIVENESS_MISSES` rounds); send the world again to those that answer
+        while their last update failed."""
+        retry = []
+        for rank, generation, ref in checked:
+            key = (rank, generation)
+            answered = self._answered.get(key)
+            if answered is None:
+                continue  # gone meanwhile
+            if answered < since:
+                await self._drop_unreachable(rank, generation, time.monotonic() - answered)
+            elif self._behind.get(rank) == generation and key not in self._asking:
+                retry.append((rank, generation, ref))
         if retry:
             await self._send_world(retry, retried=True)
 
-    async def _drop_unreachable(self, rank: int, generation: int, error: Exception) -> None:
+    async def _drop_unreachable(self, rank: int, generation: int, silent_s: float) -> None:
         address = self._addresses.get(rank, "")
         if await self._forget(rank, generation):
-            logger.warning("xavier %s: rank %d at %s did not answer %d checks in a row (%r): "
-                           "unregistered", self._model_uid, rank, address,
-                           self.LIVENESS_MISSES, error)
+            logger.warning("xavier %s: rank %d at %s answered none of %d liveness checks in a "
+                           "row (silent for %.1f s): unregistered", self._model_uid, rank,
+                           address, self.LIVENESS_MISSES, silent_s)
 
     def liveness(self) -> Dict[str, Any]:
         """The ranks watched now, how many were dropped as unreachable, the ranks whose last
@@ -257,7 +304,7 @@ class CollectiveManager(xo.StatelessActor):
         return [self._addresses.get(r, "") for r in range(max(self._addresses) + 1)]
 
     async def _update_world(self) -> None:
-        """Send the world to every rank, each allowed the liveness timeout: a rank that does
+        """Send the world to every rank, each allowed ``max(interval, timeout)``: a rank that does
         not answer in time (a dark host) neither holds the others' update nor the
         registrations behind this lock for longer; it gets the world again once it answers a
         liveness check (:attr:`world_updates_retried`)."""
@@ -272,7 +319,7 @@ class CollectiveManager(xo.StatelessActor):
                 ranks = [(rank, self._generation.get(rank, 0), ref)
                          for rank, ref in self._refs.items()]
             results = await asyncio.gather(
-                *(asyncio.wait_for(ref.update_world(world), self._timeout)
+                *(asyncio.wait_for(ref.update_world(world), self._update_timeout)
                   for _, _, ref in ranks), return_exceptions=True)
             self.world_updates += 1
             self.world_updates_retried += len(ranks) if retried else 0
