@@ -241,3 +241,36 @@ def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
             await xo.destroy_actor(manager)
 
     asyncio.run(run())
+
+
+def test_a_world_update_stuck_in_a_connect_does_not_hold_the_registry():
+    """A call to a host that answers nothing can sit in xoscar's connection set-up, which
+    does not take its cancellation: ``asyncio.wait_for`` then waits for it to end anyway
+    (the control below: the kernel's connect timeout, 20 s in the two-host test).  The
+    registry's bound returns on time and leaves the call to end on its own."""
+    from xinference.model.llm.vllm.xavier.collective_manager import _within
+
+    async def stuck_in_connect(seconds: float) -> None:
+        try:
+            await asyncio.sleep(seconds)
+        except asyncio.CancelledError:  # (a connect that finishes before it yields)
+            await asyncio.sleep(seconds)
+            raise
+
+    async def answers() -> str:
+        return "ok"
+
+    async def run():
+        t0 = time.monotonic()
+        results = await _within(0.2, [stuck_in_connect(1.5), answers()])
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        assert isinstance(results[0], TimeoutError) and results[1] == "ok"
+        # the control: the standard bound waits for the stuck call to take its cancellation
+        t0 = time.monotonic()
+        late = await asyncio.gather(asyncio.wait_for(stuck_in_connect(1.5), 0.2),
+                                    return_exceptions=True)
+        assert time.monotonic() - t0 >= 1.4 and isinstance(late[0], BaseException)
+        await asyncio.sleep(1.6)  # (the stuck call of the first part ends meanwhile)
+
+    asyncio.run(run())

@@ -12,11 +12,13 @@ is no faster and costs a core, doc/multi-host.md) and with NIXL forced
 the bytes and that no memory of the other host was mapped; the texts equal those of a
 launch without Xavier.
 
-Faults: the worker of the host that holds the prefix is killed (SIGKILL, its engine
-too); the other replica's next request still finds the blocks in the directory (the
-supervisor has not noticed yet), its load fails, vLLM recomputes: correct text, no hang,
-no lease left; the directory's liveness check then drops the dead rank and its blocks.
-With the host's worker back, the model launched again (with NIXL forced) shares across the
+Faults: the host that holds the prefix goes dark (a blackhole route in its namespace: its
+packets are dropped, so connections to it hang instead of being refused); the other
+replica's next request still finds the blocks in the directory, its load fails off the
+step's thread (no step held up), vLLM recomputes: correct text, no lease left; the
+directory's liveness check drops the dark rank within two intervals plus the timeout.  The
+dark host's worker is then killed (SIGKILL, its engine too) and the route removed.  With
+the host's worker back, the model launched again (with NIXL forced) shares across the
 hosts again.  (Xinference 3.5.0 neither relaunches a replica on a returning worker nor adds
 replicas to Xavier models, so "back" means a new launch.)  Five engine starts in all: the
 baseline, one launch with the automatic transport for the first two tests, the relaunch.
@@ -34,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -78,10 +81,11 @@ def prompt(i: int, round_: int = 0) -> str:
 #: peer not set up yet (its rows fail at once, the mapping thread sets it up), and a first
 #: NIXL read may run past the 30 s fetch timeout on this 2-core machine, so four pairs
 PAIRS = [(0, 0, 1), (1, 2, 3), (2, 4, 5), (3, 6, 7)]
-DEATH_ROUND = 4
+#: the rounds of the dark-host test (a prefix of its own each; up to three are computed)
+DARK_ROUNDS = (4, 5, 6)
 #: every prompt these tests send: (round, request)
 PROMPTS = ([(r, i) for r, i0, i1 in PAIRS for i in (i0, i1)]
-           + [(DEATH_ROUND, i) for i in range(3)])
+           + [(r, i) for r in DARK_ROUNDS for i in range(3)])
 
 
 class Cluster:
@@ -403,20 +407,79 @@ def test_a_prefix_computed_on_one_host_is_loaded_on_the_other(cluster, baseline,
                                "sockets")
 
 
-def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
+class DropWatch:
+    """Polls the registry (every 0.2 s, on a thread) until ``rank`` is gone; the seconds
+    from ``since`` until then."""
+
+    def __init__(self, cluster: Cluster, rank: int, since: float) -> None:
+        self.dropped_at: Optional[float] = None
+        self._cluster, self._rank, self._since = cluster, rank, since
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._rank not in self._cluster.liveness()["ranks"]:
+                    self.dropped_at = time.monotonic()
+                    return
+            except Exception:  # (a call that failed: asked again)
+                pass
+            time.sleep(0.2)
+
+    def result(self, timeout: float) -> float:
+        self._thread.join(max(0.0, self._since + timeout - time.monotonic()))
+        self._stop.set()
+        assert self.dropped_at is not None, f"rank {self._rank} not dropped in {timeout} s"
+        return self.dropped_at - self._since
+
+
+def test_the_source_host_goes_dark_the_other_recomputes_and_the_directory_forgets_it(
         cluster, baseline, automatic_launch):
+    """Host B goes dark (a blackhole route inside its namespace: the packets it sends are
+    dropped, so the other host's connections get neither a reply nor a reset) while it holds
+    the prefix the next request asks for: the survivor on host A recomputes with the right
+    text, no step of it is held up by the dark peer, and the registry drops the dark rank
+    within two liveness intervals plus the timeout.  Then host B dies in the dark (its
+    worker killed) and comes back as an address that refuses: Xinference serves again."""
     world = automatic_launch.get()
-    start = cluster.counters(world)
-    listed = cluster.directory()["blocks"]  # (the test before may have left blocks)
-    assert cluster.complete(prompt(0, DEATH_ROUND))["text"] == baseline[DEATH_ROUND, 0]
-    cluster.wait_published(listed + 2500 // 4 // 16)
-    counters = cluster.counters(world)
-    # the replica that computed this round's prefix (the other one may hold blocks of the
-    # test before, on the same launch)
-    source = max((1, 2), key=lambda r: delta(counters, start, r, "export_exported")
-                 + delta(counters, start, r, "in_place_registered"))
+    rounds = iter(DARK_ROUNDS)
+
+    def compute_a_prefix() -> tuple:
+        """The next round's request 0 (its prefix computed by the replica round robin
+        picks): (round, the replica that computed it, counters after)."""
+        start = cluster.counters(world)
+        listed = cluster.directory()["blocks"]  # (the tests before may have left blocks)
+        round_ = next(rounds)
+        assert cluster.complete(prompt(0, round_))["text"] == baseline[round_, 0]
+        cluster.wait_published(listed + 2500 // 4 // 16)
+        counters = cluster.counters(world)
+        return round_, max((1, 2), key=lambda r: delta(counters, start, r, "export_exported")
+                           + delta(counters, start, r, "in_place_registered")), counters
+
+    def mapped(counters: Dict[int, Dict[str, int]], rank: int) -> int:
+        return sum(counters[rank].get(f"peers_mapped_{kind}", 0)
+                   for kind in ("ipc", "nixl", "sockets"))
+
+    # the prefix must be computed on host B (host A holds the supervisor: were A dark, no
+    # request could be served at all): Xinference's round robin alternates the replicas,
+    # so a first round whose prefix landed on host A is followed by one that lands on B
+    round_, source, counters = compute_a_prefix()
+    if host_of(world[source], cluster) == "A":
+        round_, source, counters = compute_a_prefix()
+    assert host_of(world[source], cluster) == "B", world
     survivor = 3 - source
-    dead_host = 0 if host_of(world[source], cluster) == "A" else 1
+    if not mapped(counters, survivor):
+        # the survivor must have set up the peer before it goes dark (its reads then wait
+        # on the dark host; an unmapped peer's rows fail at once, test_worker_plane.py): it
+        # asks for B's prefix once (a first load from a new peer of another host is
+        # recomputed while the mapping thread sets the peer up), then B computes another
+        assert cluster.complete(prompt(1, round_))["text"] == baseline[round_, 1]
+        Cluster.wait(lambda: mapped(cluster.counters(world), survivor) > 0, 60,
+                     "the survivor setting up the peer of host B")
+        round_, source, counters = compute_a_prefix()
+        assert host_of(world[source], cluster) == "B", world
     # what each rank holds: its storage's blocks, and the blocks it published in place
     # (its own vLLM cache, the default) that vLLM did not hand out again since
     held = {r: counters[r].get("storage_cpu_used_blocks", 0)
@@ -424,55 +487,78 @@ def test_the_source_host_dies_the_other_recomputes_and_the_directory_forgets_it(
             for r in (1, 2)}
     assert held[source] > 0 and cluster.directory()["blocks"] == held[1] + held[2]
     survivor_only = [world[r] if r == survivor else "" for r in range(3)]
-    mapped_before = sum(counters[survivor].get(f"peers_mapped_{kind}", 0)
-                        for kind in ("ipc", "nixl", "sockets")) > 0
-    record("host death: survivor had mapped the dead peer", mapped_before)
+    assert mapped(counters, survivor) > 0
 
-    # the source's host loses its worker (and with it the engine and the storage) before
-    # the survivor reads: the directory still lists the blocks there
-    cluster.kill_worker(dead_host)
-    t0 = time.monotonic()
-    # Xinference's round robin hands the next request to the survivor
-    served = cluster.complete_eventually(prompt(1, DEATH_ROUND), 120)
-    record("host death: request after the kill", {k: served[k] for k in ("s", "failed")})
-    assert served["text"] == baseline[DEATH_ROUND, 1]  # recomputed: the right text, no hang
-    after = cluster.counters(survivor_only)
-    figures = {k: delta(after, counters, survivor, k) for k in (
-        "requests_with_hits", "hit_blocks", "load_failures", "rows_unreachable",
-        "blocks_written", "peer_map_failures")}
-    record("host death: survivor counters", figures)
-    # ONE hit offered and ONE failed load: vLLM asks again after the failure and is told
-    # to recompute (not offered the dead host's blocks again until the directory drops them)
-    assert figures["requests_with_hits"] == 1
-    assert figures["hit_blocks"] >= 2500 // 4 // 16
-    assert figures["blocks_written"] == 0
-    if mapped_before:
-        # the survivor had mapped the dead peer (it loaded from it in the test before, on
-        # this launch): the read itself fails on the dead socket; ONE failed load, no row
-        # dropped as unreachable before the copy
+    cluster.hosts.go_dark(1)
+    dark_at = time.monotonic()
+    # the time the registry drops the dark rank, watched while the request below waits
+    drop_watch = DropWatch(cluster, source, dark_at)
+    try:
+        # Xinference's round robin hands the next request to the survivor; the directory
+        # still lists the prefix on host B
+        served = cluster.complete(prompt(1, round_))
+        record("dark host: request after the blackhole (s)", round(served["s"], 1))
+        assert served["text"] == baseline[round_, 1]  # recomputed: the right text
+        after = cluster.counters(survivor_only)
+        figures = {k: delta(after, counters, survivor, k) for k in (
+            "requests_with_hits", "hit_blocks", "load_failures", "rows_unreachable",
+            "blocks_written", "peer_map_failures", "peers_kept_out", "remote_reads_abandoned",
+            "scheduler_steps",
+            "steps_held_over_10ms", "steps_held_over_50ms", "steps_held_over_250ms")}
+        figures["step_hold_max_us (level)"] = after[survivor].get("step_hold_max_us", 0)
+        record("dark host: survivor counters", figures)
+        # ONE hit offered and ONE failed load: vLLM asks again after the failure and is
+        # told to recompute (not offered the dark host's blocks again)
+        assert figures["requests_with_hits"] == 1
+        assert figures["hit_blocks"] >= 2500 // 4 // 16
+        assert figures["blocks_written"] == 0
+        # the read waits off the step's thread until the registry drops the dark ranks,
+        # whose world update abandons it (not the 30 s timeout); no row dropped before the
+        # copy
         assert figures["rows_unreachable"] == 0 and figures["load_failures"] == 1
-    else:
-        # never mapped: mapping the dead peer fails, every row is dropped before any copy
-        assert figures["rows_unreachable"] == figures["hit_blocks"]
+        assert figures["remote_reads_abandoned"] == 1 and figures["peers_kept_out"] == 0
+        assert served["s"] < remote_reads.FETCH_TIMEOUT_S - 5, served["s"]
+        # no step waited on the dark peer: a read or a mapping on the step's thread would
+        # hold a step for seconds (#36's goal is 50 ms; this 2-core machine's scheduling
+        # noise alone can pass 50 ms, so the test holds the 250 ms bound and records both)
+        assert figures["scheduler_steps"] > 0 and figures["steps_held_over_250ms"] == 0
 
-    # the manager's liveness check drops the dead rank: its blocks leave the directory
-    Cluster.wait(lambda: source not in cluster.liveness()["ranks"], 60, "the rank dropped")
-    record("host death: rank dropped after (s)", round(time.monotonic() - t0, 1))
-    live = cluster.liveness()
-    assert live["dropped_unreachable"] >= 1 and survivor in live["ranks"]
-    stats = cluster.directory()
-    assert stats["outstanding_leases"] == 0
-    mine = cluster.counters(survivor_only)[survivor]
-    assert stats["blocks"] == (mine.get("storage_cpu_used_blocks", 0)  # the survivor's
-                               + mine.get("in_place_registered", 0)  # own blocks only
-                               - mine.get("in_place_reused", 0))
-    # Xinference answers again once its health check has dropped the dead worker
-    served = cluster.complete_eventually(prompt(2, DEATH_ROUND), 180)
-    record("host death: Xinference serves again", {k: served[k] for k in ("total_s", "failed")})
-    assert served["text"] == baseline[DEATH_ROUND, 2]
+        # the registry's liveness checks drop the dark rank: its blocks leave the directory
+        dropped_s = drop_watch.result(60)
+        record("dark host: rank dropped after (s)", round(dropped_s, 1))
+        bound = (CollectiveManager.LIVENESS_MISSES * CollectiveManager.LIVENESS_INTERVAL_S
+                 + CollectiveManager.LIVENESS_TIMEOUT_S)
+        assert dropped_s <= bound + 1.0, (dropped_s, bound)
+        live = cluster.liveness()
+        assert live["dropped_unreachable"] >= 1 and survivor in live["ranks"]
+        stats = cluster.directory()
+        assert stats["outstanding_leases"] == 0
+        mine = cluster.counters(survivor_only)[survivor]
+        assert stats["blocks"] == (mine.get("storage_cpu_used_blocks", 0)  # the survivor's
+                                   + mine.get("in_place_registered", 0)  # own blocks only
+                                   - mine.get("in_place_reused", 0))
+        # host B dies in the dark (its worker, the engine and the storage with it)
+        # (Xinference's two health checks log one of these when they drop a worker)
+        dead_worker = [f"Worker {how}dead. address: {cluster.b}:{WORKER_PORT}"
+                       for how in ("", "reverse-channel ")]
+        seen_dead = sum(cluster.count_in_log("supervisor", line) for line in dead_worker)
+        cluster.kill_worker(1)
+    finally:
+        cluster.hosts.light_up(1)
+    # Xinference terminates a model cleanly only once its health check has dropped the dead
+    # worker (a termination before that leaves the model's record behind in 3.5.0, and the
+    # next launch of the name gets a suffixed uid); its clean-up continues after the log
+    # line, so the test also waits a few health-check intervals
+    Cluster.wait(lambda: sum(cluster.count_in_log("supervisor", line)
+                             for line in dead_worker) > seen_dead, 180,
+                 "Xinference's health check dropping host B's worker")
+    time.sleep(10)
+    served = cluster.complete_eventually(prompt(2, round_), 180)
+    record("dark host: Xinference serves again", {k: served[k] for k in ("total_s", "failed")})
+    assert served["text"] == baseline[round_, 2]
     t1 = time.monotonic()
     automatic_launch.terminate()
-    record("host death: terminate took (s)", round(time.monotonic() - t1, 1))
+    record("dark host: terminate took (s)", round(time.monotonic() - t1, 1))
 
 
 def test_with_the_host_back_a_nixl_launch_shares_across_the_hosts_again(cluster, baseline,

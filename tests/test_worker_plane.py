@@ -192,6 +192,57 @@ def test_a_peer_whose_read_failed_is_kept_out_of_loads_for_a_while(monkeypatch):
         plane.close()
 
 
+def test_a_read_waiting_on_a_peer_that_left_the_world_is_abandoned_at_once():
+    """A read of a peer of another host waits (its host went dark, the call has 30 s); a
+    world update without that peer (the registry dropped its ranks) abandons it at once:
+    the load fails and vLLM recomputes, ~10 s after the host went dark instead of after the
+    timeout.  Control: before the update the read is still waiting after a second."""
+    import asyncio
+
+    from xinference.model.llm.vllm.xavier.vllm_side import remote_reads
+
+    plane = plane_of()
+    plane.peers.apply_world(["m", "other-host:1", "b"])
+    answered = threading.Event()
+
+    class Own:
+        async def fetch_blocks(self, rank, tier, group, slots, tp_rank):
+            await asyncio.sleep(60)  # a dark host: no answer, no refusal
+            answered.set()
+
+    plane.peers.reads._staging = {0: {0: [np.zeros((4, 8), np.uint8)]}}
+    fetch = plane.peers.reads.reader(Own(), 1, Tier.CPU)
+
+    class Transfer:
+        src_slots, group = np.array([0, 1]), 0
+
+    outcome = {}
+
+    def read():
+        t0 = time.monotonic()
+        try:
+            fetch(Transfer())
+        except Exception as exc:
+            outcome["error"] = exc
+        outcome["s"] = time.monotonic() - t0
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        reader.join(1.0)
+        assert reader.is_alive() and not outcome  # the control: the read really waits
+        plane.peers.apply_world(["m", "", "b"])  # the registry dropped rank 1
+        reader.join(5)
+        assert isinstance(outcome.get("error"), remote_reads.PeerLeftError), outcome
+        assert outcome["s"] < 3 and not answered.is_set()
+        snap = plane.counters.snapshot()
+        assert snap["remote_reads_abandoned"] == 1 and snap["peers_kept_out"] == 0
+        assert plane.peers.reads.abandon(1) == 0  # (nothing left to abandon)
+    finally:
+        plane.close()
+        reader.join(5)
+
+
 def test_a_steps_levels_reach_the_counters_down_to_zero_where_zero_is_a_level():
     """``host_index_peers`` falls back to 0 when the last same-host peer goes (it stayed at
     its last value before session 28); a step without a host index (-1) leaves it; the cost

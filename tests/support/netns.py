@@ -53,6 +53,21 @@ class SimulatedHosts:
         self._procs.append(proc)
         return proc
 
+    def go_dark(self, host: int) -> None:
+        """Host ``host`` stops answering the others: every packet it sends them is dropped
+        (a blackhole route inside its namespace), so their connections neither get a reply
+        nor a reset -- a host that lost power or whose link was cut, as seen from the
+        others.  (What ``iptables -j DROP`` would do; this kernel has no iptables.)"""
+        for other, address in enumerate(self.addresses):
+            if other != host:
+                _ip("-n", self.names[host], "route", "add", "blackhole", f"{address}/32")
+
+    def light_up(self, host: int) -> None:
+        """Undo :meth:`go_dark`."""
+        for other, address in enumerate(self.addresses):
+            if other != host:
+                _ip("-n", self.names[host], "route", "del", "blackhole", f"{address}/32")
+
     def pids(self, host: int) -> List[int]:
         out = subprocess.run(["ip", "netns", "pids", self.names[host]], capture_output=True,
                              text=True, timeout=30).stdout

@@ -187,10 +187,11 @@ class CollectiveManager(xo.StatelessActor):
         reading from it."""
         await self._forget(rank, None)
 
-    async def _forget(self, rank: int, generation: Optional[int]) -> bool:
+    async def _forget(self, rank: int, generation: Optional[int],
+                      update: bool = True) -> bool:
         """Forget ``rank`` (only its registration ``generation`` when given, which means the
         rank was found unreachable: a rank that registered again meanwhile stays); False when
-        nothing was forgotten."""
+        nothing was forgotten.  ``update``: send the new world to the others now."""
         async with self._lock:
             if generation is not None and (self._generation.get(rank) != generation
                                            or rank not in self._refs):
@@ -206,7 +207,8 @@ class CollectiveManager(xo.StatelessActor):
             dropped = await self._tracker.unregister_rank(rank)
             logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
                         rank, dropped)
-        await self._update_world()
+        if update:
+            await self._update_world()
         return True
 
     async def __pre_destroy__(self) -> None:
@@ -269,25 +271,32 @@ class CollectiveManager(xo.StatelessActor):
         """Drop the ranks that answered nothing since ``since`` (the start of the first of
         the last :attr:`LIVENESS_MISSES` rounds); send the world again to those that answer
         while their last update failed."""
-        retry = []
+        retry, dropped = [], 0
         for rank, generation, ref in checked:
             key = (rank, generation)
             answered = self._answered.get(key)
             if answered is None:
                 continue  # gone meanwhile
             if answered < since:
-                await self._drop_unreachable(rank, generation, time.monotonic() - answered)
+                # every silent rank first, then ONE world update (a host gone dark takes
+                # all its ranks at once: none of their drops waits on an update to another)
+                dropped += await self._drop_unreachable(rank, generation,
+                                                        time.monotonic() - answered)
             elif self._behind.get(rank) == generation and key not in self._asking:
                 retry.append((rank, generation, ref))
+        if dropped:
+            await self._update_world()
         if retry:
             await self._send_world(retry, retried=True)
 
-    async def _drop_unreachable(self, rank: int, generation: int, silent_s: float) -> None:
+    async def _drop_unreachable(self, rank: int, generation: int, silent_s: float) -> bool:
         address = self._addresses.get(rank, "")
-        if await self._forget(rank, generation):
-            logger.warning("xavier %s: rank %d at %s answered none of %d liveness checks in a "
-                           "row (silent for %.1f s): unregistered", self._model_uid, rank,
-                           address, self.LIVENESS_MISSES, silent_s)
+        if not await self._forget(rank, generation, update=False):
+            return False
+        logger.warning("xavier %s: rank %d at %s answered none of %d liveness checks in a row "
+                       "(silent for %.1f s): unregistered", self._model_uid, rank, address,
+                       self.LIVENESS_MISSES, silent_s)
+        return True
 
     def liveness(self) -> Dict[str, Any]:
         """The ranks watched now, how many were dropped as unreachable, the ranks whose last
@@ -318,9 +327,8 @@ class CollectiveManager(xo.StatelessActor):
             if ranks is None:
                 ranks = [(rank, self._generation.get(rank, 0), ref)
                          for rank, ref in self._refs.items()]
-            results = await asyncio.gather(
-                *(asyncio.wait_for(ref.update_world(world), self._update_timeout)
-                  for _, _, ref in ranks), return_exceptions=True)
+            results = await _within(self._update_timeout,
+                                    [ref.update_world(world) for _, _, ref in ranks])
             self.world_updates += 1
             self.world_updates_retried += len(ranks) if retried else 0
             for (rank, generation, _), res in zip(ranks, results):
@@ -333,6 +341,23 @@ class CollectiveManager(xo.StatelessActor):
                 logger.warning("xavier %s: world update to rank %d failed (%s): sent again "
                                "once it answers a liveness check", self._model_uid, rank,
                                res if str(res) else type(res).__name__)
+
+
+async def _within(timeout: float, calls: List[Any]) -> List[Any]:
+    """Run ``calls`` (coroutines) at once; each one's result, its exception, or a
+    :class:`TimeoutError` for those not done after ``timeout`` s.  Unlike
+    ``asyncio.wait_for``, never waits for a call to take its cancellation: xoscar's
+    connection set-up to a host that answers nothing does not (seen: a 5 s bound held the
+    registry for 20 s, until the kernel's connect timeout)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    if not tasks:
+        return []
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()  # not awaited; its late end is retrieved (no "never retrieved" log)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return [TimeoutError(f"no answer within {timeout:g} s") if task in pending
+            else (task.exception() or task.result()) for task in tasks]
 
 
 async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:

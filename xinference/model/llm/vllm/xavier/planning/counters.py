@@ -77,6 +77,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # peers
     "peers_mapped_ipc", "peers_mapped_nixl", "peers_mapped_sockets", "peer_map_failures",
     "peer_premap_failures", "peers_kept_out", "world_updates_seen",
+    # reads of another host abandoned while they waited: their peer left the world
+    "remote_reads_abandoned",
     # page-locked host tiers read and written through CUDA views (mechanism/uva.py)
     "uva_storages_mapped", "uva_tiers_written",
     # test-only fault switches (XAVIER_TEST_FAULTS=1)

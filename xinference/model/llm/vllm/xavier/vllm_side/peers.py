@@ -229,6 +229,7 @@ class PeerMaps:
                 self._storageless.discard(rank)
                 self._remote.discard(rank)
                 self.reads.forget(rank)
+                self.reads.abandon(rank)  # (its reads waiting now: the peer is gone)
                 self._engine.unmap_storage(rank)
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:

@@ -10,11 +10,16 @@ to :data:`FETCH_RETRY_MAX_S` (issue #36): their blocks are recomputed at once in
 read of it already planned fails at once (:class:`PeerKeptOutError`, not a new failure).
 A read that works ends the keep-out; a failure long after the last keep-out ended starts
 the doubling again.  A read refused for reasons of this rank's own (staging rows busy,
-rows not all written) keeps nobody out.
+rows not all written) keeps nobody out.  A read still waiting when a world update says its
+peer left or moved is abandoned at once (:meth:`RemoteReads.abandon`,
+:class:`PeerLeftError`, counted in ``remote_reads_abandoned``): with a dark host, the
+request behind it recomputes once the registry dropped the host's ranks (about 10 s), not
+after the full timeout.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from typing import Any, Callable, Dict, List, Set
@@ -47,6 +52,10 @@ class PeerKeptOutError(RuntimeError):
     """A read of a peer kept out of loads now (its blocks are recomputed)."""
 
 
+class PeerLeftError(RuntimeError):
+    """A read abandoned while it waited: a world update said its peer left or moved."""
+
+
 class RemoteReads:
     """One worker's reads of other hosts' storages (see the module docstring)."""
 
@@ -60,6 +69,8 @@ class RemoteReads:
         self._lock = threading.Lock()  # (the keep-outs: completion and step threads)
         self._kept_out_until: Dict[int, float] = {}
         self._failures_in_a_row: Dict[int, int] = {}
+        #: rank -> its reads waiting now (completion thread; abandoned by world updates)
+        self._waiting: Dict[int, Set[concurrent.futures.Future[Any]]] = {}
 
     def opened(self, staging: Any) -> None:
         """The rank's own staging rows (set 0) from the actor's descriptor."""
@@ -82,6 +93,36 @@ class RemoteReads:
             self._kept_out_until.pop(rank, None)
             self._failures_in_a_row.pop(rank, None)
 
+    def abandon(self, rank: int) -> int:
+        """``rank`` left the world or moved: its reads waiting now fail at once
+        (:class:`PeerLeftError`); how many."""
+        with self._lock:
+            waiting = self._waiting.pop(rank, set())
+        abandoned = sum(fut.cancel() for fut in waiting)
+        if abandoned:
+            self._counters.add("remote_reads_abandoned", abandoned)
+            logger.warning("xavier: rank %d: %d read(s) of rank %d abandoned: it left the "
+                           "world (recomputed)", self._rank, abandoned, rank)
+        return abandoned
+
+    def _wait(self, rank: int, call: Callable[[], Any]) -> Any:
+        """``call``'s answer through the bridge, within :data:`FETCH_TIMEOUT_S`, abandoned
+        by :meth:`abandon`."""
+        fut = self._bridge.start(call)
+        with self._lock:
+            self._waiting.setdefault(rank, set()).add(fut)
+        try:
+            return fut.result(FETCH_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"actor call did not finish within {FETCH_TIMEOUT_S} s") from None
+        except concurrent.futures.CancelledError:
+            raise PeerLeftError(f"rank {rank} left the world while a read of it waited") \
+                from None
+        finally:
+            with self._lock:
+                self._waiting.get(rank, set()).discard(fut)
+
     def reader(self, own: Any, rank: int, tier: Tier) -> Callable[[Any], FetchedRows]:
         """Reads of ``rank``'s ``tier`` through this rank's transfer actor ``own``, which
         receives them (NIXL or sockets) into staging rows this process maps too: the row
@@ -94,9 +135,8 @@ class RemoteReads:
             group = int(transfer.group)
             tp_rank = self._tp_rank
             try:
-                served, index = self._bridge.call(
-                    lambda: own.fetch_blocks(rank, int(tier), group, slots, tp_rank),
-                    FETCH_TIMEOUT_S)
+                served, index = self._wait(
+                    rank, lambda: own.fetch_blocks(rank, int(tier), group, slots, tp_rank))
             except PEER_FAILURES as exc:
                 self._keep_out(rank, exc)
                 raise
