@@ -24,7 +24,7 @@ from .support.probe_actor import OverlayProbeActor
 
 MODEL_UID = "liveness-model"
 INTERVAL_S = 0.5
-TIMEOUT_S = 2.0
+TIMEOUT_S = 5.0
 
 
 def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
@@ -36,7 +36,7 @@ def test_dead_rank_is_unregistered_and_its_blocks_leave_the_directory():
             tracker = await xo.create_actor(
                 VLLMBlockTracker, address=pool.external_address,
                 uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
-            # checks every 0.5 s, each judged 2 s after its start, late answers counted: a
+            # checks every 0.5 s, each judged 5 s after its start, late answers counted: a
             # live rank on a busy machine is never silent that long (the negative control), a
             # dead one answers nothing (connection refused, or no such actor once its process
             # is back)
@@ -192,24 +192,49 @@ class SlowOrDarkRank(Rank0TransferActor):
     async def is_ready(self) -> bool:
         await asyncio.sleep(self._delay_s)
         while self._dark:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(0.01)
         return True
 
     def go_dark(self) -> None:
         self._dark = True
 
+    def light_up(self) -> None:
+        self._dark = False
+
+
+class LateAnswersIgnored(CollectiveManager):
+    """The control: a check answered after its timeout counts as no answer."""
+
+    async def _ask(self, key, ref):
+        asked = time.monotonic()
+        try:
+            await asyncio.wait_for(ref.is_ready(), self._interval + self._timeout)
+        except Exception:
+            pass
+        else:
+            self._heard_any = time.monotonic()  # (heard, but too late to count)
+            if key in self._answered and self._heard_any - asked <= self._timeout:
+                self._answered[key] = self._heard_any
+        finally:
+            self._asking.pop(key, None)
+
 
 def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
     """Checks start on a fixed cadence and are judged their timeout later, but an answer
     that comes late still counts: a rank that answers every check after 1.75 timeouts stays
-    registered for many rounds (with late answers ignored it would be dropped after two),
+    registered for many rounds (the control: with late answers ignored both are dropped),
     while one that goes dark is dropped within ``LIVENESS_MISSES`` intervals plus the
-    timeout (#36: a blackholed host leaves the directory in about 11 s by default)."""
+    timeout (#36: a blackholed host leaves the directory in about 11 s by default).  While
+    no rank answers at all (this side cut off), nobody is dropped."""
     interval, timeout = 0.5, 0.2
 
     async def run():
         async with actor_pool(n_process=0) as pool:
             addr = pool.external_address
+            control = await xo.create_actor(LateAnswersIgnored, "strict",
+                                            liveness_interval_s=interval,
+                                            liveness_timeout_s=timeout, address=addr,
+                                            uid=f"{CollectiveManager.default_uid()}-strict")
             tracker = await xo.create_actor(VLLMBlockTracker, address=addr,
                                             uid=f"{VLLMBlockTracker.default_uid()}-dark")
             manager = await xo.create_actor(CollectiveManager, "dark",
@@ -220,9 +245,23 @@ def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
                                               uid=transfer_actor_uid(r)) for r in (1, 2)}
             for rank in ranks:
                 await manager.register_rank(rank, addr)
+                await control.register_rank(rank, addr)
                 await tracker.register_rank(rank)
                 await tracker.register(rank, [(0, 1000 * rank + i, 0, i, 1) for i in range(4)])
             await asyncio.sleep(8 * interval)  # both slow, both live: nobody dropped
+            live = await manager.liveness()
+            assert live["ranks"] == [1, 2] and live["dropped_unreachable"] == 0, live
+            strict = await control.liveness()  # the control: late answers ignored
+            assert strict["ranks"] == [] and strict["dropped_unreachable"] == 2, strict
+            await xo.destroy_actor(control)
+
+            # every rank silent (as when this side is cut off): no verdict, nobody dropped
+            for rank in ranks.values():
+                await rank.go_dark()
+            await asyncio.sleep(8 * interval)
+            for rank in ranks.values():
+                await rank.light_up()
+            await asyncio.sleep(4 * interval)
             live = await manager.liveness()
             assert live["ranks"] == [1, 2] and live["dropped_unreachable"] == 0, live
 

@@ -229,6 +229,10 @@ def test_a_read_waiting_on_a_peer_that_left_the_world_is_abandoned_at_once():
     reader = threading.Thread(target=read)
     reader.start()
     try:
+        deadline = time.monotonic() + 10
+        while not plane.peers.reads._waiting.get(1):  # (the read was sent)
+            assert time.monotonic() < deadline, "the read never started"
+            time.sleep(0.01)
         reader.join(1.0)
         assert reader.is_alive() and not outcome  # the control: the read really waits
         plane.peers.apply_world(["m", "", "b"])  # the registry dropped rank 1

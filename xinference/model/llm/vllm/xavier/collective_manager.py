@@ -132,7 +132,9 @@ class CollectiveManager(xo.StatelessActor):
         check before (silent for an interval plus the timeout), so a dark host leaves within
         ``(LIVENESS_MISSES - 1) * interval + timeout`` of its next check, at most
         ``LIVENESS_MISSES * interval + timeout`` after it went dark, while a slow but live
-        rank is never dropped.  A world update may take ``max(interval, timeout)``."""
+        rank is never dropped.  No verdict is taken while no rank at all answered since the
+        round judged began (this side stalled, not the ranks).  A world update may take
+        ``max(interval, timeout)``."""
         super().__init__()
         self._model_uid = model_uid
         self._addresses: Dict[int, str] = {}
@@ -149,6 +151,10 @@ class CollectiveManager(xo.StatelessActor):
         self._answered: Dict[Tuple[int, int], float] = {}
         #: (rank, generation) -> its check in flight (one at a time per rank)
         self._asking: Dict[Tuple[int, int], asyncio.Task] = {}
+        #: when any rank last answered a check (monotonic): no verdict is taken while none
+        #: did since the round judged began (the manager's own process or network stalled:
+        #: e.g. xoscar's connect to a dark address holds every call of this process ~8 s)
+        self._heard_any = time.monotonic()
         self._watch: Optional[asyncio.Task] = None
         self.world_updates = 0
         self.ranks_dropped_unreachable = 0
@@ -231,6 +237,12 @@ class CollectiveManager(xo.StatelessActor):
                 await asyncio.sleep(self._timeout)
                 if len(starts) == self.LIVENESS_MISSES:
                     await self._judge(checked, starts[0])
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the watch itself is stopped
+                logger.warning("xavier %s: rank liveness check cancelled: %r",
+                               self._model_uid, exc)  # (a call cancelled on its other side)
             except Exception as exc:  # the watch outlives one bad round
                 logger.warning("xavier %s: rank liveness check failed: %r", self._model_uid,
                                exc)
@@ -262,8 +274,9 @@ class CollectiveManager(xo.StatelessActor):
             logger.debug("xavier %s: rank %d did not answer a liveness check: %r",
                          self._model_uid, key[0], exc)
         else:
+            self._heard_any = time.monotonic()
             if key in self._answered:
-                self._answered[key] = time.monotonic()
+                self._answered[key] = self._heard_any
         finally:
             self._asking.pop(key, None)
 
@@ -271,21 +284,25 @@ class CollectiveManager(xo.StatelessActor):
         """Drop the ranks that answered nothing since ``since`` (the start of the first of
         the last :attr:`LIVENESS_MISSES` rounds); send the world again to those that answer
         while their last update failed."""
+        if self._heard_any < since:
+            return  # nobody answered since: this side is cut off, the ranks may be fine
         retry, dropped = [], 0
-        for rank, generation, ref in checked:
-            key = (rank, generation)
-            answered = self._answered.get(key)
-            if answered is None:
-                continue  # gone meanwhile
-            if answered < since:
-                # every silent rank first, then ONE world update (a host gone dark takes
-                # all its ranks at once: none of their drops waits on an update to another)
-                dropped += await self._drop_unreachable(rank, generation,
-                                                        time.monotonic() - answered)
-            elif self._behind.get(rank) == generation and key not in self._asking:
-                retry.append((rank, generation, ref))
-        if dropped:
-            await self._update_world()
+        try:
+            for rank, generation, ref in checked:
+                key = (rank, generation)
+                answered = self._answered.get(key)
+                if answered is None:
+                    continue  # gone meanwhile
+                if answered < since:
+                    # every silent rank first, then ONE world update (a host gone dark
+                    # takes all its ranks at once: no drop waits on an update to another)
+                    dropped += await self._drop_unreachable(rank, generation,
+                                                            time.monotonic() - answered)
+                elif self._behind.get(rank) == generation and key not in self._asking:
+                    retry.append((rank, generation, ref))
+        finally:
+            if dropped:  # (also when a later drop failed: the survivors must hear of it)
+                await self._update_world()
         if retry:
             await self._send_world(retry, retried=True)
 
@@ -327,6 +344,10 @@ class CollectiveManager(xo.StatelessActor):
             if ranks is None:
                 ranks = [(rank, self._generation.get(rank, 0), ref)
                          for rank, ref in self._refs.items()]
+            else:  # (only registrations still current: a rank registered again meanwhile
+                # got the world with its registration's update)
+                ranks = [(rank, generation, ref) for rank, generation, ref in ranks
+                         if rank in self._refs and self._generation.get(rank) == generation]
             results = await _within(self._update_timeout,
                                     [ref.update_world(world) for _, _, ref in ranks])
             self.world_updates += 1
@@ -357,6 +378,7 @@ async def _within(timeout: float, calls: List[Any]) -> List[Any]:
         task.cancel()  # not awaited; its late end is retrieved (no "never retrieved" log)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
     return [TimeoutError(f"no answer within {timeout:g} s") if task in pending
+            else asyncio.CancelledError("cancelled on the other side") if task.cancelled()
             else (task.exception() or task.result()) for task in tasks]
 
 

@@ -353,17 +353,20 @@ class XavierConnectorScheduler:
             self._open_in_place()
         self._poll_host_indexes()
         self.side.add_time(int(1e6 * (time.perf_counter() - t0)))  # counted in this step
+        t1 = time.perf_counter()
         meta = self.side.build_step(scheduled, new_blocks)
         if self._holders is not None:
             meta.stats.host_index_peers = len(self._holders.ranks)
         failures = self._releaser.failures  # release calls that failed since the last step
         meta.stats.lease_release_failures = failures - self._release_failures_counted
         self._release_failures_counted = failures
-        if not self.options.in_place:
-            return meta
-        # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
-        zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
-        return self._in_place_step(meta, zeroed)
+        if self.options.in_place:
+            # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
+            zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
+            meta = self._in_place_step(meta, zeroed)
+        # the step's own building (its stats were taken above): counted in it too
+        meta.stats.scheduler_us += int(1e6 * (time.perf_counter() - t1))
+        return meta
 
     def loads_finished(self, request_ids: Iterable[str]) -> None:
         """vLLM's ``finished_recving`` (every worker reported these loads done): their

@@ -157,8 +157,8 @@ class XavierConnectorWorker:
                 self._load_errors.update(failed)
                 done |= loaded
         held = self._hold.take()
-        if self.plane is not None:
-            count_step_hold(self.plane.counters, held)
+        if self.plane is not None and self._tp_rank == 0:  # (once per replica, as the
+            count_step_hold(self.plane.counters, held)  # scheduler's figures)
         return None, (done or None)
 
     def take_load_errors(self) -> Set[int]:

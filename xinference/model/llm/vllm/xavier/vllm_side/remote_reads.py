@@ -69,8 +69,10 @@ class RemoteReads:
         self._lock = threading.Lock()  # (the keep-outs: completion and step threads)
         self._kept_out_until: Dict[int, float] = {}
         self._failures_in_a_row: Dict[int, int] = {}
-        #: rank -> its reads waiting now (completion thread; abandoned by world updates)
+        #: rank -> its reads waiting now (completion thread; abandoned by world updates),
+        #: and how often it left (a read started as it left is abandoned too)
         self._waiting: Dict[int, Set[concurrent.futures.Future[Any]]] = {}
+        self._departures: Dict[int, int] = {}
 
     def opened(self, staging: Any) -> None:
         """The rank's own staging rows (set 0) from the actor's descriptor."""
@@ -98,6 +100,7 @@ class RemoteReads:
         (:class:`PeerLeftError`); how many."""
         with self._lock:
             waiting = self._waiting.pop(rank, set())
+            self._departures[rank] = self._departures.get(rank, 0) + 1
         abandoned = sum(fut.cancel() for fut in waiting)
         if abandoned:
             self._counters.add("remote_reads_abandoned", abandoned)
@@ -108,9 +111,14 @@ class RemoteReads:
     def _wait(self, rank: int, call: Callable[[], Any]) -> Any:
         """``call``'s answer through the bridge, within :data:`FETCH_TIMEOUT_S`, abandoned
         by :meth:`abandon`."""
+        with self._lock:
+            departures = self._departures.get(rank, 0)
         fut = self._bridge.start(call)
         with self._lock:
             self._waiting.setdefault(rank, set()).add(fut)
+            if self._departures.get(rank, 0) != departures:  # it left as this one started
+                fut.cancel()
+                self._counters.add("remote_reads_abandoned")
         try:
             return fut.result(FETCH_TIMEOUT_S)
         except concurrent.futures.TimeoutError:
