@@ -3,7 +3,8 @@ build the step plus the time its worker methods took in it (``start_load_kv``,
 ``wait_for_save``, ``get_finished``).  Under async scheduling the two halves overlap
 vLLM's own work, so their sum is an upper bound of the delay Xavier added to the step.
 
-Counted per worker step as a histogram (``steps_held_over_<ms>ms``: steps whose hold
+Counted per step of the replica's first (tensor-parallel rank 0) worker, as the
+scheduler's figures are, as a histogram (``steps_held_over_<ms>ms``: steps whose hold
 passed each bound) and a level, the longest hold seen (``step_hold_max_us``), so that "a
 dark peer never stalls a step" is read from the counters of any window.  Pure: no torch.
 """
