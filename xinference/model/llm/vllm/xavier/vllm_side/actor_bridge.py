@@ -49,12 +49,7 @@ class ActorBridge:
             return _bridge
 
     def call(self, make: Callable[[], Awaitable[T]], timeout: Optional[float] = 60.0) -> T:
-        fut = asyncio.run_coroutine_threadsafe(_wrap(make), self._loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"actor call did not finish within {timeout} s") from None
+        return wait_for_call(self.start(make), timeout)
 
     def start(self, make: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
         """Start an actor call and return at once; the caller waits on the future later."""
@@ -131,3 +126,13 @@ class LazyActor:
             return  # the same address and uid reach the actor when it is back
         self._ref = None
         self._next_try = 0.0
+
+
+def wait_for_call(fut: concurrent.futures.Future[T], timeout: Optional[float]) -> T:
+    """The answer of a call :meth:`ActorBridge.start` started, within ``timeout`` s: past
+    it the call is cancelled and :class:`TimeoutError` raised."""
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise TimeoutError(f"actor call did not finish within {timeout} s") from None

@@ -34,7 +34,7 @@ from ..mechanism.snapshot_storage import open_shm
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
-from .actor_bridge import ActorBridge
+from .actor_bridge import ActorBridge, wait_for_call
 
 logger = package_logger(__name__)
 
@@ -120,10 +120,7 @@ class RemoteReads:
                 fut.cancel()
                 self._counters.add("remote_reads_abandoned")
         try:
-            return fut.result(FETCH_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"actor call did not finish within {FETCH_TIMEOUT_S} s") from None
+            return wait_for_call(fut, FETCH_TIMEOUT_S)
         except concurrent.futures.CancelledError:
             raise PeerLeftError(f"rank {rank} left the world while a read of it waited") \
                 from None
