@@ -323,6 +323,12 @@ PEER_MODES = ("vllm-offload-fs",)
 #: Xavier copying every computed block into its own tiers (``xavier_in_place`` off: the
 #: design before #33), on a second Xavier pair beside the default one
 COPY_MODE = "batched-copy"
+#: Xavier reading vLLM's cache in place but saving none of the published blocks vLLM hands
+#: out again (``xavier_save_victims`` off: its tiers stay empty), on a pair of its own
+NOSAVE_MODE = "batched-nosave"
+#: batched rows on Xavier pairs of their own, started with these environment settings
+VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
+                                            NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "0"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
@@ -361,8 +367,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     # the plain pair always runs: its rows, and the token check of every other row
     want_plain = True
     want_noop = "noop-connector" in modes
-    want_copy = COPY_MODE in modes
-    want_xavier = any(m not in PLAIN_MODES + PEER_MODES + (COPY_MODE,) for m in modes) or unique
+    variants = [m for m in VARIANT_PAIRS if m in modes]
+    want_xavier = any(m not in PLAIN_MODES + PEER_MODES + tuple(VARIANT_PAIRS)
+                      for m in modes) or unique
     want_fs = "vllm-offload-fs" in modes
     if want_fs and device != "cuda":
         raise SystemExit("vllm-offload-fs: vLLM's offloading runs on CUDA, ROCm and XPU "
@@ -378,7 +385,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     kw: Dict[str, Any]
     if device == "cuda":
         # two pairs share the GPU when plain rows are asked for
-        pairs_on_gpu = 1 + want_xavier + want_noop + want_fs + want_copy
+        pairs_on_gpu = 1 + want_xavier + want_noop + want_fs + len(variants)
         util = {1: 0.3, 2: 0.2}.get(pairs_on_gpu, 0.13) if (not gpus or tp > 1) else 0.3
         util = gpu_memory_utilization or util
         if dummy_weights:
@@ -405,7 +412,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         # vLLM's offloading pair first: a configuration it refuses fails the run early
         for kind, wanted in (("vllm-offload-fs", want_fs), ("plain", want_plain),
                              ("noop", want_noop), ("xavier", want_xavier),
-                             (COPY_MODE, want_copy)):
+                             *((m, True) for m in variants)):
             if not wanted:
                 continue
             print(f"[serving_bench] starting 2 {kind} replicas ({where})", flush=True)
@@ -427,14 +434,14 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 # PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py: init_none_hash)
                 pair_kw["extra_env"] = dict(kw["extra_env"], PYTHONHASHSEED="0")
                 settings[kind] = transfer
-            if kind == COPY_MODE:
-                pair_kw["extra_env"] = dict(kw["extra_env"], XAVIER_IN_PLACE="0")
+            if kind in VARIANT_PAIRS:
+                pair_kw["extra_env"] = dict(kw["extra_env"], **VARIANT_PAIRS[kind])
             pairs[kind] = await stack.enter_async_context(
                 xavier_replicas(model, n=2, engine=engine,
-                                plain=kind not in ("xavier", COPY_MODE), **pair_kw))
+                                plain=kind not in ("xavier", *VARIANT_PAIRS), **pair_kw))
             print(f"[serving_bench] {kind} replicas up in {time.perf_counter() - t0:.0f} s",
                   flush=True)
-        for kind in ("xavier", COPY_MODE):
+        for kind in ("xavier", *variants):
             if kind not in pairs:
                 continue
             for mode in ("per_request", "batched"):
@@ -455,9 +462,10 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                           work: str) -> None:
             r = pairs["noop" if mode == "noop-connector" else
                       "plain" if mode in PLAIN_MODES else
-                      mode if mode in PEER_MODES + (COPY_MODE,) else "xavier"]
+                      mode if mode in PEER_MODES + tuple(VARIANT_PAIRS) else "xavier"]
             if mode not in PLAIN_MODES + PEER_MODES:
-                await _set_mode(r, "batched" if mode == COPY_MODE else mode.split("-si")[0])
+                await _set_mode(r, "batched" if mode in VARIANT_PAIRS
+                                else mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
             n_groups = groups if work == "shared" else len(prompts)
             res = await run_mode(r, prompts, n_groups, c, max_tokens,
@@ -521,7 +529,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             for row in rows:
                 if row["mode"] in settings:
                     row["peer_settings"] = settings[row["mode"]]
-                kind = row["mode"] if row["mode"] == COPY_MODE else "xavier"
+                kind = row["mode"] if row["mode"] in VARIANT_PAIRS else "xavier"
                 if (row["mode"] not in PLAIN_MODES + PEER_MODES
                         and f"steady_state_fill_{kind}" in settings):
                     row["steady_state_fill"] = settings[f"steady_state_fill_{kind}"]

@@ -55,6 +55,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/scripts/gpu_site:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+# XAVIER_PYSPY=1: the bench runs under py-spy (its wheel carried in .prof/), sampling which
+# thread of every process holds the GIL (summary: scripts/pyspy_gil.py)
+prof=()
+if [ -n "${XAVIER_PYSPY:-}" ] && ls .prof/py_spy-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl \
+    && prof=(/tmp/pyspy/bin/py-spy record --subprocesses --nonblocking --threads --gil -f raw \
+             -r "${XAVIER_PYSPY_RATE:-100}" -o "$out/pyspy-gil.txt" --)
+fi
 rc=0
 if has tests || has units; then
   XAVIER_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
@@ -101,13 +109,17 @@ if has fp8 || has models; then
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has bench; then
-  timeout 570 python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+  timeout 570 "${prof[@]}" python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \
     ${XAVIER_BENCH_UNIQUE---unique} ${XAVIER_BENCH_ARGS:-} --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
     | grep -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
+  if [ -f "$out/pyspy-gil.txt" ]; then
+    python3 scripts/pyspy_gil.py "$out/pyspy-gil.txt" > "$out/pyspy-gil-summary.txt" 2>&1
+    xz -9 "$out/pyspy-gil.txt"
+  fi
 fi
 if only chat; then
   # issue #34: the chat workload (a shared system prompt, growing per-user histories, closed
