@@ -55,13 +55,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/scripts/gpu_site:$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 XAVIER_TINY_MODEL_DIR=/tmp/tiny-qwen2
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-# XAVIER_PYSPY=1: the bench runs under py-spy (its wheel carried in .prof/), sampling which
+# PYSPY_GIL=1: the bench runs under py-spy (its wheel carried in .prof/), sampling which
 # thread of every process holds the GIL (summary: scripts/pyspy_gil.py)
 prof=()
-if [ -n "${XAVIER_PYSPY:-}" ] && ls .prof/py_spy-*.whl >/dev/null 2>&1; then
+if [ -n "${PYSPY_GIL:-}" ] && ls .prof/py_spy-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl \
     && prof=(/tmp/pyspy/bin/py-spy record --subprocesses --nonblocking --threads --gil -f raw \
-             -r "${XAVIER_PYSPY_RATE:-100}" -o "$out/pyspy-gil.txt" --)
+             -r "${PYSPY_RATE:-100}" -o "$out/pyspy-gil.txt" --)
 fi
 rc=0
 if has tests || has units; then

@@ -1,4 +1,4 @@
-"""Summarize a py-spy profile taken with ``--threads --gil -f raw`` (``XAVIER_PYSPY=1``
+"""Summarize a py-spy profile taken with ``--threads --gil -f raw`` (``PYSPY_GIL=1``
 in ``scripts/gpu-dataplane.sh``): which thread of each process with Xavier threads held
 the GIL, and the innermost frames it held it in.
 
@@ -21,6 +21,8 @@ def samples(path: str) -> Iterator[Tuple[str, str, List[str], int]]:
     with open(path, errors="replace") as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
+            if not count.isdigit():  # a line cut short
+                continue
             parts = stack.split(";")
             procs = [p for p in parts if p.startswith("process ")]
             thread = next((p for p in parts if p.startswith("thread (")), "thread (?): ?")

@@ -273,3 +273,30 @@ def test_holders_say_when_the_block_after_the_hit_was_held_here_once():
         holders.close()
     finally:
         e.close()
+
+
+def test_holders_say_which_victims_a_peer_holds_now_in_every_shard():
+    """A victim is held elsewhere when one peer holds it live in both TP shards; a peer with
+    one shard, a name nobody published, or a block the peer handed out since, is not."""
+    shards = Shards(num_groups=2, tp_size=2)
+    held = names(6)
+    a0, a1 = Engine(rank=1, tp_rank=0), Engine(rank=1, tp_rank=1)
+    b0 = Engine(rank=3, tp_rank=0)
+    try:
+        for tp, e in enumerate((a0, a1)):  # rank 1: names 0-3 in KV group 1, both shards
+            e.publish(held[:4], group=shards.directory_group(1, tp))
+        b0.publish(held, group=shards.directory_group(1, 0))  # rank 3: one shard only
+        holders = HostHolders(own_rank=2, shards=shards)
+        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
+                        (3, 0, b0.index.path)])
+        victims = [(1, n, 100 + i) for i, n in enumerate(held)] + [(0, held[0], 7),
+                                                                   (1, names(1)[0], 8)]
+        assert holders.held_by_peer(victims).tolist() == [True] * 4 + [False] * 4
+        a1.row[2] += 1  # rank 1 handed out its shard-1 copy of name 2 meanwhile
+        assert holders.held_by_peer(victims[:4]).tolist() == [True, True, False, True]
+        assert holders.held_by_peer([]).tolist() == []
+        holders.close()
+        assert HostHolders(own_rank=2, shards=shards).held_by_peer(victims).sum() == 0
+    finally:
+        for e in (a0, a1, b0):
+            e.close()

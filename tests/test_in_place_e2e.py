@@ -137,3 +137,42 @@ def test_reused_published_blocks_are_saved_into_xaviers_tier_first(prefix_on_a):
     assert_loaded_bytes_exact(lt, r, PREFIX // BLOCK)
     assert cb["leases_asked"] == PREFIX // BLOCK
     assert leases_settled(lt, r) == 0
+
+
+def test_a_loader_holds_what_it_loaded_so_the_source_saves_no_second_copy(prefix_on_a):
+    """B loads A's prefix and publishes it in place too (it holds it now); A then hands its
+    copies out and saves none of them (a peer of the host holds them: counted), and A asks
+    for the prompt again: it loads it from B's vLLM cache (the prefix B loaded and the
+    blocks B computed after it), tokens equal, leases back."""
+    world, asked, base = prefix_on_a
+    lt, r = world.pair
+    a, b = r.replicas
+    before_b = lt.run(b.counters())
+    out = lt.run(b.generate([asked]))[0]
+    lt.run(b.flush())
+    cb = delta(before_b, lt.run(b.counters()))
+    assert out["cached"] == PREFIX and cb["rows_from_vllm_cache"] == PREFIX // BLOCK
+    assert out["ids"] == base
+    # the loaded blocks and the tail's full blocks: B publishes what it holds
+    assert cb["in_place_registered"] == cb["in_place_published"] >= (PREFIX + TAIL) // BLOCK
+    # A's scheduler maps B's host index once the directory announced it (B announces at
+    # its first publication; A asks every second, from its steps)
+    deadline = time.monotonic() + 60
+    while lt.run(a.counters()).get("host_index_peers", 0) < 1:
+        assert time.monotonic() < deadline, "A's scheduler never mapped B's host index"
+        lt.run(a.generate([tokens(7, 20)], max_tokens=1))
+        time.sleep(0.5)
+    before_a = lt.run(a.counters())
+    _churn(lt, a, 500)
+    lt.run(a.flush())
+    ca = delta(before_a, lt.run(a.counters()))
+    assert ca["in_place_reused"] >= PREFIX // BLOCK
+    assert ca["in_place_victims_held_elsewhere"] >= PREFIX // BLOCK
+    before_a = lt.run(a.counters())
+    again = lt.run(a.generate([asked]))[0]
+    ca = delta(before_a, lt.run(a.counters()))
+    full = (PREFIX + TAIL) // BLOCK  # B computed the tail's full blocks: it holds them too
+    assert again["cached"] == full * BLOCK and again["ids"] == base
+    assert ca["rows_from_vllm_cache"] == full and ca["validation_failures"] == 0
+    assert ca.get("rows_from_gpu_tier", 0) + ca.get("rows_from_cpu_tier", 0) == 0
+    assert leases_settled(lt, r) == 0

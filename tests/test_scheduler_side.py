@@ -23,7 +23,8 @@ class World:
     """A real in-process directory where rank 1 holds some blocks; rank 2 asks."""
 
     def __init__(self, held_keys: Sequence[int], num_groups: int = 1,
-                 cost: Optional[LoadCost] = None, decline: bool = False) -> None:
+                 cost: Optional[LoadCost] = None, decline: bool = False,
+                 publish_loaded: bool = False) -> None:
         self.directory = BlockDirectory()
         self.directory.register_rank(1)
         self.directory.register_rank(2)
@@ -42,7 +43,8 @@ class World:
             return fut
 
         self.side = SchedulerSide(2, BS, num_groups, DirectoryLookups(send), self.release,
-                                  take_leases=self.take_leases, cost=cost, decline=decline)
+                                  take_leases=self.take_leases, cost=cost, decline=decline,
+                                  publish_loaded=publish_loaded)
 
     def take_leases(self, locations):
         self.lease_calls += 1
@@ -183,8 +185,11 @@ def test_zero_external_tokens_loads_and_leases_nothing():
     assert w.lease_calls == 0 and w.leases == 0
 
 
-def test_one_step_carries_every_request_and_exports_newly_full_blocks():
-    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000))
+@pytest.mark.parametrize("publish_loaded", [False, True])
+def test_one_step_carries_every_request_and_exports_newly_full_blocks(publish_loaded):
+    """(A load launched in the step that computes its request is not published with it:
+    its copies may not have run when the forward ends.)"""
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000), publish_loaded=publish_loaded)
     for rid, base in (("a", 1000), ("b", 2000)):
         w.side.track(rid, (lambda b=base: keys_of(6, b)), 6 * BS + 5)
         assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
@@ -200,6 +205,30 @@ def test_one_step_carries_every_request_and_exports_newly_full_blocks():
     meta2 = w.side.build_step([("a", 6 * BS + 5, 1)], {"a": ([[18]], False)})
     assert not meta2.has_loads and meta2.exports == ()
     assert meta2.stats.steps_with_loads == 0
+
+
+@pytest.mark.parametrize("publish_loaded", [True, False])
+def test_a_loaded_prefix_is_exported_with_the_first_step_that_computes_it(publish_loaded):
+    """vLLM's cache read in place: the blocks a load wrote are published by the loader too
+    (it holds them now), once vLLM knows the load done -- never in the step that launches
+    it; blocks vLLM recomputes after a failed read are exported as computed."""
+    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000), publish_loaded=publish_loaded)
+    for rid, base in (("a", 1000), ("b", 2000)):
+        w.side.track(rid, (lambda b=base: keys_of(6, b)), 6 * BS + 5)
+        assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
+    w.side.allocated("a", [[11, 12, 13, 14, 15, 16, 17]], [[False] * 7], 4 * BS)
+    w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
+    launched = w.side.build_step([], {})  # the loads' step: neither request runs yet
+    assert launched.loads.request_ids == ("a", "b") and launched.exports == ()
+    # both loads done; b's third block failed its read: vLLM recomputes b from block 2
+    meta = w.side.build_step([("a", 4 * BS, 2 * BS + 5), ("b", 2 * BS, 4 * BS + 5)], {})
+    loaded = [(0, 1000 + i, 11 + i) for i in range(4)] + [(0, 2000 + i, 21 + i)
+                                                           for i in range(2)]
+    computed = [(0, 1004, 15), (0, 1005, 16)] + [(0, 2000 + i, 21 + i) for i in range(2, 6)]
+    assert sorted(meta.exports) == sorted(computed + (loaded if publish_loaded else []))
+    assert meta.stats.hits_started == 2
+    # the next step publishes nothing again
+    assert w.side.build_step([("a", 6 * BS + 5, 1)], {"a": ([[18]], False)}).exports == ()
 
 
 def test_multi_group_hits_are_the_common_prefix_of_all_groups():

@@ -390,6 +390,27 @@ class HostHolders:
         hit = QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
         return hit, evicted_next
 
+    def held_by_peer(self, rows: Sequence[Tuple[int, int, int]]) -> np.ndarray:
+        """For each ``(kv group, name, block)`` (the step's victims): whether one same-host
+        peer holds the block in its vLLM cache now, in every TP shard.  A peer's copy
+        outlives the one handed out here: the last holder on the host finds no other when
+        it hands its copy out, and saves it (two holders handing theirs out at once both
+        see the other's generation bumped first: both save)."""
+        held = np.zeros(len(rows), bool)
+        if not len(rows) or not self._tables:
+            return held
+        kv_groups = np.fromiter((g for g, _, _ in rows), np.int64, len(rows))
+        words = name_words([name for _, name, _ in rows])
+        for rank in self.ranks:
+            by_rank = np.ones(len(rows), bool)
+            for g in np.unique(kv_groups).tolist():
+                at = np.flatnonzero(kv_groups == g)
+                for tp in range(self._shards.tp_size):
+                    dg = self._shards.directory_group(g, tp)
+                    by_rank[at] &= self._lookup(rank, dg, words[at])[0] >= 0
+            held |= by_rank
+        return held
+
     def _lookup(self, rank: int, group: int, words: np.ndarray
                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._tables[(rank, self._shards.tp_rank(group))].find(group, words)

@@ -84,6 +84,8 @@ class _Tracked:
     loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
+    #: the blocks ``[first, end)`` its load wrote (published in place once it ran)
+    loaded_span: Tuple[int, int] = (0, 0)
     declined: bool = False  # its hit did not pay (:mod:`.load_cost`): vLLM computes it
     others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
     lookup_s: Optional[float] = 0.0  # its lookup's time, asked to answered (None: none)
@@ -101,7 +103,7 @@ class SchedulerSide:
                  take_leases: Optional[TakeLeasesFn] = None,
                  clock: Callable[[], float] = time.monotonic, tp_size: int = 1,
                  cost: Optional[LoadCost] = None, decline: bool = False,
-                 on_host: Optional[HostFind] = None) -> None:
+                 on_host: Optional[HostFind] = None, publish_loaded: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be positive, got {block_size}")
         self.rank = rank
@@ -122,6 +124,10 @@ class SchedulerSide:
         self._running: Set[str] = set()  # the live requests the last step scheduled
         #: the longest prefix same-host peers hold, from their host indexes (no round trip)
         self._on_host = on_host
+        #: a loaded request's blocks are exported (published in place) with the first step
+        #: that computes it, when vLLM knows its load done: a replica that loaded a prefix
+        #: is a holder of it too (vLLM cache read in place only)
+        self._publish_loaded = publish_loaded
 
     def _others(self, request_id: str) -> int:
         return len(self._running) - (request_id in self._running)
@@ -301,6 +307,7 @@ class SchedulerSide:
         self._stats.null_blocks_skipped += skipped
         if tracked is not None:
             tracked.loaded = True
+            tracked.loaded_span = (hit.first_block, hit.first_block + n)
             tracked.allocated_at = self._clock()
             tracked.others_at_alloc = self._others(request_id)
         self._step_loads.append(load)
@@ -329,9 +336,15 @@ class SchedulerSide:
                     tracked.null[g].extend([False] * len(b))
         exports: List[ExportRow] = []
         now = self._clock()
+        loading_now = {load.request_id for load in self._step_loads}
         for rid, computed, num_new in scheduled:
             tracked = self._tracked.get(rid)
+            start = computed // self.block_size
             if tracked is not None and tracked.allocated_at is not None and num_new > 0:
+                if self._publish_loaded and rid not in loading_now:
+                    # its load ran (vLLM schedules it only then) and what failed vLLM
+                    # recomputes from here: the loaded blocks before ``computed`` are good
+                    start = min(start, tracked.loaded_span[0])
                 self._stats.hits_started += 1
                 self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
                                                           - tracked.arrived_at))
@@ -343,7 +356,6 @@ class SchedulerSide:
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
             keys = tracked.keys()
-            start = computed // self.block_size
             end = min(len(keys), (computed + num_new) // self.block_size)
             for g, ids in enumerate(tracked.block_ids):
                 for i in range(start, min(end, len(ids))):

@@ -112,7 +112,8 @@ class XavierConnectorScheduler:
                                   cost=LoadCost(lag=1 if overlapped else 0,
                                                 token_budget=token_budget),
                                   decline=options.load_policy == "cost",
-                                  on_host=self._find_on_host if self._holders else None)
+                                  on_host=self._find_on_host if self._holders else None,
+                                  publish_loaded=options.in_place)
         #: vLLM's cache read in place (``options.in_place``): the book of published blocks
         #: once the workers' block generations are known (:meth:`_open_in_place`)
         self._book: Optional[InPlaceBook] = None
@@ -316,15 +317,20 @@ class XavierConnectorScheduler:
 
     def _in_place_step(self, meta: StepMeta, zeroed: Collection[int]) -> StepMeta:
         """The step's newly full blocks published in place (no export copies), the published
-        blocks vLLM handed out saved (but those vLLM zeroes first), their entries forgotten
-        (one directory call)."""
+        blocks vLLM handed out saved (but those vLLM zeroes first, and those a same-host peer
+        holds in its vLLM cache now: a redundant copy costs the step and serves nobody),
+        their entries forgotten (one directory call)."""
         exports, meta.exports = meta.exports, ()
         book = self._book
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
-        victims = book.take_victims(zeroed)
-        meta.saves = victims if self.options.save_victims else ()
+        victims = book.take_victims(zeroed) if self.options.save_victims else ()
+        if victims and self._holders is not None:  # the last copy on the host is saved
+            elsewhere = self._holders.held_by_peer(victims)
+            meta.stats.in_place_victims_held_elsewhere += int(elsewhere.sum())
+            victims = tuple(v for v, held in zip(victims, elsewhere.tolist()) if not held)
+        meta.saves = victims
         forgotten = book.take_forgotten()
         meta.stats.in_place_published += len(meta.in_place)
         meta.stats.in_place_victims += len(meta.saves)
