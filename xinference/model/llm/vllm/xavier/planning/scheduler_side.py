@@ -19,8 +19,9 @@ role), which translates vLLM's objects into plain values.  Contract:
   rows for the destination blocks vLLM allocated (null blocks skipped).
 * :meth:`SchedulerSide.build_step` returns everything of one step in a
   :class:`StepMeta`: ONE load batch carrying every request's loads, the newly full
-  blocks to export after the forward, and the step's figures; it asks the directory,
-  in ONE call that nobody waits for, for leases on the step's reads of Xavier's tiers.
+  blocks to export after the forward (with ``publish_loaded``, a loaded request's first
+  computing step exports what its load wrote too), and the step's figures; it asks the
+  directory, in ONE call nobody waits for, for leases on the step's reads of Xavier's tiers.
 * :meth:`SchedulerSide.loads_finished` (vLLM's ``update_connector_output``: the loads
   every worker reported done, ``finished_recving``) releases those loads' leases.
 * :meth:`SchedulerSide.finished` drops a request; the leases of a load in flight stay
@@ -34,8 +35,7 @@ and load sent, to the request's first forward: vLLM's asynchronous load path), s
 over ``hits_started``.
 
 Leases: every lease this replica takes is taken and released in one place,
-:class:`~.step_leases.StepLeases` (its docstring says when and why).
-"""
+:class:`~.step_leases.StepLeases` (its docstring says when and why)."""
 
 from __future__ import annotations
 
@@ -84,8 +84,7 @@ class _Tracked:
     loads: bool = True
     #: a load was planned for it: it is never offered another one
     loaded: bool = False
-    #: the blocks ``[first, end)`` its load wrote (published in place once it ran)
-    loaded_span: Tuple[int, int] = (0, 0)
+    loaded_span: Tuple[int, int] = (0, 0)  # the blocks [first, end) its load wrote
     declined: bool = False  # its hit did not pay (:mod:`.load_cost`): vLLM computes it
     others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
     lookup_s: Optional[float] = 0.0  # its lookup's time, asked to answered (None: none)
@@ -124,10 +123,7 @@ class SchedulerSide:
         self._running: Set[str] = set()  # the live requests the last step scheduled
         #: the longest prefix same-host peers hold, from their host indexes (no round trip)
         self._on_host = on_host
-        #: a loaded request's blocks are exported (published in place) with the first step
-        #: that computes it, when vLLM knows its load done: a replica that loaded a prefix
-        #: is a holder of it too (vLLM cache read in place only)
-        self._publish_loaded = publish_loaded
+        self._publish_loaded = publish_loaded  # (a loader holds what it loaded, too)
 
     def _others(self, request_id: str) -> int:
         return len(self._running) - (request_id in self._running)
@@ -341,10 +337,8 @@ class SchedulerSide:
             tracked = self._tracked.get(rid)
             start = computed // self.block_size
             if tracked is not None and tracked.allocated_at is not None and num_new > 0:
-                if self._publish_loaded and rid not in loading_now:
-                    # its load ran (vLLM schedules it only then) and what failed vLLM
-                    # recomputes from here: the loaded blocks before ``computed`` are good
-                    start = min(start, tracked.loaded_span[0])
+                if self._publish_loaded and rid not in loading_now:  # (vLLM recomputes
+                    start = min(start, tracked.loaded_span[0])  # from a failed read on)
                 self._stats.hits_started += 1
                 self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
                                                           - tracked.arrived_at))
