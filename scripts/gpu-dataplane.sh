@@ -113,7 +113,7 @@ if has bench; then
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \
     ${XAVIER_BENCH_UNIQUE---unique} ${XAVIER_BENCH_ARGS:-} --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
-    | grep -v "it/s]" > "$out/serving_bench.log"
+    | grep --line-buffered -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
   if [ -f "$out/pyspy-gil.txt" ]; then
@@ -129,7 +129,7 @@ if only chat; then
     --chat "${XAVIER_CHAT_USERS:-32}" --chat-shape "${XAVIER_CHAT_SHAPE:-4,1024,768}" \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,batched}" ${XAVIER_BENCH_ARGS:-} \
     --out "$out/serving_bench-cuda-qwen2.5-0.5b-chat.json" 2>&1 \
-    | grep -v "it/s]" > "$out/serving_bench-chat.log"
+    | grep --line-buffered -v "it/s]" > "$out/serving_bench-chat.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|batched)|tokens equal" "$out/serving_bench-chat.log"
 fi
@@ -140,7 +140,7 @@ if only crossover; then
     XAVIER_LOAD_POLICY=$policy timeout 280 python3 benchmarks/serving_bench.py --device cuda \
       --shape qwen2.5-0.5b --prefix-tokens "${XAVIER_CROSSOVER_PREFIXES:-256,512,1024,2048}" \
       --concurrency 1 --groups 4 --max-tokens 16 --modes "${XAVIER_BENCH_MODES:-none,batched}" \
-      --out "$out/serving_bench-cuda-crossover-$policy.json" 2>&1 | grep -v "it/s]" \
+      --out "$out/serving_bench-cuda-crossover-$policy.json" 2>&1 | grep --line-buffered -v "it/s]" \
       > "$out/serving_bench-crossover-$policy.log"
     rc=$((rc | PIPESTATUS[0]))
     grep -E "^(none|batched)" "$out/serving_bench-crossover-$policy.log" | head -8
@@ -161,7 +161,7 @@ if only peers; then
     --steady-state --peer-fs-dir "$fsdir" \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,vllm-offload-fs,batched}" ${XAVIER_BENCH_ARGS:-} \
     --out "$out/serving_bench-cuda-qwen2.5-0.5b-peers.json" 2>&1 \
-    | grep -v "it/s]" > "$out/serving_bench-peers.log"
+    | grep --line-buffered -v "it/s]" > "$out/serving_bench-peers.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|vllm-offload-fs|batched)|^  |tokens equal" \
     "$out/serving_bench-peers.log" | head -60
@@ -177,7 +177,7 @@ if only tpbench; then
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,none,batched}" ${XAVIER_BENCH_ARGS:-} \
     --out "$out/serving_bench-cuda-qwen2.5-0.5b-tp2.json" 2>&1 \
-    | grep -v "it/s]" > "$out/serving_bench-tp2.log"
+    | grep --line-buffered -v "it/s]" > "$out/serving_bench-tp2.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|batched)" "$out/serving_bench-tp2.log"
 fi
