@@ -55,6 +55,32 @@ def test_a_victim_vllm_zeroes_before_the_worker_sees_the_step_is_not_saved():
     assert sorted(book.take_forgotten()[0]) == [(1, 2), (2, 2)]
 
 
+def test_saves_leave_out_what_a_peer_holds_and_saves_off_keeps_no_victim():
+    book, _ = _book()
+    book.handed_out([1, 2, 3])
+    book.publish([(0, 10, 1), (0, 20, 2), (0, 30, 3)])
+    book.handed_out([1, 2, 3])
+    asked = []
+
+    def held(rows):
+        asked.append(list(rows))
+        return np.array([name == 20 for _, name, _ in rows])
+
+    assert book.take_saves((), True, held) == (((0, 10, 1), (0, 30, 3)), 1)
+    assert asked == [[(0, 10, 1), (0, 20, 2), (0, 30, 3)]]
+    # saves off (``xavier_save_victims``): nothing saved, and the book keeps no victim
+    # (they are taken every step: none piles up for the engine's lifetime)
+    for _ in range(3):
+        book.publish([(0, 40, 4)])
+        book.handed_out([4])
+        assert book.take_saves((), False, held) == ((), 0)
+        assert book.take_victims() == ()
+    assert len(asked) == 1  # (no peer asked about blocks never saved)
+    book.publish([(0, 50, 5)])
+    book.handed_out([5])
+    assert book.take_saves((), True) == (((0, 50, 5),), 0)  # no same-host peer known
+
+
 def test_a_reset_bumps_every_block_and_forgets_without_saving():
     book, rows = _book()
     book.handed_out([1])

@@ -27,7 +27,7 @@ generation when it checks.
 
 from __future__ import annotations
 
-from typing import Collection, Dict, List, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -111,6 +111,19 @@ class InPlaceBook:
         (never saved: their bytes are gone)."""
         victims, self._victims = self._victims, []
         return tuple(v for v in victims if v[2] not in zeroed)
+
+    def take_saves(self, zeroed: Collection[int], save: bool,
+                   held_elsewhere: Optional[Callable[[Sequence[ExportRow]], np.ndarray]] = None
+                   ) -> Tuple[Tuple[ExportRow, ...], int]:
+        """The victims to save this step (:meth:`take_victims`; none unless ``save``), but
+        those ``held_elsewhere`` says a same-host peer holds in its vLLM cache now (the last
+        copy on the host is the one saved), and how many of those there were.  The victims
+        are taken either way (the book keeps none across steps)."""
+        victims = self.take_victims(zeroed)
+        if not save or not victims or held_elsewhere is None:
+            return (victims if save else ()), 0
+        held = held_elsewhere(victims).tolist()
+        return tuple(v for v, h in zip(victims, held) if not h), int(sum(held))
 
     def take_forgotten(self) -> Dict[int, List[Tuple[int, int]]]:
         """Directory group -> ``(block, generation now)`` whose in-place entries must go

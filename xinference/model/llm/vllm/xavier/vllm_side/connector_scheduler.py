@@ -325,12 +325,10 @@ class XavierConnectorScheduler:
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
-        victims = book.take_victims(zeroed) if self.options.save_victims else ()
-        if victims and self._holders is not None:  # the last copy on the host is saved
-            elsewhere = self._holders.held_by_peer(victims)
-            meta.stats.in_place_victims_held_elsewhere += int(elsewhere.sum())
-            victims = tuple(v for v, held in zip(victims, elsewhere.tolist()) if not held)
-        meta.saves = victims
+        meta.saves, held = book.take_saves(
+            zeroed, self.options.save_victims,
+            self._holders.held_by_peer if self._holders is not None else None)
+        meta.stats.in_place_victims_held_elsewhere += held
         forgotten = book.take_forgotten()
         meta.stats.in_place_published += len(meta.in_place)
         meta.stats.in_place_victims += len(meta.saves)
