@@ -8,10 +8,16 @@ from types import SimpleNamespace
 from typing import Dict, List
 
 import pytest
+import torch
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
 from xinference.model.llm.vllm.xavier.vllm_side import hybrid_failures
-from xinference.model.llm.vllm.xavier.vllm_side.hybrid_failures import group_aware, install
+from xinference.model.llm.vllm.xavier.vllm_side.hybrid_failures import (
+    group_aware,
+    install,
+    windowed,
+)
 
 BS = 16
 NULL = 0
@@ -84,6 +90,33 @@ def test_untouched_without_failed_blocks_and_vllms_own_method_for_one_group():
     req = request("s", 3)
     affected, _, _ = wrapped(scheduler(single), [req], {32}, {}, True)
     assert affected == {"s"} and req.num_computed_tokens == BS
+
+
+#: one sliding-window group (every layer windowed): null blocks before the window
+WINDOWED = {"w": [[NULL, NULL, 43, 44, 45]]}
+
+
+def test_one_windowed_group_recomputes_in_full_where_vllm_truncates_into_null_blocks():
+    """vLLM's own method truncates at the failed block, so the recompute of position 3
+    would attend over null blocks (the window before it was never loaded): the negative
+    control.  Xavier's view recomputes the request in full."""
+    req = request("w", 5)
+    affected, _, _ = unwrapped()(scheduler(WINDOWED), [req], {44}, {}, False)
+    assert affected == {"w"} and req.num_computed_tokens == 3 * BS  # into the null blocks
+    req = request("w", 5)
+    assert group_aware(unwrapped())(scheduler(WINDOWED), [req], {44}, {}, False) == (
+        {"w"}, 5 * BS, set())
+    assert req.num_computed_tokens == 0
+
+
+def test_windowed_groups_are_told_from_vllms_specs():
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=8,
+                               dtype=torch.float16, sliding_window=64)
+    group = lambda spec: SimpleNamespace(layer_names=["l"], kv_cache_spec=spec)  # noqa: E731
+    assert not windowed([group(full)]) and not windowed([])
+    assert windowed([group(window)]) and windowed([group(full), group(window)])
 
 
 def test_install_wraps_vllms_scheduler_once_and_leaves_a_fixed_vllm_alone():

@@ -57,6 +57,7 @@ from .connector_scheduler import XavierConnectorScheduler
 from .connector_stats import XavierKVConnectorStats
 from .connector_worker import XavierConnectorWorker, vllm_defers_block_frees
 from .hybrid_failures import install as install_hybrid_recompute
+from .hybrid_failures import windowed
 from .parent_watch import watch_parent
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -203,11 +204,12 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
                                   getattr(vllm_config.cache_config,
                                           "prefix_caching_hash_algo", None),
                                   getattr(vllm_config.cache_config, "prefix_match_unit", None))
-        if problem is None and len(groups) > 1 and role == KVConnectorRole.SCHEDULER:
+        if (problem is None and (len(groups) > 1 or windowed(groups))
+                and role == KVConnectorRole.SCHEDULER):
             why = install_hybrid_recompute()
             if why is not None:
-                problem = (f"{len(groups)} KV-cache groups, and a failed load could not be "
-                           f"recomputed by vLLM: {why}")
+                problem = (f"{len(groups)} KV-cache group(s) with null blocks, and a failed "
+                           f"load could not be recomputed by vLLM: {why}")
         if problem is not None:
             self._disable(problem)
         self.scheduler: Optional[XavierConnectorScheduler] = None

@@ -16,9 +16,12 @@ kept from the local hit).  :func:`group_aware` therefore does what vLLM's later 
 a failed block in any group goes back to zero computed tokens.  Xavier's loads are
 asynchronous, so such a request is still waiting for its load: vLLM frees its blocks and
 schedules it again from its local prefix-cache hit (Xavier offers it no second load).
-Engines with one group keep vLLM's own method.
+Engines with one group keep vLLM's own method -- unless that group is windowed (every
+layer sliding-window or chunked-local): the same null blocks, the same full recompute
+(:func:`windowed`; found by a second read in session 30).
 
-:func:`install` (the scheduler half calls it when the engine has several groups) puts
+:func:`install` (the scheduler half calls it when the engine has several groups or a
+windowed one) puts
 it in place where vLLM's method still reads one list (checked in its source); where it
 cannot, it says why and the connector turns sharing off for the engine (never a load
 whose failure would kill the engine).
@@ -43,18 +46,21 @@ _MARK = "_xavier_group_aware"
 
 def group_aware(original: Any) -> Any:
     """vLLM's ``_update_requests_with_invalid_blocks`` for engines with several KV-cache
-    groups: a request with a failed block in any group recomputes in full (see the module
-    docstring); one group: vLLM's own method."""
+    groups, or one windowed group: a request with a failed block in any group recomputes in
+    full (see the module docstring); one group and no null block among the requests' (full
+    attention, or a window that covers them): vLLM's own method."""
 
     @functools.wraps(original)
     def update(self: Any, requests: Iterable[Any], invalid_block_ids: Set[int],
                num_scheduled_tokens: Dict[str, int], evict_blocks: bool = True
                ) -> Tuple[Set[str], int, Set[int]]:
         manager = self.kv_cache_manager
-        if len(manager.kv_cache_config.kv_cache_groups) <= 1:
+        null = null_block_id(manager)
+        requests = list(requests)
+        if len(manager.kv_cache_config.kv_cache_groups) <= 1 and not any(
+                null in ids for r in requests for ids in manager.get_block_ids(r.request_id)):
             return original(self, requests, invalid_block_ids, num_scheduled_tokens,
                             evict_blocks)
-        null = null_block_id(manager)
         affected: Set[str] = set()
         tokens = 0
         evict: Set[int] = set()
@@ -75,6 +81,13 @@ def group_aware(original: Any) -> Any:
 
     setattr(update, _MARK, True)
     return update
+
+
+def windowed(groups: Iterable[Any]) -> bool:
+    """Whether a KV-cache group (vLLM's ``KVCacheGroupSpec``) attends within a window
+    (sliding-window or chunked-local): its requests hold null blocks outside it."""
+    return any(getattr(getattr(g, "kv_cache_spec", None), name, None)
+               for g in groups for name in ("sliding_window", "attention_chunk_size"))
 
 
 def null_block_id(manager: Any) -> Optional[int]:
