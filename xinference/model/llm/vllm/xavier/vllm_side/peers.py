@@ -34,6 +34,7 @@ from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
 from ..planning.options import XavierOptions, transfer_actor_uid
+from ..planning.rank_backoff import RankBackoff
 from ..planning.routes import ROUTE_IPC, peer_route
 from .actor_bridge import ActorBridge, LazyActor
 from .remote_reads import RemoteReads
@@ -68,9 +69,8 @@ class PeerMaps:
         self._world: List[str] = []
         #: no try of these peers before these times (one a load asked for failed; the
         #: mapping thread's own pass failed)
-        self._peer_retry_at: Dict[int, float] = {}
+        self._peer_backoff = RankBackoff(PEER_RETRY_S, PEER_RETRY_MAX_S, lambda: _monotonic())
         self._premap_retry_at: Dict[int, float] = {}
-        self._failures_in_a_row: Dict[int, int] = {}  # of peers loads asked for
         self._storageless: Set[int] = set()  # hold no storage (until the world changes)
         #: reads of other hosts' storages, and the peers they keep out for a while
         self.reads = RemoteReads(rank, tp_rank, bridge, counters)
@@ -141,8 +141,8 @@ class PeerMaps:
             due = {r: a for r, a in enumerate(self._world)
                    if a and r != self._rank and r not in mapped
                    and (r not in self._remote or r in wanted) and r not in self._storageless
-                   and now >= max(self._peer_retry_at.get(r, 0.0),
-                                  0.0 if r in wanted else self._premap_retry_at.get(r, 0.0))}
+                   and not self._peer_backoff.waiting(r, now)
+                   and (r in wanted or now >= self._premap_retry_at.get(r, 0.0))}
         failed: Set[int] = set()
         # this host's peers first: a dark host of another one must not delay them
         for rank, address in sorted(due.items(), key=lambda x: (x[0] in self._remote, x[0])):
@@ -223,8 +223,7 @@ class PeerMaps:
             was = old[rank] if rank < len(old) else ""
             now = world[rank] if rank < len(world) else ""
             if rank != self._rank and was != now:
-                self._peer_retry_at.pop(rank, None)
-                self._failures_in_a_row.pop(rank, None)
+                self._peer_backoff.forget(rank)
                 self._premap_retry_at.pop(rank, None)
                 self._storageless.discard(rank)
                 self._remote.discard(rank)
@@ -245,7 +244,7 @@ class PeerMaps:
             return kept_out
         now = _monotonic()
         here = [r for r in sorted(missing)
-                if r not in self._remote and now >= self._peer_retry_at.get(r, 0.0)]
+                if r not in self._remote and not self._peer_backoff.waiting(r, now)]
         if here and self._lock.acquire(timeout=PEER_MAP_TIMEOUT_S):  # (this host's work only)
             try:
                 for rank in here:  # (one of another host: found so, and left to the thread)
@@ -268,8 +267,8 @@ class PeerMaps:
         try:
             if self._map_peer(rank, not ahead if remote is None else remote, desc):
                 self._counters.add("peer_map_us", int(1e6 * (time.perf_counter() - t0)))
-            (self._premap_retry_at if ahead else self._peer_retry_at).pop(rank, None)
-            self._failures_in_a_row.pop(rank, None)
+            self._premap_retry_at.pop(rank, None)
+            self._peer_backoff.forget(rank)
             return True
         except Exception as exc:
             (self._premap_failed if ahead else self._failed_to_map)(rank, exc)
@@ -281,11 +280,9 @@ class PeerMaps:
         :data:`PEER_RETRY_MAX_S` (a dark host costs the mapping thread one timeout a
         minute, not one every few seconds)."""
         self._counters.add("peer_map_failures")
-        n = self._failures_in_a_row[rank] = self._failures_in_a_row.get(rank, 0) + 1
-        wait = min(PEER_RETRY_MAX_S, PEER_RETRY_S * 2 ** (n - 1))
+        wait = self._peer_backoff.failed(rank)
         logger.warning("xavier: rank %d: cannot map rank %d (next try in %.0f s): %r",
                        self._rank, rank, wait, exc)
-        self._peer_retry_at[rank] = _monotonic() + wait
 
     def _describe(self, rank: int, address: str) -> Optional[Dict[str, Any]]:
         """``rank``'s storage descriptor, from its transfer actor at ``address`` (a call to

@@ -34,6 +34,7 @@ from ..mechanism.snapshot_storage import open_shm
 from ..planning.counters import SharedCounters
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
+from ..planning.rank_backoff import RankBackoff
 from .actor_bridge import ActorBridge, wait_for_call
 
 logger = package_logger(__name__)
@@ -67,8 +68,7 @@ class RemoteReads:
         #: later one when a fetch's answer first names it; completion thread only)
         self._staging: Dict[int, Dict[int, List[torch.Tensor]]] = {}
         self._lock = threading.Lock()  # (the keep-outs: completion and step threads)
-        self._kept_out_until: Dict[int, float] = {}
-        self._failures_in_a_row: Dict[int, int] = {}
+        self._backoff = RankBackoff(FETCH_RETRY_S, FETCH_RETRY_MAX_S, lambda: _monotonic())
         #: rank -> its reads waiting now (completion thread; abandoned by world updates),
         #: and how often it left (a read started as it left is abandoned too)
         self._waiting: Dict[int, Set[concurrent.futures.Future[Any]]] = {}
@@ -83,17 +83,16 @@ class RemoteReads:
 
     def kept_out(self, ranks: Set[int]) -> Set[int]:
         """The ranks of ``ranks`` whose rows loads leave out now."""
-        if not self._kept_out_until:
+        if not self._backoff:
             return set()
         now = _monotonic()
         with self._lock:
-            return {r for r in ranks if self._kept_out_until.get(r, 0.0) > now}
+            return {r for r in ranks if self._backoff.waiting(r, now)}
 
     def forget(self, rank: int) -> None:
         """``rank`` answered a read, or moved (a world update): no keep-out, no doubling."""
         with self._lock:
-            self._kept_out_until.pop(rank, None)
-            self._failures_in_a_row.pop(rank, None)
+            self._backoff.forget(rank)
 
     def abandon(self, rank: int) -> int:
         """``rank`` left the world or moved: its reads waiting now fail at once
@@ -153,13 +152,8 @@ class RemoteReads:
         return fetch
 
     def _keep_out(self, rank: int, exc: BaseException) -> None:
-        now = _monotonic()
         with self._lock:
-            if now - self._kept_out_until.get(rank, now) > FETCH_RETRY_MAX_S:
-                self._failures_in_a_row.pop(rank, None)  # long ago: start again
-            n = self._failures_in_a_row[rank] = self._failures_in_a_row.get(rank, 0) + 1
-            wait = min(FETCH_RETRY_MAX_S, FETCH_RETRY_S * 2 ** (n - 1))
-            self._kept_out_until[rank] = now + wait
+            wait = self._backoff.failed(rank)
         self._counters.add("peers_kept_out")
         logger.warning("xavier: rank %d: a read of rank %d failed (%r): its rows are left out "
                        "of loads (recomputed) for %.0f s", self._rank, rank, exc, wait)
