@@ -401,10 +401,10 @@ class HostHolders:
             return held
         kv_groups = np.fromiter((g for g, _, _ in rows), np.int64, len(rows))
         words = name_words([name for _, name, _ in rows])
+        by_group = [(g, np.flatnonzero(kv_groups == g)) for g in np.unique(kv_groups).tolist()]
         for rank in self.ranks:
             by_rank = np.ones(len(rows), bool)
-            for g in np.unique(kv_groups).tolist():
-                at = np.flatnonzero(kv_groups == g)
+            for g, at in by_group:
                 for tp in range(self._shards.tp_size):
                     dg = self._shards.directory_group(g, tp)
                     by_rank[at] &= self._lookup(rank, dg, words[at])[0] >= 0
