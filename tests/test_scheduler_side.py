@@ -185,16 +185,23 @@ def test_zero_external_tokens_loads_and_leases_nothing():
     assert w.lease_calls == 0 and w.leases == 0
 
 
-@pytest.mark.parametrize("publish_loaded", [False, True])
-def test_one_step_carries_every_request_and_exports_newly_full_blocks(publish_loaded):
-    """(A load launched in the step that computes its request is not published with it:
-    its copies may not have run when the forward ends.)"""
+def two_loads_allocated(publish_loaded: bool) -> World:
+    """Requests "a" and "b" of 6 blocks + 5 tokens, each with a 4-block hit from rank 1,
+    allocated (blocks 11-17 and 21-27)."""
     w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000), publish_loaded=publish_loaded)
     for rid, base in (("a", 1000), ("b", 2000)):
         w.side.track(rid, (lambda b=base: keys_of(6, b)), 6 * BS + 5)
         assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
     w.side.allocated("a", [[11, 12, 13, 14, 15, 16, 17]], [[False] * 7], 4 * BS)
     w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
+    return w
+
+
+@pytest.mark.parametrize("publish_loaded", [False, True])
+def test_one_step_carries_every_request_and_exports_newly_full_blocks(publish_loaded):
+    """(A load launched in the step that computes its request is not published with it:
+    its copies may not have run when the forward ends.)"""
+    w = two_loads_allocated(publish_loaded)
     # the step computes the rest of the prompts: blocks 4 and 5 become full (block 6 does not)
     meta = w.side.build_step([("a", 4 * BS, 2 * BS + 5), ("b", 4 * BS, 2 * BS + 5)], {})
     assert meta.loads.request_ids == ("a", "b") and meta.loads.offsets.tolist() == [0, 4, 8]
@@ -212,12 +219,7 @@ def test_a_loaded_prefix_is_exported_with_the_first_step_that_computes_it(publis
     """vLLM's cache read in place: the blocks a load wrote are published by the loader too
     (it holds them now), once vLLM knows the load done -- never in the step that launches
     it; blocks vLLM recomputes after a failed read are exported as computed."""
-    w = World(held_keys=keys_of(4, 1000) + keys_of(4, 2000), publish_loaded=publish_loaded)
-    for rid, base in (("a", 1000), ("b", 2000)):
-        w.side.track(rid, (lambda b=base: keys_of(6, b)), 6 * BS + 5)
-        assert w.side.match(rid, 6 * BS + 5, 0) == 4 * BS
-    w.side.allocated("a", [[11, 12, 13, 14, 15, 16, 17]], [[False] * 7], 4 * BS)
-    w.side.allocated("b", [[21, 22, 23, 24, 25, 26, 27]], [[False] * 7], 4 * BS)
+    w = two_loads_allocated(publish_loaded)
     launched = w.side.build_step([], {})  # the loads' step: neither request runs yet
     assert launched.loads.request_ids == ("a", "b") and launched.exports == ()
     # both loads done; b's third block failed its read: vLLM recomputes b from block 2
