@@ -8,7 +8,6 @@ whole prompt.  Every load is also checked byte for byte: the bytes in B's destin
 against the bytes in A's storage.
 """
 
-import os
 import time
 from typing import Tuple
 
@@ -29,7 +28,7 @@ from .support.scenarios import (
     primed,
     serve_with_one_failed_block,
 )
-from .support.worlds import DEVICE, KV_CACHE_DTYPE, World
+from .support.worlds import DEVICE, KV_CACHE_DTYPE, World, assert_cuda_graphs_unless_eager
 from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
@@ -51,10 +50,7 @@ def test_vllm_defaults_are_kept(world):
     print(f"\nvLLM settings with Xavier: {settings}")
     # the one interpreter setting Xavier changes in vLLM's engine process (the GIL)
     assert lt.run(r.replicas[0].hook("switch_interval_us")) == DEFAULT_SWITCH_INTERVAL_US
-    if DEVICE == "cuda":
-        assert settings["async_scheduling"] is True
-        if os.environ.get("XAVIER_TEST_EAGER") != "1":
-            assert settings["enforce_eager"] is False and "NONE" not in settings["cudagraph_mode"]
+    assert_cuda_graphs_unless_eager(settings)
 
 
 def test_the_kv_cache_dtype_asked_for_is_the_one_shared(world):

@@ -28,7 +28,7 @@ from .support.scenarios import (
     negative_control,
     primed,
 )
-from .support.worlds import DEVICE, World
+from .support.worlds import DEVICE, World, assert_cuda_graphs_unless_eager
 from .support.xavier_replicas import Replicas
 
 pytestmark = pytest.mark.slow
@@ -52,6 +52,8 @@ def test_vllm_keeps_its_hybrid_kv_cache_manager_with_xavier(world, tiny_hybrid_m
     assert settings["hybrid_kv_cache_manager"] is True
     assert lt.run(r.replicas[0].hook("engine_groups")) == list(range(GROUPS))
     if DEVICE == "cuda":  # the GPU's KV cache is sized from free memory: no fixed comparison
+        print(f"\nhybrid engine with Xavier: {settings}")
+        assert_cuda_graphs_unless_eager(settings)
         return
     # vLLM's engine core in the child's own process (one process to start, not three):
     # the KV cache is sized from the same KV space and the same model either way

@@ -24,7 +24,7 @@ from .support.scenarios import (
     primed,
     serve_with_one_failed_block,
 )
-from .support.worlds import DEVICE, World
+from .support.worlds import DEVICE, World, assert_cuda_graphs_unless_eager
 from .support.xavier_replicas import Replicas
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -46,6 +46,7 @@ def test_vllm_runs_the_model_with_mla_and_xavier_shares_its_latent_cache(world):
     settings = lt.run(r.replicas[0].engine_settings())
     print(f"\nMLA engine: {settings}")
     assert settings["use_mla"] is True
+    assert_cuda_graphs_unless_eager(settings)
     assert lt.run(r.replicas[0].hook("engine_groups")) == [0]
     assert PREFIX % settings["block_size"] == 0
 

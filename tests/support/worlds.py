@@ -44,6 +44,19 @@ GPUS = gpus_from_env()
 #: vLLM's ``kv_cache_dtype`` for the Qwen2 pair, e.g. "fp8" on the H200 (issue #18); vLLM's
 #: own default ("auto": the model's dtype) when unset
 KV_CACHE_DTYPE = os.environ.get("XAVIER_TEST_KV_CACHE_DTYPE", "")
+#: ``XAVIER_TEST_EAGER=1``: the GPU worlds without CUDA graphs (vLLM's default is with)
+EAGER = os.environ.get("XAVIER_TEST_EAGER") == "1"
+
+
+def assert_cuda_graphs_unless_eager(settings: Dict[str, Any]) -> None:
+    """On the GPU a world runs as vLLM's defaults do: async scheduling and CUDA graphs (but
+    with ``XAVIER_TEST_EAGER=1``); ``settings`` as a replica's ``engine_settings`` says."""
+    if DEVICE != "cuda":
+        return
+    assert settings["async_scheduling"] is True, settings
+    if not EAGER:
+        assert settings["enforce_eager"] is False, settings
+        assert "NONE" not in settings["cudagraph_mode"], settings
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ def _qwen_pair(model_dir: str) -> Dict[str, Any]:
     if DEVICE == "cuda":  # vLLM's defaults: CUDA graphs, async scheduling, its model runner
         opts = EngineOptions(model=model_dir, extra={
             "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
-            "enforce_eager": os.environ.get("XAVIER_TEST_EAGER") == "1",
+            "enforce_eager": EAGER,
             **({"kv_cache_dtype": KV_CACHE_DTYPE} if KV_CACHE_DTYPE else {})})
         return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", engine=opts,
                     sequential=GPUS is None, gpus=GPUS)
@@ -74,7 +87,8 @@ def _nixl_pair(model_dir: str) -> Dict[str, Any]:
 def _hybrid_pair(model_dir: str) -> Dict[str, Any]:
     if DEVICE == "cuda":  # vLLM's defaults (CUDA graphs, async scheduling), as in the e2e
         opts = EngineOptions(model=model_dir, extra={
-            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25})
+            "attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
+            "enforce_eager": EAGER})
         return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", engine=opts,
                     sequential=True)
     return dict(n=2)
@@ -99,7 +113,8 @@ def _tp_pair(model_dir: str) -> Dict[str, Any]:
 
 def _mla_pair(model_dir: str) -> Dict[str, Any]:
     opts = EngineOptions(model=model_dir, extra={
-        "attention_backend": "TRITON_MLA", "gpu_memory_utilization": 0.25})
+        "attention_backend": "TRITON_MLA", "gpu_memory_utilization": 0.25,
+        "enforce_eager": EAGER})
     return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", engine=opts, sequential=True)
 
 
