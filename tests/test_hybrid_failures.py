@@ -10,7 +10,11 @@ from typing import Dict, List
 import pytest
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 from xinference.model.llm.vllm.xavier.vllm_side import hybrid_failures
 from xinference.model.llm.vllm.xavier.vllm_side.hybrid_failures import (
@@ -117,6 +121,12 @@ def test_windowed_groups_are_told_from_vllms_specs():
     group = lambda spec: SimpleNamespace(layer_names=["l"], kv_cache_spec=spec)  # noqa: E731
     assert not windowed([group(full)]) and not windowed([])
     assert windowed([group(window)]) and windowed([group(full), group(window)])
+    # layers of one type whose shapes differ: vLLM groups them under one spec of specs
+    uniform = lambda *s: UniformTypeKVCacheSpecs(  # noqa: E731
+        block_size=BS, kv_cache_specs={f"l{i}": x for i, x in enumerate(s)})
+    wider = SlidingWindowSpec(block_size=BS, num_kv_heads=4, head_size=8,
+                              dtype=torch.float16, sliding_window=64)
+    assert windowed([group(uniform(window, wider))]) and not windowed([group(uniform(full))])
 
 
 def test_install_wraps_vllms_scheduler_once_and_leaves_a_fixed_vllm_alone():

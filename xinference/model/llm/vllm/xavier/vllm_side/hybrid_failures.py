@@ -85,9 +85,16 @@ def group_aware(original: Any) -> Any:
 
 def windowed(groups: Iterable[Any]) -> bool:
     """Whether a KV-cache group (vLLM's ``KVCacheGroupSpec``) attends within a window
-    (sliding-window or chunked-local): its requests hold null blocks outside it."""
-    return any(getattr(getattr(g, "kv_cache_spec", None), name, None)
-               for g in groups for name in ("sliding_window", "attention_chunk_size"))
+    (sliding-window or chunked-local): its requests hold null blocks outside it.  A group
+    whose layers differ in shape only (vLLM's ``UniformTypeKVCacheSpecs``) is windowed when
+    its layers are."""
+    def specs(spec: Any) -> Iterable[Any]:
+        inner = getattr(spec, "kv_cache_specs", None)
+        return inner.values() if isinstance(inner, dict) else (spec,)
+
+    return any(getattr(spec, name, None)
+               for g in groups for spec in specs(getattr(g, "kv_cache_spec", None))
+               for name in ("sliding_window", "attention_chunk_size"))
 
 
 def null_block_id(manager: Any) -> Optional[int]:
