@@ -2,6 +2,7 @@
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.planning.launch_checks import normalize_launch
 from xinference.model.llm.vllm.xavier.planning.options import XavierOptions
 
 BASE = {"rank": 1, "rank_address": "127.0.0.1:1", "block_tracker_address": "127.0.0.1:2",
@@ -84,6 +85,25 @@ def test_load_policy_default_environment_config_and_a_refused_value():
     with pytest.raises(ValueError, match="^xavier_load_policy: expected one of cost, always, "
                                          "got 'sometimes'"):
         XavierOptions.from_xavier_config(BASE, {"XAVIER_LOAD_POLICY": "sometimes"})
+
+
+def test_save_victims_default_environment_config_switches_and_a_refused_value():
+    """``xavier_save_victims``: shared unless asked for all or off; a switch's true means
+    all and false off (the option's spelling before ``shared``); anything else fails
+    naming the option -- at launch too, before any engine starts."""
+    assert XavierOptions.from_xavier_config(BASE, {}).save_victims == "shared"
+    for value, policy in (("ALL", "all"), ("off", "off"), ("1", "all"), ("false", "off"),
+                          ("Shared", "shared")):
+        env = {"XAVIER_SAVE_VICTIMS": value}
+        assert XavierOptions.from_xavier_config(BASE, env).save_victims == policy, value
+    o = XavierOptions.from_xavier_config({**BASE, "xavier_save_victims": True},
+                                         {"XAVIER_SAVE_VICTIMS": "off"})
+    assert o.save_victims == "all"
+    message = "^xavier_save_victims: expected one of shared, all, off .*got 'some'"
+    with pytest.raises(ValueError, match=message):
+        XavierOptions.from_xavier_config(BASE, {"XAVIER_SAVE_VICTIMS": "some"})
+    with pytest.raises(ValueError, match=message):
+        normalize_launch({"enable_xavier": True}, 2, {"XAVIER_SAVE_VICTIMS": "some"})
 
 
 def test_host_index_default_environment_config_and_a_refused_value():

@@ -28,6 +28,7 @@ from .options import (
     ENV_SWITCH_INTERVAL,
     check_env_names,
     parse_load_policy,
+    parse_save_victims,
     parse_switch,
     parse_switch_interval,
 )
@@ -104,8 +105,9 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
         parse_switch_interval(env[ENV_SWITCH_INTERVAL])
     if ENV_LOAD_POLICY in env:
         parse_load_policy(env[ENV_LOAD_POLICY])
+    if ENV_SAVE_VICTIMS in env:
+        parse_save_victims(env[ENV_SAVE_VICTIMS])
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
-                         (ENV_SAVE_VICTIMS, "xavier_save_victims"),
                          (ENV_HOST_INDEX, "xavier_host_index")):
         if name in env:
             parse_switch(option, env[name])

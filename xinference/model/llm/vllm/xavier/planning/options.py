@@ -33,6 +33,11 @@ ENV_HOST_INDEX = "XAVIER_HOST_INDEX"
 #: the recompute it saves (:mod:`.load_cost`); ``always`` loads every hit (the model still
 #: measures and counts the hits that do not pay)
 LOAD_POLICIES = ("cost", "always")
+#: ``xavier_save_victims``: which published blocks vLLM hands out again are saved into
+#: Xavier's tiers (never one a same-host peer holds in its vLLM cache then): ``shared``
+#: those shown to be shared (this replica loaded it, or a same-host peer held it once),
+#: ``all`` every one, ``off`` none.  A switch's true means ``all``, false ``off``
+SAVE_POLICIES = ("shared", "all", "off")
 #: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
@@ -82,11 +87,12 @@ class XavierOptions:
     #: only the published blocks vLLM hands out again.  False: every computed block is
     #: copied into Xavier's tiers (the design before 2026-12; a benchmark row)
     in_place: bool = True
-    #: with ``in_place``: save the published blocks vLLM hands out again into Xavier's
-    #: tiers before they are overwritten (``xavier_save_victims`` / ``XAVIER_SAVE_VICTIMS``,
-    #: default true).  False leaves Xavier's tiers empty (a benchmark row: whether the
-    #: saves cost a hit more than the tiers' extra blocks give is not measured yet)
-    save_victims: bool = True
+    #: with ``in_place``: which published blocks vLLM hands out again are saved into
+    #: Xavier's tiers before they are overwritten (``xavier_save_victims`` /
+    #: ``XAVIER_SAVE_VICTIMS``: :data:`SAVE_POLICIES`, default ``shared``; ``off`` leaves
+    #: Xavier's tiers empty).  A save costs the step that hands the block out (session 31,
+    #: H100: a C1 hit's TTFT 40 ms with every victim saved, 27 ms with none)
+    save_victims: str = "shared"
     #: whether a hit is loaded whatever it costs (``xavier_load_policy`` /
     #: ``XAVIER_LOAD_POLICY``: :data:`LOAD_POLICIES`, default ``cost``)
     load_policy: str = "cost"
@@ -130,8 +136,8 @@ class XavierOptions:
             "xavier_switch_interval_us", env.get(ENV_SWITCH_INTERVAL, DEFAULT_SWITCH_INTERVAL_US)))
         in_place = parse_switch("xavier_in_place",
                                 cfg.get("xavier_in_place", env.get(ENV_IN_PLACE, True)))
-        save_victims = parse_switch("xavier_save_victims", cfg.get(
-            "xavier_save_victims", env.get(ENV_SAVE_VICTIMS, True)))
+        save_victims = parse_save_victims(cfg.get("xavier_save_victims",
+                                                  env.get(ENV_SAVE_VICTIMS, "shared")))
         load_policy = parse_load_policy(cfg.get("xavier_load_policy",
                                                 env.get(ENV_LOAD_POLICY, "cost")))
         host_index = parse_switch("xavier_host_index", cfg.get(
@@ -185,6 +191,19 @@ def parse_load_policy(value: Any) -> str:
         raise ValueError(f"xavier_load_policy: expected one of {', '.join(LOAD_POLICIES)}, "
                          f"got {value!r}")
     return text
+
+
+def parse_save_victims(value: Any) -> str:
+    """``xavier_save_victims`` as one of :data:`SAVE_POLICIES` (any case; a switch's true
+    is ``all``, false ``off``); anything else raises ``ValueError`` naming the option."""
+    text = str(value).strip().lower()
+    if text in SAVE_POLICIES:
+        return text
+    try:
+        return "all" if parse_switch("xavier_save_victims", value) else "off"
+    except ValueError:
+        raise ValueError(f"xavier_save_victims: expected one of {', '.join(SAVE_POLICIES)} "
+                         f"(or true = all, false = off), got {value!r}") from None
 
 
 def parse_switch(option: str, value: Any) -> bool:
