@@ -275,7 +275,7 @@ def test_holders_say_when_the_block_after_the_hit_was_held_here_once():
         e.close()
 
 
-def test_holders_say_which_victims_a_peer_holds_now_in_every_shard():
+def test_holders_say_which_victims_a_peer_holds_now_in_every_shard_or_held_once():
     """A victim is held elsewhere when one peer holds it live in both TP shards; a peer with
     one shard, a name nobody published, or a block the peer handed out since, is not."""
     shards = Shards(num_groups=2, tp_size=2)
@@ -291,12 +291,18 @@ def test_holders_say_which_victims_a_peer_holds_now_in_every_shard():
                         (3, 0, b0.index.path)])
         victims = [(1, n, 100 + i) for i, n in enumerate(held)] + [(0, held[0], 7),
                                                                    (1, names(1)[0], 8)]
-        assert holders.held_by_peer(victims).tolist() == [True] * 4 + [False] * 4
+        got = holders.holding(victims)
+        assert got.now.tolist() == [True] * 4 + [False] * 4
+        # (rank 3 announced one shard's index only: not a peer of a TP-2 replica at all)
+        assert got.ever.tolist() == [True] * 4 + [False] * 4
         a1.row[2] += 1  # rank 1 handed out its shard-1 copy of name 2 meanwhile
-        assert holders.held_by_peer(victims[:4]).tolist() == [True, True, False, True]
-        assert holders.held_by_peer([]).tolist() == []
+        got = holders.holding(victims[:4])
+        assert got.now.tolist() == [True, True, False, True]
+        assert got.ever.tolist() == [True] * 4  # (its entry still names it)
+        assert holders.holding([]).now.tolist() == []
         holders.close()
-        assert HostHolders(own_rank=2, shards=shards).held_by_peer(victims).sum() == 0
+        got = HostHolders(own_rank=2, shards=shards).holding(victims)
+        assert got.now.sum() == 0 and got.ever.sum() == 0
     finally:
         for e in (a0, a1, b0):
             e.close()

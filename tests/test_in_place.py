@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from xinference.model.llm.vllm.xavier.planning.in_place import InPlaceBook
+from xinference.model.llm.vllm.xavier.planning.in_place import InPlaceBook, PeerHolding, Saves
 from xinference.model.llm.vllm.xavier.planning.shards import Shards
 
 
@@ -55,30 +55,70 @@ def test_a_victim_vllm_zeroes_before_the_worker_sees_the_step_is_not_saved():
     assert sorted(book.take_forgotten()[0]) == [(1, 2), (2, 2)]
 
 
+def _peers(now_names, ever_names=(), asked=None):
+    """A stand-in for the same-host peers' host indexes (``HostHolders.holding``)."""
+
+    def holding(rows):
+        if asked is not None:
+            asked.append(list(rows))
+        return PeerHolding(np.array([n in now_names for _, n, _ in rows], bool),
+                           np.array([n in now_names or n in ever_names for _, n, _ in rows],
+                                    bool))
+    return holding
+
+
 def test_saves_leave_out_what_a_peer_holds_and_saves_off_keeps_no_victim():
     book, _ = _book()
     book.handed_out([1, 2, 3])
     book.publish([(0, 10, 1), (0, 20, 2), (0, 30, 3)])
     book.handed_out([1, 2, 3])
     asked = []
-
-    def held(rows):
-        asked.append(list(rows))
-        return np.array([name == 20 for _, name, _ in rows])
-
-    assert book.take_saves((), True, held) == (((0, 10, 1), (0, 30, 3)), 1)
+    held = _peers({20}, asked=asked)
+    assert book.take_saves((), "all", held) == Saves(((0, 10, 1), (0, 30, 3)), 1, 0)
     assert asked == [[(0, 10, 1), (0, 20, 2), (0, 30, 3)]]
     # saves off (``xavier_save_victims``): nothing saved, and the book keeps no victim
     # (they are taken every step: none piles up for the engine's lifetime)
     for _ in range(3):
         book.publish([(0, 40, 4)])
         book.handed_out([4])
-        assert book.take_saves((), False, held) == ((), 0)
+        assert book.take_saves((), "off", held) == Saves(())
         assert book.take_victims() == ()
     assert len(asked) == 1  # (no peer asked about blocks never saved)
     book.publish([(0, 50, 5)])
     book.handed_out([5])
-    assert book.take_saves((), True) == (((0, 50, 5),), 0)  # no same-host peer known
+    assert book.take_saves((), "all") == Saves(((0, 50, 5),), 0, 0)  # no same-host peer known
+
+
+def test_shared_saves_only_what_was_loaded_here_or_held_by_a_peer_once():
+    """``shared`` (the default): of the victims no peer holds now, those this replica loaded
+    (until the block is handed out again) and those a peer held once are saved; a block
+    only ever computed here, and never in a peer's index, is not (counted)."""
+    book, _ = _book()
+    book.handed_out([1, 2, 3, 4, 5])  # 1 and 2: destinations of this step's loads
+    book.loaded([1, 2])
+    book.publish([(0, 10, 1), (0, 20, 2), (0, 30, 3), (0, 40, 4), (0, 50, 5)])
+    book.handed_out([1, 2, 3, 4, 5])
+    # 20 is held by a peer now (not saved, whatever the policy); 40 was held by one once
+    got = book.take_saves((), "shared", _peers({20}, {40}))
+    assert got == Saves(((0, 10, 1), (0, 40, 4)), held_elsewhere=1, never_shared=2)
+    # handed out, a block forgets its load: computed here next time, never shared
+    book.publish([(0, 11, 1), (0, 31, 3)])
+    book.handed_out([1, 3])
+    assert book.take_saves((), "shared", _peers(set())) == Saves((), 0, 2)
+    # no same-host peer known: what was loaded here is still saved; a zeroed one is not
+    book.handed_out([6, 7])
+    book.loaded([6, 7])
+    book.publish([(0, 60, 6), (0, 70, 7)])
+    book.handed_out([6, 7])
+    assert book.take_saves({7}, "shared") == Saves(((0, 60, 6),), 0, 0)
+    # a victim taken without saving (saves off) leaves no loaded mark behind
+    book.loaded([3])
+    book.publish([(0, 32, 3)])
+    book.handed_out([3])
+    assert book.take_saves((), "off") == Saves(())
+    book.publish([(0, 33, 3)])
+    book.handed_out([3])
+    assert book.take_saves((), "shared") == Saves((), 0, 1)
 
 
 def test_a_reset_bumps_every_block_and_forgets_without_saving():

@@ -45,6 +45,7 @@ import numpy as np
 
 from ..planning.directory_link import DirectoryLink, Entry
 from ..planning.directory_types import LOCATION_COLUMNS, QueryResult
+from ..planning.in_place import PeerHolding
 from ..planning.load_batch import NO_LEASE, Tier
 from ..planning.log_names import package_logger
 from ..planning.shards import Shards
@@ -390,15 +391,16 @@ class HostHolders:
         hit = QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
         return hit, evicted_next
 
-    def held_by_peer(self, rows: Sequence[Tuple[int, int, int]]) -> np.ndarray:
+    def holding(self, rows: Sequence[Tuple[int, int, int]]) -> PeerHolding:
         """For each ``(kv group, name, block)`` (the step's victims): whether one same-host
-        peer holds the block in its vLLM cache now, in every TP shard.  A peer's copy
-        outlives the one handed out here: the last holder on the host finds no other when
-        it hands its copy out, and saves it (two holders handing theirs out at once both
-        see the other's generation bumped first: both save)."""
-        held = np.zeros(len(rows), bool)
+        peer holds the block in its vLLM cache now, in every TP shard, and whether one
+        held it now or once (an entry names it in a shard's index; its block handed out
+        since).  A peer's copy outlives the one handed out here: the last holder on the
+        host finds no other when it hands its copy out, and saves it (two holders handing
+        theirs out at once both see the other's generation bumped first: both save)."""
+        now, ever = np.zeros(len(rows), bool), np.zeros(len(rows), bool)
         if not len(rows) or not self._tables:
-            return held
+            return PeerHolding(now, ever)
         kv_groups = np.fromiter((g for g, _, _ in rows), np.int64, len(rows))
         words = name_words([name for _, name, _ in rows])
         by_group = [(g, np.flatnonzero(kv_groups == g)) for g in np.unique(kv_groups).tolist()]
@@ -406,10 +408,12 @@ class HostHolders:
             by_rank = np.ones(len(rows), bool)
             for g, at in by_group:
                 for tp in range(self._shards.tp_size):
-                    dg = self._shards.directory_group(g, tp)
-                    by_rank[at] &= self._lookup(rank, dg, words[at])[0] >= 0
-            held |= by_rank
-        return held
+                    block, _, seen = self._lookup(rank, self._shards.directory_group(g, tp),
+                                                  words[at])
+                    by_rank[at] &= block >= 0
+                    ever[at] |= seen
+            now |= by_rank
+        return PeerHolding(now, ever)
 
     def _lookup(self, rank: int, group: int, words: np.ndarray
                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

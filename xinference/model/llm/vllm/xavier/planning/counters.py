@@ -63,8 +63,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # registrations of published blocks (after their forward) and their failures
     "in_place_published", "in_place_reused", "in_place_victims", "in_place_registered",
     "in_place_register_failures",
-    # published blocks vLLM handed out again but not saved: a same-host peer held them
-    "in_place_victims_held_elsewhere",
+    # published blocks vLLM handed out again but not saved: a same-host peer held them,
+    # or (xavier_save_victims shared) nothing showed them shared
+    "in_place_victims_held_elsewhere", "in_place_victims_never_shared",
     # exports
     "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
     "export_launch_us", "export_published", "export_publish_failures",

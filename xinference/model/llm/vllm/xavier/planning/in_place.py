@@ -23,16 +23,40 @@ generation when it checks.
   snapshot tier before anything of the step writes them (:meth:`take_victims`) -- except
   those vLLM itself zeroes first (``new_block_ids_to_zero``: their bytes are gone before
   the worker's first hook of the step).
+
+Which victims are saved is a policy (``xavier_save_victims``, :meth:`InPlaceBook.take_saves`):
+never one a same-host peer holds in its vLLM cache then (the last copy on the host is the
+one saved); by default (``shared``) only one shown to be shared -- this replica loaded it
+from a peer (:meth:`InPlaceBook.loaded`), or a same-host peer held it once -- since a save
+costs the step that hands the block out and a block nobody else ever wanted is rarely
+asked for later (session 31: every save of the steady-state benchmark served nobody).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from .shards import Shards
 from .step_meta import ExportRow, InPlaceRow
+
+
+class PeerHolding(NamedTuple):
+    """For each victim: whether a same-host peer holds it in its vLLM cache now, and whether
+    one held it now or once (its entry, maybe stale, is still in the peer's host index)."""
+
+    now: np.ndarray
+    ever: np.ndarray
+
+
+class Saves(NamedTuple):
+    """One step's saves (:meth:`InPlaceBook.take_saves`) and the victims left unsaved:
+    held by a same-host peer then, or (policy ``shared``) never shown to be shared."""
+
+    rows: Tuple[ExportRow, ...]
+    held_elsewhere: int = 0
+    never_shared: int = 0
 
 
 class InPlaceBook:
@@ -48,6 +72,10 @@ class InPlaceBook:
         #: block id -> (group, name, generation) as published
         self._published: Dict[int, Tuple[int, int, int]] = {}
         self._victims: List[ExportRow] = []
+        #: blocks whose bytes a load of this replica wrote (until handed out again), and
+        #: those of the victims
+        self._loaded: Set[int] = set()
+        self._loaded_victims: Set[int] = set()
         #: group -> (block, generation now) handed out since the last step
         self._forgotten: Dict[int, List[Tuple[int, int]]] = {}
         self.bumped = 0
@@ -74,14 +102,24 @@ class InPlaceBook:
         for row in self._rows:
             row[ids] += 1
         self.bumped += len(ids)
+        loaded = self._loaded
         for block in ids.tolist():
             pub = self._published.pop(block, None)
             if pub is None:
+                loaded.discard(block)
                 continue
             group, name, _ = pub  # handed out for the first time since its publication
             self._forgotten.setdefault(group, []).append((block, self.generation(block)))
             self._victims.append((group, name, block))
+            if block in loaded:
+                loaded.discard(block)
+                self._loaded_victims.add(block)
             self.reused += 1
+
+    def loaded(self, block_ids: Sequence[int]) -> None:
+        """This step's loads write ``block_ids`` (their destinations, handed out already):
+        blocks shown to be shared, saved under the ``shared`` policy when handed out."""
+        self._loaded.update(int(b) for b in block_ids)
 
     def reset(self) -> None:
         """vLLM dropped its whole prefix cache (``reset_prefix_cache``: e.g. new weights, so
@@ -94,6 +132,8 @@ class InPlaceBook:
             self.reused += 1
         self._published.clear()
         self._victims.clear()
+        self._loaded.clear()
+        self._loaded_victims.clear()
 
     def publish(self, blocks: Sequence[ExportRow]) -> Tuple[InPlaceRow, ...]:
         """The step's newly full blocks ``(group, name, block)``: published in place at their
@@ -109,21 +149,36 @@ class InPlaceBook:
         """Published blocks handed out since the last call: to be saved into Xavier's tier
         before anything of the step writes them; ``zeroed``: blocks vLLM zeroes before that
         (never saved: their bytes are gone)."""
-        victims, self._victims = self._victims, []
-        return tuple(v for v in victims if v[2] not in zeroed)
+        return self._take(zeroed)[0]
 
-    def take_saves(self, zeroed: Collection[int], save: bool,
-                   held_elsewhere: Optional[Callable[[Sequence[ExportRow]], np.ndarray]] = None
-                   ) -> Tuple[Tuple[ExportRow, ...], int]:
-        """The victims to save this step (:meth:`take_victims`; none unless ``save``), but
-        those ``held_elsewhere`` says a same-host peer holds in its vLLM cache now (the last
-        copy on the host is the one saved), and how many of those there were.  The victims
-        are taken either way (the book keeps none across steps)."""
-        victims = self.take_victims(zeroed)
-        if not save or not victims or held_elsewhere is None:
-            return (victims if save else ()), 0
-        held = held_elsewhere(victims).tolist()
-        return tuple(v for v, h in zip(victims, held) if not h), int(sum(held))
+    def _take(self, zeroed: Collection[int]) -> Tuple[Tuple[ExportRow, ...], Set[int]]:
+        victims, self._victims = self._victims, []
+        loaded, self._loaded_victims = self._loaded_victims, set()
+        return tuple(v for v in victims if v[2] not in zeroed), loaded
+
+    def take_saves(self, zeroed: Collection[int], policy: str,
+                   peers: Optional[Callable[[Sequence[ExportRow]], PeerHolding]] = None
+                   ) -> Saves:
+        """The victims to save this step (:meth:`take_victims`) under ``policy``
+        (``xavier_save_victims``): ``off`` none; ``all`` every one but those ``peers`` says
+        a same-host peer holds now (the last copy on the host is the one saved); ``shared``
+        of those, only the ones shown to be shared (loaded here, or held by a same-host
+        peer once).  The victims are taken whatever the policy (the book keeps none across
+        steps)."""
+        victims, loaded = self._take(zeroed)
+        if policy == "off" or not victims:
+            return Saves(())
+        n = len(victims)
+        holding = peers(victims) if peers is not None else PeerHolding(
+            np.zeros(n, bool), np.zeros(n, bool))
+        keep = ~holding.now
+        never_shared = 0
+        if policy == "shared":
+            shared = holding.ever | np.fromiter((v[2] in loaded for v in victims), bool, n)
+            never_shared = int(np.count_nonzero(keep & ~shared))
+            keep &= shared
+        rows = tuple(v for v, k in zip(victims, keep.tolist()) if k)
+        return Saves(rows, int(np.count_nonzero(holding.now)), never_shared)
 
     def take_forgotten(self) -> Dict[int, List[Tuple[int, int]]]:
         """Directory group -> ``(block, generation now)`` whose in-place entries must go

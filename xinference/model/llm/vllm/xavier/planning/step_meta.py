@@ -57,11 +57,13 @@ class StepStats:
     host_index_peers: int = -1
     #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
     #: again (their entries forgotten), those of them saved into Xavier's tier, and those
-    #: not saved since a same-host peer held them in its vLLM cache then
+    #: not saved since a same-host peer held them in its vLLM cache then, or since
+    #: nothing showed them shared (``xavier_save_victims`` shared)
     in_place_published: int = 0
     in_place_reused: int = 0
     in_place_victims: int = 0
     in_place_victims_held_elsewhere: int = 0
+    in_place_victims_never_shared: int = 0
     #: reads of Xavier's tiers leased (asked for when their step was built)
     leases_asked: int = 0
     #: directory calls releasing leases that failed (each is tried again)

@@ -33,7 +33,7 @@ from ..planning.counters import elapsed_us
 from ..planning.hash_seed import user_seed
 from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
-from ..planning.load_batch import Tier
+from ..planning.load_batch import DEST, Tier
 from ..planning.load_cost import LoadCost
 from ..planning.log_names import package_logger
 from ..planning.lookups import DirectoryLookups
@@ -316,19 +316,22 @@ class XavierConnectorScheduler:
         return list(await ref.in_place_generations())
 
     def _in_place_step(self, meta: StepMeta, zeroed: Collection[int]) -> StepMeta:
-        """The step's newly full blocks published in place (no export copies), the published
-        blocks vLLM handed out saved (but those vLLM zeroes first, and those a same-host peer
-        holds in its vLLM cache now: a redundant copy costs the step and serves nobody),
-        their entries forgotten (one directory call)."""
+        """The step's newly full blocks published in place (no export copies), the step's
+        load destinations marked loaded, the published blocks vLLM handed out saved as
+        ``xavier_save_victims`` says (never those vLLM zeroes first, nor those a same-host
+        peer holds in its vLLM cache now: a redundant copy costs the step and serves
+        nobody), their entries forgotten (one directory call)."""
         exports, meta.exports = meta.exports, ()
         book = self._book
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
-        meta.saves, held = book.take_saves(
-            zeroed, self.options.save_victims,
-            self._holders.held_by_peer if self._holders is not None else None)
-        meta.stats.in_place_victims_held_elsewhere += held
+        book.loaded(meta.loads.table[:, DEST].tolist())
+        saves = book.take_saves(zeroed, self.options.save_victims,
+                                self._holders.holding if self._holders is not None else None)
+        meta.saves = saves.rows
+        meta.stats.in_place_victims_held_elsewhere += saves.held_elsewhere
+        meta.stats.in_place_victims_never_shared += saves.never_shared
         forgotten = book.take_forgotten()
         meta.stats.in_place_published += len(meta.in_place)
         meta.stats.in_place_victims += len(meta.saves)
