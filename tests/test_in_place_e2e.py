@@ -12,7 +12,9 @@ reuse every block of its cache, then the load goes on.
 * the negative control, the check switched off: the peer loads the new prompts' KV under the
   old names and its tokens differ -- the churn is real;
 * the blocks the source handed out were saved into its Xavier tier before they were
-  overwritten, and a later peer still loads the prefix from there, bit-exact.
+  overwritten -- those shown to be shared (``xavier_save_victims`` shared, the default: it
+  loaded them), never a copy a peer still holds nor one nobody else ever held -- and a
+  later peer still loads the prefix from there, bit-exact.
 """
 
 from __future__ import annotations
@@ -113,20 +115,77 @@ def test_negative_control_unchecked_reads_load_the_new_prompts_kv(prefix_on_a, t
     assert ids != base  # wrong KV served: the churn is real
 
 
-def test_reused_published_blocks_are_saved_into_xaviers_tier_first(prefix_on_a):
-    """A hands the prefix's blocks out again: they were saved into A's Xavier tier before
-    anything wrote them, and B loads the prefix from there, bit-exact, tokens equal.  Those
-    reads are of Xavier's own tier: B's scheduler leased each of them with the step that
-    loaded them, and released them all when vLLM reported the load done."""
-    world, asked, base = prefix_on_a
-    lt, r = world.pair
+def _until_mapped(lt: Any, replica: Any, peer: Any, seed: int) -> None:
+    """``replica``'s scheduler maps ``peer``'s host index once the directory announced it
+    (a replica announces at its first publication: ``peer`` publishes two blocks of its
+    own; ``replica`` asks every second, from its steps)."""
+    lt.run(peer.generate([tokens(seed, 2 * BLOCK + 1)], max_tokens=1))
+    deadline = time.monotonic() + 60
+    while lt.run(replica.counters()).get("host_index_peers", 0) < 1:
+        assert time.monotonic() < deadline, "the scheduler never mapped its peer's host index"
+        lt.run(replica.generate([tokens(seed + 1, 20)], max_tokens=1))
+        time.sleep(0.5)
+
+
+def test_a_prefix_no_other_replica_held_is_not_saved_by_default(churn_pair: World):
+    """``xavier_save_victims`` shared (the default): A hands out the blocks of a prefix that
+    only A ever held (and of the prompts that push it out): none is saved, each counted;
+    B asking later recomputes the prefix, tokens equal."""
+    lt, r = churn_pair.pair
     a, b = r.replicas
+    _until_mapped(lt, a, b, 5)
+    prefix = tokens(81, PREFIX)
+    asked = prefix + tokens(82, TAIL)
+    base = lt.run(a.generate([asked], xavier=False))[0]["ids"]
+    lt.run(a.reset_prefix_cache())  # (B never held any of it)
+    lt.run(a.generate([prefix + tokens(83, TAIL)]))
+    lt.run(a.flush())
     before_a = lt.run(a.counters())
     _churn(lt, a, 300)
     lt.run(a.flush())
     ca = delta(before_a, lt.run(a.counters()))
     assert ca["in_place_reused"] >= PREFIX // BLOCK
+    assert ca.get("in_place_victims", 0) == 0 and ca.get("export_exported", 0) == 0
+    assert ca["in_place_victims_never_shared"] >= PREFIX // BLOCK
+    before = lt.run(b.counters())
+    out = lt.run(b.generate([asked]))[0]
+    cb = delta(before, lt.run(b.counters()))
+    assert out["cached"] == 0 and cb.get("blocks_written", 0) == 0 and out["ids"] == base
+    assert leases_settled(lt, r) == 0
+
+
+def test_a_loaded_prefix_is_saved_into_xaviers_tier_by_its_last_holder(churn_pair: World):
+    """B computes a prefix, A loads it (A holds it, loaded: shown shared).  B hands its copy
+    out first and saves none (A holds it then: counted); A hands its copy out last and saves
+    it into its Xavier tier before anything wrote it.  B then loads the prefix from A's
+    tier, bit-exact, tokens equal; those reads are of Xavier's own tier: B's scheduler
+    leased each with the step that loaded it and released them all when vLLM reported the
+    load done."""
+    lt, r = churn_pair.pair
+    a, b = r.replicas
+    prefix = tokens(71, PREFIX)
+    asked = prefix + tokens(72, TAIL)
+    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
+    lt.run(b.reset_prefix_cache())
+    lt.run(b.generate([prefix + tokens(73, TAIL)]))
+    lt.run(b.flush())
+    out = lt.run(a.generate([prefix + tokens(74, TAIL)]))[0]
+    assert out["cached"] == PREFIX  # A loaded it from B's vLLM cache
+    lt.run(a.flush())
+    _until_mapped(lt, b, a, 6)
+    _until_mapped(lt, a, b, 8)
+    before_b = lt.run(b.counters())
+    _churn(lt, b, 400)
+    lt.run(b.flush())
+    cb = delta(before_b, lt.run(b.counters()))
+    assert cb["in_place_victims_held_elsewhere"] >= PREFIX // BLOCK
+    assert cb.get("in_place_victims", 0) == 0
+    before_a = lt.run(a.counters())
+    _churn(lt, a, 500)
+    lt.run(a.flush())
+    ca = delta(before_a, lt.run(a.counters()))
     assert ca["in_place_victims"] >= PREFIX // BLOCK and ca["export_published"] >= PREFIX // BLOCK
+    assert ca["in_place_victims_never_shared"] > 0  # (the churn's own prompts)
     before = lt.run(b.counters())
     out = lt.run(b.generate([asked]))[0]
     cb = delta(before, lt.run(b.counters()))
@@ -155,13 +214,7 @@ def test_a_loader_holds_what_it_loaded_so_the_source_saves_no_second_copy(prefix
     assert out["ids"] == base
     # the loaded blocks and the tail's full blocks: B publishes what it holds
     assert cb["in_place_registered"] == cb["in_place_published"] >= (PREFIX + TAIL) // BLOCK
-    # A's scheduler maps B's host index once the directory announced it (B announces at
-    # its first publication; A asks every second, from its steps)
-    deadline = time.monotonic() + 60
-    while lt.run(a.counters()).get("host_index_peers", 0) < 1:
-        assert time.monotonic() < deadline, "A's scheduler never mapped B's host index"
-        lt.run(a.generate([tokens(7, 20)], max_tokens=1))
-        time.sleep(0.5)
+    _until_mapped(lt, a, b, 10)
     before_a = lt.run(a.counters())
     _churn(lt, a, 500)
     lt.run(a.flush())

@@ -124,17 +124,15 @@ CHURN_BLOCKS = 72
 
 def _churn_pair(model_dir: str) -> Dict[str, Any]:
     """A pair whose vLLM caches hold a handful of prompts (``num_gpu_blocks_override``), so
-    that a test can make a source hand out again the blocks it published (#33); the blocks
-    it hands out are saved into Xavier's tier (``XAVIER_SAVE_VICTIMS``)."""
+    that a test can make a source hand out again the blocks it published (#33); those of
+    them shown to be shared are saved into Xavier's tier (``xavier_save_victims``' default)."""
     extra: Dict[str, Any] = {"num_gpu_blocks_override": CHURN_BLOCKS}
     if DEVICE == "cuda":
         extra.update({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.25,
                       "enforce_eager": False})
         return dict(n=2, gpu_budget="256MiB", cpu_budget="64MiB", sequential=True,
-                    engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra),
-                    extra_env={"XAVIER_SAVE_VICTIMS": "1"})
-    return dict(n=2, engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra),
-                extra_env={"XAVIER_SAVE_VICTIMS": "1"})
+                    engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra))
+    return dict(n=2, engine=EngineOptions(model=model_dir, max_model_len=1024, extra=extra))
 
 
 #: fixture name -> the world it gives (``tests/conftest.py`` defines the fixtures)
