@@ -80,7 +80,8 @@ multiprocessing executor): on CUDA each replica on GPUs 0 and 1 (the pairs start
 the other); on CPU one OpenMP core per worker (``VLLM_CPU_OMP_THREADS_BIND``).
 
 ``--steady-state`` fills every replica's top storage tier before measuring (unmeasured
-requests with fresh prefixes until each replica has evicted), so that every Xavier row meets
+requests with fresh prefixes, each asked on both replicas, until each replica has evicted;
+before session 31 each fill prefix was asked once), so that every Xavier row meets
 a full tier, as a long-running deployment does; ``--gpu-budget`` / ``--cpu-budget`` size the
 tiers (a smaller GPU tier fills sooner).  Without it, rows after the tier fills pay for
 evictions the earlier rows did not (see doc/benchmarks.md, "Two GPUs").
@@ -326,9 +327,13 @@ COPY_MODE = "batched-copy"
 #: Xavier reading vLLM's cache in place but saving none of the published blocks vLLM hands
 #: out again (``xavier_save_victims`` off: its tiers stay empty), on a pair of its own
 NOSAVE_MODE = "batched-nosave"
+#: ... saving every one of them that no same-host peer holds (``xavier_save_victims`` all;
+#: the default saves only those shown to be shared)
+SAVEALL_MODE = "batched-saveall"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
-                                            NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "0"}}
+                                            NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
+                                            SAVEALL_MODE: {"XAVIER_SAVE_VICTIMS": "all"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
@@ -597,10 +602,14 @@ async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[L
 
 async def fill_tiers(r: Replicas, prefix: int, vocab: int,
                      max_rounds: int = 200) -> Dict[str, Any]:
-    """Unmeasured requests with fresh prefixes (both replicas, sharing on, short outputs)
-    until every replica's storage has evicted at least once: its top tier is full -- and,
-    with vLLM's cache read in place, vLLM has handed published blocks out again (its own
-    cache is full too) and Xavier saved some of them.  Returns what the fill reached."""
+    """Unmeasured requests with fresh prefixes, each asked on both replicas (the second
+    loads it: shared, as the measured rows' prefixes are; sharing on, short outputs) until
+    every replica's storage has evicted at least once: its top tier is full -- and, with
+    vLLM's cache read in place, vLLM has handed published blocks out again (its own cache
+    is full too) and Xavier saved some of them (``xavier_save_victims`` shared, the
+    default, saves only blocks shown to be shared: a fill of prompts asked once would
+    leave its tiers empty; off: the fill ends when vLLM's caches reuse their blocks).
+    Returns what the fill reached."""
     t0 = time.perf_counter()
     for i in range(max_rounds):
         counters = [await x.counters() for x in r.replicas]
@@ -623,7 +632,7 @@ async def fill_tiers(r: Replicas, prefix: int, vocab: int,
             used = [c.get("storage_gpu_used_blocks", c.get("storage_cpu_used_blocks", 0))
                     for c in counters]
             print(f"[serving_bench] filling storage: top-tier blocks used {used}", flush=True)
-        await run_mode(r, workload(50_000 + i, 32, 1, prefix, 64, vocab), 32, 32, 1,
+        await run_mode(r, workload(50_000 + i, 32, 2, prefix, 64, vocab), 32, 32, 1,
                        xavier=True)
     raise RuntimeError(f"--steady-state: storage not full after {max_rounds} rounds")
 
@@ -773,7 +782,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 keys = ("hit_blocks", "hit_tokens", "requests_with_hits", "batch_calls",
                         "logical_requests", "blocks_written", "rows_from_gpu_tier",
                         "rows_from_cpu_tier", "rows_from_vllm_cache", "in_place_published",
-                        "in_place_reused", "in_place_victims", "export_exported",
+                        "in_place_reused", "in_place_victims",
+                        "in_place_victims_held_elsewhere", "in_place_victims_never_shared",
+                        "export_exported",
                         "export_skipped_no_slot",
                         "load_failures", "rejected_batches", "load_launch_us",
                         "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
