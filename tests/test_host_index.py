@@ -165,6 +165,26 @@ def test_a_full_bucket_takes_a_moved_entry_first_then_the_oldest():
         e.close()
 
 
+def test_a_full_bucket_overwrites_its_oldest_stale_entry_first():
+    """Stale entries (blocks handed out since) still say a peer held the name once (the
+    ``shared`` save policy reads that): of two, the older gives way, whatever its way."""
+    e = Engine(rank=1, num_blocks=4)  # one bucket of 8 ways
+    try:
+        first = names(8)
+        for i, n in enumerate(first):
+            e.index.insert([(0, n, i % 4, 0)])
+        e.index.insert([(0, first[0], 0, 0)])  # way 0 written again: now the newest
+        e.row[0] += 1  # block 0 handed out: ways 0 and 4 stale, way 4 the older
+        e.publish(names(1), first_block=1)
+        reader = HostIndex.open(e.index.path)
+        held, _, seen = reader.find(0, name_words(first))
+        assert held.tolist() == [-1, 1, 2, 3, -1, 1, 2, 3]
+        assert seen.tolist() == [True] * 4 + [False] + [True] * 3
+        reader.close()
+    finally:
+        e.close()
+
+
 def test_a_file_that_is_not_an_index_is_refused_naming_it(tmp_path):
     e = Engine(rank=1)
     try:

@@ -121,6 +121,27 @@ def test_shared_saves_only_what_was_loaded_here_or_held_by_a_peer_once():
     assert book.take_saves((), "shared") == Saves((), 0, 1)
 
 
+def test_a_published_block_handed_out_as_a_load_destination_is_saved_by_its_new_bytes():
+    """In one step vLLM hands a published block out as a load's destination: as a victim
+    it was never loaded (not saved); its new bytes are (saved when handed out next)."""
+    book, _ = _book()
+    book.handed_out([3])
+    book.publish([(0, 30, 3)])
+    book.handed_out([3])  # scheduling the step: the pool hands 3 out ...
+    book.loaded([3])  # ... and the step's metadata names it a load's destination
+    assert book.take_saves((), "shared") == Saves((), 0, 1)
+    book.publish([(0, 31, 3)])
+    book.handed_out([3])
+    assert book.take_saves((), "shared") == Saves(((0, 31, 3),), 0, 0)
+
+
+def test_an_unknown_save_policy_is_refused_naming_the_option():
+    book, _ = _book()
+    with pytest.raises(ValueError, match="^xavier_save_victims: expected one of shared, all, "
+                                         "off, got False"):
+        book.take_saves((), False)  # type: ignore[arg-type]
+
+
 def test_a_reset_bumps_every_block_and_forgets_without_saving():
     book, rows = _book()
     book.handed_out([1])

@@ -225,16 +225,19 @@ class HostIndex:
         return written
 
     def _ways_for(self, entries: np.ndarray, bucket: np.ndarray) -> np.ndarray:
-        """The way each entry goes to: its own name's entry, else an empty or stale one
-        (its block handed out since), else the bucket's oldest."""
+        """The way each entry goes to: its own name's entry, else an empty one, else the
+        oldest stale one (its block handed out since: kept as long as the bucket has room,
+        since it still says a peer held the name once -- ``find``'s ``seen``), else the
+        bucket's oldest."""
         held = self._table[bucket]  # (n, WAYS, ENTRY_WORDS)
         same = np.all(held[:, :, :_BLOCK + 1] == entries[:, None, :_BLOCK + 1], axis=2)
         blocks = (held[:, :, _BLOCK] & _LOW32).astype(np.int64)
         blocks = np.minimum(blocks, self.num_blocks - 1)
         stale = self._generations[blocks].astype(_U64) != held[:, :, _GENERATION]
         empty = held[:, :, _CHECK] == 0
-        score = np.where(same & ~empty, -2,
-                         np.where(empty | stale, -1, held[:, :, _ESTAMP].astype(np.int64)))
+        age = held[:, :, _ESTAMP].astype(np.int64)  # insertion stamps: < 2**60
+        score = np.where(same & ~empty, -3 << 60,
+                         np.where(empty, -2 << 60, np.where(stale, age - (1 << 60), age)))
         return np.argmin(score, axis=1)
 
     # ----------------------------------------------------------------- reader
@@ -396,8 +399,9 @@ class HostHolders:
         peer holds the block in its vLLM cache now, in every TP shard, and whether one
         held it now or once (an entry names it in a shard's index; its block handed out
         since).  A peer's copy outlives the one handed out here: the last holder on the
-        host finds no other when it hands its copy out, and saves it (two holders handing
-        theirs out at once both see the other's generation bumped first: both save)."""
+        host finds no other when it hands its copy out, and may save it (as
+        ``xavier_save_victims`` says; two holders handing theirs out at once both see the
+        other's generation bumped first: both may save)."""
         now, ever = np.zeros(len(rows), bool), np.zeros(len(rows), bool)
         if not len(rows) or not self._tables:
             return PeerHolding(now, ever)

@@ -26,8 +26,9 @@ generation when it checks.
 
 Which victims are saved is a policy (``xavier_save_victims``, :meth:`InPlaceBook.take_saves`):
 never one a same-host peer holds in its vLLM cache then (the last copy on the host is the
-one saved); by default (``shared``) only one shown to be shared -- this replica loaded it
-from a peer (:meth:`InPlaceBook.loaded`), or a same-host peer held it once -- since a save
+one saved); by default (``shared``) only one shown to be shared -- a load of this replica
+wrote it (:meth:`InPlaceBook.loaded`), or a same-host peer held it once (its host index
+still names it; without host indexes, ``xavier_host_index`` off, only the first) -- since a save
 costs the step that hands the block out and a block nobody else ever wanted is rarely
 asked for later (session 31: every save of the steady-state benchmark served nobody).
 """
@@ -40,6 +41,9 @@ import numpy as np
 
 from .shards import Shards
 from .step_meta import ExportRow, InPlaceRow
+
+#: ``xavier_save_victims``: the policies :meth:`InPlaceBook.take_saves` knows (options parses them)
+SAVE_POLICIES = ("shared", "all", "off")
 
 
 class PeerHolding(NamedTuple):
@@ -117,8 +121,9 @@ class InPlaceBook:
             self.reused += 1
 
     def loaded(self, block_ids: Sequence[int]) -> None:
-        """This step's loads write ``block_ids`` (their destinations, handed out already):
-        blocks shown to be shared, saved under the ``shared`` policy when handed out."""
+        """This step's loads write ``block_ids`` (their destinations, handed out already;
+        any load, whatever its source): blocks shown to be shared, saved under the
+        ``shared`` policy when handed out again."""
         self._loaded.update(int(b) for b in block_ids)
 
     def reset(self) -> None:
@@ -165,6 +170,9 @@ class InPlaceBook:
         of those, only the ones shown to be shared (loaded here, or held by a same-host
         peer once).  The victims are taken whatever the policy (the book keeps none across
         steps)."""
+        if policy not in SAVE_POLICIES:
+            raise ValueError(f"xavier_save_victims: expected one of {', '.join(SAVE_POLICIES)}, "
+                             f"got {policy!r}")
         victims, loaded = self._take(zeroed)
         if policy == "off" or not victims:
             return Saves(())

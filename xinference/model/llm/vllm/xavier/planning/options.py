@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Mapping, Optional
 
 from .budget import parse_bytes
+from .in_place import SAVE_POLICIES
 from .routes import normalize_transport
 
 DEFAULT_GPU_BUDGET = "1GiB"
@@ -37,7 +38,8 @@ LOAD_POLICIES = ("cost", "always")
 #: Xavier's tiers (never one a same-host peer holds in its vLLM cache then): ``shared``
 #: those shown to be shared (this replica loaded it, or a same-host peer held it once),
 #: ``all`` every one, ``off`` none.  A switch's true means ``all``, false ``off``
-SAVE_POLICIES = ("shared", "all", "off")
+#: (``SAVE_POLICIES``, imported from :mod:`.in_place`, whose book checks it)
+
 #: the GIL switch interval (µs) of vLLM's engine processes with Xavier (Python's is 5000)
 DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
