@@ -455,7 +455,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 await run_mode(pairs[kind], workload(7 + len(mode), 2, 2, min(prefixes), 64,
                                                      vocab), 2, 2, max_tokens, xavier=True)
             if steady_state:
-                fill = await fill_tiers(pairs[kind], max(prefixes), vocab)
+                saves = VARIANT_PAIRS.get(kind, {}).get("XAVIER_SAVE_VICTIMS") != "off"
+                fill = await fill_tiers(pairs[kind], max(prefixes), vocab, saves=saves)
                 settings[f"steady_state_fill_{kind}"] = fill
         for kind in ("plain", "vllm-offload-fs"):
             if kind in pairs:  # warm-up, not measured
@@ -600,8 +601,8 @@ async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[L
     row["tokens_equal_plain"] = equal
 
 
-async def fill_tiers(r: Replicas, prefix: int, vocab: int,
-                     max_rounds: int = 200) -> Dict[str, Any]:
+async def fill_tiers(r: Replicas, prefix: int, vocab: int, saves: bool = True,
+                     max_rounds: int = 200, quiet_rounds: int = 10) -> Dict[str, Any]:
     """Unmeasured requests with fresh prefixes, each asked on both replicas (the second
     loads it: shared, as the measured rows' prefixes are; sharing on, short outputs) until
     every replica's storage has evicted at least once: its top tier is full -- and, with
@@ -609,8 +610,11 @@ async def fill_tiers(r: Replicas, prefix: int, vocab: int,
     is full too) and Xavier saved some of them (``xavier_save_victims`` shared, the
     default, saves only blocks shown to be shared: a fill of prompts asked once would
     leave its tiers empty; off: the fill ends when vLLM's caches reuse their blocks).
-    Returns what the fill reached."""
+    ``saves``: the pair saves victims (its policy is not ``off``): the fill then waits for
+    its top tiers to fill, and gives that up only after ``quiet_rounds`` rounds of reuse
+    with nothing saved at all (reported: ``saved_nothing``).  Returns what the fill reached."""
     t0 = time.perf_counter()
+    reusing_since: Optional[int] = None
     for i in range(max_rounds):
         counters = [await x.counters() for x in r.replicas]
         evicted = [c.get("room_evicted", 0) for c in counters]
@@ -620,13 +624,18 @@ async def fill_tiers(r: Replicas, prefix: int, vocab: int,
         # in place: vLLM's own caches evict (and, when victims are saved, Xavier's top tier
         # is full too); else Xavier's top tier is full.  (Session 23's GPU run waited for
         # room_evicted with victims off: a tier nothing fills, all of its 570 s.)
-        full = (all(reused) and (all(evicted) or not saving)) if in_place else all(evicted)
+        if in_place and all(reused) and reusing_since is None:
+            reusing_since = i
+        quiet = (not saving and reusing_since is not None
+                 and i - reusing_since >= (quiet_rounds if saves else 0))
+        full = (all(reused) and (all(evicted) or quiet)) if in_place else all(evicted)
         if full:
             print(f"[serving_bench] storage tiers full after {i} fill rounds "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
             keep = ("room_evicted", "in_place_published", "in_place_reused",
                     "in_place_victims", "storage_gpu_used_blocks", "storage_cpu_used_blocks")
             return {"rounds": i, "seconds": round(time.perf_counter() - t0, 1),
+                    "saved_nothing": saves and not saving,
                     "replicas": [{k: c.get(k, 0) for k in keep} for c in counters]}
         if i % 10 == 0:
             used = [c.get("storage_gpu_used_blocks", c.get("storage_cpu_used_blocks", 0))
