@@ -149,6 +149,7 @@ def test_a_failed_loads_wait_is_not_learned_as_a_hits_wait():
         w.side._clock = lambda now=now: now[0]
         w.side.track("r", lambda: keys_of(200), 200 * BS)
         assert w.side.match("r", 200 * BS, 0) == 100 * BS
+        key = cost.wait_key(0)
         w.side.allocated("r", [list(range(200))], [[False] * 200], 100 * BS)
         w.side.build_step([], {})
         now[0] += 31.0
@@ -157,7 +158,7 @@ def test_a_failed_loads_wait_is_not_learned_as_a_hits_wait():
             assert w.side.match("r", 200 * BS, 0) == 0  # vLLM asks again: recomputed
         started = w.side.build_step([("r", 0 if failed else 100 * BS, 8)], {}).stats
         assert started.hits_started == (0 if failed else 1)
-        assert (cost.expected_wait_s(0) < 1.0) == failed
+        assert (cost.wait_s_at(key) < 1.0) == failed
         w.side.finished("r")
 
 
@@ -500,7 +501,7 @@ def measured_cost(wait_s: float = 0.008, per_token: float = 8e-6) -> LoadCost:
         tokens = (1, 512, 8, 2048)[i % 4]
         cost.step(now, tokens)
         now += 0.004 + per_token * tokens
-    cost.hit_waited(wait_s, others=0)
+    cost.hit_waited(wait_s, cost.wait_key(0))
     return cost
 
 
@@ -549,9 +550,10 @@ def test_loading_every_hit_still_counts_those_that_do_not_pay():
     assert (stats.hits_not_paying, stats.hits_declined, stats.requests_with_hits) == (1, 0, 1)
 
 
-def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_load_level():
+def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_allocations_key():
     """The side's steps feed the fit (their scheduled tokens, on its clock) and a hit's
-    allocation-to-first-forward wait at the load level of its allocation; the estimates go
+    allocation-to-first-forward wait at the key of its allocation (load level and the step in
+    flight: "busy" ran beside it, its latest step of 101 tokens in flight); the estimates go
     out with the step's figures; the last request's end marks the engine idle."""
     cost = LoadCost(lag=0, min_steps=4, min_token_spread=1)
     w = World(held_keys=keys_of(8), cost=cost)
@@ -571,7 +573,7 @@ def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_load_level():
         w.side.build_step([("busy", 0, 1)], {})
         now[0] += 0.00101
     stats = w.side.build_step([("r", 7 * BS, BS), ("busy", 0, 1)], {}).stats
-    assert cost.expected_wait_s(1) == pytest.approx(0.00303) and cost.expected_wait_s(0) is None
+    assert cost.wait_s_at((1, 2)) == pytest.approx(0.00303) and cost.expected_wait_s(0) is None
     assert stats.cost_prefill_ns_per_token == 10_000 and stats.cost_step_fixed_us == 1000
     assert stats.cost_hit_wait_us == 3030  # at the load level of the hit's allocation
     w.side.finished("r")

@@ -24,14 +24,20 @@ while it serves:
   forward computed nothing, during which the engine had no request (:meth:`LoadCost.idle`)
   or longer than ``max_interval_s`` is not a step's and is skipped.  The model decides with
   the slope plus two standard errors: a noisy fit (a loaded host) declines less, never more.
-* **the wait**: per hit, blocks allocated -> first forward, kept per load level (``others``
-  in powers of two: 0, 1, 2-3, 4-7, ...) as an exponentially weighted mean, so that a wait
-  seen at 32 concurrent requests does not decide for a lone one.
+* **the wait**: per hit, blocks allocated -> first forward, kept as an exponentially
+  weighted mean per :data:`WaitKey`: the load level (``others`` in powers of two: 0, 1,
+  2-3, 4-7, ...) and the tokens of the step in flight when the blocks were allocated (in
+  powers of two from 32: the steps a hit waits behind), so that neither a wait seen at 32
+  concurrent requests nor one seen alone behind the tail of a C32 burst's long steps
+  decides for a lone request on an idle engine (CPU machine, session 31: the second taught
+  a 70 ms wait that declined every later C1 hit).
 
-Until both are known (no hit measured at a level yet; too few steps, or steps too alike to
+Until both are known (no hit measured at its key yet; too few steps, or steps too alike to
 give a slope; a slope not above zero) a hit is loaded: the model never declines on a guess.
-A level whose hits keep being declined is measured again: every ``explore_every``-th hit
-declined there is loaded anyway (its wait is then known afresh).
+A key whose hits keep being declined is measured again: every ``explore_every``-th hit
+declined there in a row is loaded anyway, and so is the first declined once its wait is
+older than ``remeasure_after_s`` (a wait learned in another phase of the load does not
+decide for ever).
 """
 
 from __future__ import annotations
@@ -41,13 +47,24 @@ import math
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
-#: the load levels (``others`` in powers of two); beyond the last, the last
+#: the load levels (``others`` in powers of two) and the busy levels (tokens of the step in
+#: flight in powers of two from :data:`BUSY_UNIT`); beyond the last, the last
 LEVELS = 8
+BUSY_UNIT = 32
+
+#: what a hit's wait is kept by: ``(load level, busy level)``
+WaitKey = Tuple[int, int]
 
 
 def level_of(others: int) -> int:
     """The load level of ``others`` requests running beside a hit: 0, 1, 2-3, 4-7, ..."""
     return min(LEVELS - 1, max(0, int(others)).bit_length())
+
+
+def busy_level_of(tokens: int) -> int:
+    """The busy level of a step in flight scheduling ``tokens`` tokens: 0 (under 32: decodes
+    of up to 31 requests, or nothing), 1 (32-63), 2 (64-127), ... 7 (2048 and more)."""
+    return min(LEVELS - 1, (max(0, int(tokens)) // BUSY_UNIT).bit_length())
 
 
 @dataclass
@@ -150,13 +167,16 @@ class LoadCost:
     def __init__(self, lag: int = 1, token_budget: Optional[int] = None,
                  half_life_steps: float = 64.0, wait_weight: float = 0.25,
                  explore_every: int = 32, min_steps: int = 16,
-                 min_token_spread: float = 16.0, max_interval_s: float = 60.0) -> None:
+                 min_token_spread: float = 16.0, max_interval_s: float = 60.0,
+                 remeasure_after_s: float = 10.0) -> None:
         if lag < 0:
             raise ValueError(f"lag: must be >= 0, got {lag}")
         if not 0 < wait_weight <= 1:
             raise ValueError(f"wait_weight: must be in (0, 1], got {wait_weight}")
         if explore_every < 1:
             raise ValueError(f"explore_every: must be >= 1, got {explore_every}")
+        if not remeasure_after_s > 0:
+            raise ValueError(f"remeasure_after_s: must be > 0, got {remeasure_after_s}")
         self.lag = lag
         self.token_budget = token_budget if token_budget and token_budget > 0 else None
         self.fit = StepTimeFit(0.5 ** (1.0 / half_life_steps))
@@ -166,13 +186,16 @@ class LoadCost:
         self.min_steps = min_steps
         self.min_token_spread = min_token_spread
         self.max_interval_s = max_interval_s
+        self.remeasure_after_s = remeasure_after_s
         self._last_step_at: Optional[float] = None
         self._tokens: Deque[int] = collections.deque(maxlen=lag + 1)
         self._idle = False
-        self._wait_s: List[Optional[float]] = [None] * LEVELS
-        self._lookup_s: List[Optional[float]] = [None] * LEVELS
-        self._last_level: Optional[int] = None  # that of the latest hit measured
-        self._declined_in_a_row: Dict[int, int] = collections.defaultdict(int)
+        self._wait_s: Dict[WaitKey, float] = {}
+        self._lookup_s: Dict[WaitKey, float] = {}
+        #: when a key's wait was last measured (or a hit loaded to measure it again)
+        self._measured_at: Dict[WaitKey, float] = {}
+        self._last_key: Optional[WaitKey] = None  # that of the latest hit measured
+        self._declined_in_a_row: Dict[WaitKey, int] = collections.defaultdict(int)
 
     # ------------------------------------------------------------- measuring
     def step(self, now: float, tokens: int, host_s: float = 0.0) -> None:
@@ -194,18 +217,26 @@ class LoadCost:
     def idle(self) -> None:
         """The engine holds no request: the interval to its next step is not a step's."""
         self._idle = True
+        self._tokens.clear()  # nothing in flight for a hit to wait behind
 
-    def hit_waited(self, seconds: float, others: int,
+    def wait_key(self, others: int) -> WaitKey:
+        """The key of a hit allocated now with ``others`` requests running beside it: their
+        load level and the busy level of the latest step built (the one in flight)."""
+        return level_of(others), busy_level_of(self._tokens[-1] if self._tokens else 0)
+
+    def hit_waited(self, seconds: float, at: WaitKey,
                    lookup_s: Optional[float] = 0.0) -> None:
-        """A hit reached its first forward ``seconds`` after its blocks were allocated, with
-        ``others`` requests running then; its lookup took ``lookup_s`` (asked to answered;
+        """A hit reached its first forward ``seconds`` after its blocks were allocated
+        (:meth:`wait_key` ``at`` then); its lookup took ``lookup_s`` (asked to answered;
         None: it made none, e.g. found in a host index)."""
-        lv = self._last_level = level_of(others)
+        self._last_key = at
+        if self._last_step_at is not None:
+            self._measured_at[at] = self._last_step_at
         for means, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
             if value is None:
                 continue
-            old = means[lv]
-            means[lv] = value if old is None else old + self.wait_weight * (value - old)
+            old = means.get(at)
+            means[at] = value if old is None else old + self.wait_weight * (value - old)
 
     # ------------------------------------------------------------- estimates
     def step_line(self) -> Optional[Tuple[float, float]]:
@@ -226,8 +257,13 @@ class LoadCost:
         return None if line is None else (line[0], line[1] + 2.0 * line[2])
 
     def expected_wait_s(self, others: int) -> Optional[float]:
-        """A hit's expected wait at this load, or None (none measured at its level)."""
-        return self._wait_s[level_of(others)]
+        """A hit's expected wait now with ``others`` running, or None (none measured at
+        its key)."""
+        return self.wait_s_at(self.wait_key(others))
+
+    def wait_s_at(self, key: WaitKey) -> Optional[float]:
+        """The expected wait kept at ``key``, or None (none measured there)."""
+        return self._wait_s.get(key)
 
     def recompute_s(self, tokens: int, others: int) -> Optional[float]:
         """What recomputing ``tokens`` tokens costs the requests it delays, or None."""
@@ -252,8 +288,9 @@ class LoadCost:
         return wait is None or recompute is None or wait <= recompute
 
     def decide(self, tokens: int, others: int) -> bool:
-        """:meth:`pays`, counting the declines of a level: every ``explore_every``-th hit
-        declined in a row at a level is loaded anyway, to measure its wait again."""
+        """:meth:`pays`, counting the declines of a key: every ``explore_every``-th hit
+        declined in a row at a key is loaded anyway, to measure its wait again, and so is
+        the first declined once the key's wait is older than ``remeasure_after_s``."""
         return self.judge(tokens, others, decline=True)[1]
 
     def judge(self, tokens: int, others: int, decline: bool) -> tuple[bool, bool]:
@@ -262,42 +299,50 @@ class LoadCost:
         pays = self.pays(tokens, others)
         if not decline:
             return pays, True
-        lv = level_of(others)
+        key = self.wait_key(others)
         if pays:
-            self._declined_in_a_row[lv] = 0
+            self._declined_in_a_row[key] = 0
             return True, True
-        return False, self._declined_unless_exploring(lv, restart_at=0)
+        return False, self._declined_unless_exploring(key, restart_at=0)
 
-    def _declined_unless_exploring(self, lv: int, restart_at: int) -> bool:
-        """Count one more decline in a row at level ``lv``; True (explore: go ahead) when
-        it is the ``explore_every``-th, the run then restarting at ``restart_at``."""
-        self._declined_in_a_row[lv] += 1
-        if self._declined_in_a_row[lv] < self.explore_every:
+    def _declined_unless_exploring(self, key: WaitKey, restart_at: int) -> bool:
+        """Count one more decline in a row at ``key``; True (explore: go ahead) when it is
+        the ``explore_every``-th or the key's wait is older than ``remeasure_after_s``, the
+        run then restarting at ``restart_at`` (and the key's age at 0: one hit explores,
+        not every hit until its wait is measured)."""
+        self._declined_in_a_row[key] += 1
+        now = self._last_step_at
+        measured = self._measured_at.get(key)
+        stale = (now is not None and measured is not None
+                 and now - measured > self.remeasure_after_s)
+        if self._declined_in_a_row[key] < self.explore_every and not stale:
             return False
-        self._declined_in_a_row[lv] = restart_at
+        self._declined_in_a_row[key] = restart_at
+        if now is not None:
+            self._measured_at[key] = now
         return True
 
     def worth_looking_up(self, tokens: int, others: int, lookup_pending: bool) -> bool:
         """Whether a request whose candidate blocks hold ``tokens`` tokens is worth its
         lookup: a hit's wait, plus the lookup's expected wait while it is not answered yet,
         no more than recomputing all of them.  Counted like :meth:`decide` (a skip is a
-        decline of the level: every ``explore_every``-th one is looked up anyway, and the
-        level's next hit loaded, so that its wait is measured again)."""
-        lv = level_of(others)
-        wait, recompute = self._wait_s[lv], self.recompute_s(tokens, others)
-        lookup = (self._lookup_s[lv] or 0.0) if lookup_pending else 0.0
+        decline at its key: every ``explore_every``-th one is looked up anyway, and the
+        key's next hit loaded, so that its wait is measured again)."""
+        key = self.wait_key(others)
+        wait, recompute = self._wait_s.get(key), self.recompute_s(tokens, others)
+        lookup = self._lookup_s.get(key, 0.0) if lookup_pending else 0.0
         if wait is None or recompute is None or wait + lookup <= recompute:
             return True
         # exploring: the run stays one short, so that decide() loads this request's hit
-        return self._declined_unless_exploring(lv, restart_at=self.explore_every - 1)
+        return self._declined_unless_exploring(key, restart_at=self.explore_every - 1)
 
     def figures(self) -> Dict[str, int]:
         """The estimates as whole numbers for the counters (0 until known; a counter keeps
         the last known one): prefill ns per token, fixed µs per step, a hit's expected wait
-        (µs) at the latest measured hit's load level."""
+        (µs) at the latest measured hit's key."""
         line = self.step_line()
-        lv = self._last_level
-        wait = self._wait_s[lv] if lv is not None else None
+        key = self._last_key
+        wait = self._wait_s.get(key) if key is not None else None
         return {"cost_prefill_ns_per_token": round(1e9 * line[1]) if line else 0,
                 "cost_step_fixed_us": round(1e6 * line[0]) if line else 0,
                 "cost_hit_wait_us": round(1e6 * wait) if wait is not None else 0}

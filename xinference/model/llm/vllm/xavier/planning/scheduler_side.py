@@ -49,7 +49,7 @@ import numpy as np
 from .block_directory import QueryResult
 from .directory_types import LOCATION_COLUMNS
 from .load_batch import COLUMNS, DEST, LoadBatch, LoadBatchError
-from .load_cost import LoadCost
+from .load_cost import LoadCost, WaitKey
 from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
@@ -86,7 +86,7 @@ class _Tracked:
     loaded: bool = False
     loaded_span: Tuple[int, int] = (0, 0)  # the blocks [first, end) its load wrote
     declined: bool = False  # its hit did not pay (:mod:`.load_cost`): vLLM computes it
-    others_at_alloc: int = 0  # requests running beside it when its blocks were allocated
+    wait_key: Optional[WaitKey] = None  # the cost model's key when its blocks were allocated
     lookup_s: Optional[float] = 0.0  # its lookup's time, asked to answered (None: none)
     #: clock readings: tracked, its hit answered, its load allocated (None: not yet)
     arrived_at: float = 0.0
@@ -305,7 +305,8 @@ class SchedulerSide:
             tracked.loaded = True
             tracked.loaded_span = (hit.first_block, hit.first_block + n)
             tracked.allocated_at = self._clock()
-            tracked.others_at_alloc = self._others(request_id)
+            if self.cost is not None:
+                tracked.wait_key = self.cost.wait_key(self._others(request_id))
         self._step_loads.append(load)
         self._stats.hit_blocks += n
         self._stats.hit_tokens += num_external_tokens
@@ -343,8 +344,8 @@ class SchedulerSide:
                 self._stats.hit_lookup_us += round(1e6 * ((tracked.answered_at or now)
                                                           - tracked.arrived_at))
                 self._stats.hit_load_wait_us += round(1e6 * (now - tracked.allocated_at))
-                if self.cost is not None:
-                    self.cost.hit_waited(now - tracked.allocated_at, tracked.others_at_alloc,
+                if self.cost is not None and tracked.wait_key is not None:
+                    self.cost.hit_waited(now - tracked.allocated_at, tracked.wait_key,
                                          tracked.lookup_s)
                 tracked.allocated_at = None
             if tracked is None or not tracked.sharing or not tracked.block_ids:
