@@ -65,6 +65,14 @@ ROOM_CHUNK_BLOCKS = 512
 ROOM_PERIOD_S = 0.5
 
 
+def _by_group(rows: Sequence[ExportRow]) -> Dict[int, List[Tuple[int, int]]]:
+    """``(key, engine block)`` of ``rows`` per group, in their order."""
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for group, key, block in rows:
+        out.setdefault(group, []).append((key, block))
+    return out
+
+
 @dataclass
 class ExportResult:
     """What one export did."""
@@ -186,24 +194,35 @@ class StorageWriter:
         placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
         entries: List[Entry] = []
         with elapsed_us(lambda us: self.sink.add("export_launch_us", us)):
+            by_group = _by_group(rows)
+            for group in by_group:  # (before anything is taken)
+                if group not in self._alloc[top]:
+                    raise ValueError(f"group: KV-cache group {group} is not stored")
             with self._lock:
-                for group, key, block in rows:
-                    if group not in self._alloc[top]:
-                        raise ValueError(f"group: KV-cache group {group} is not stored")
-                    if any(self._alloc[t][group].lookup(key) is not None for t in self._order):
-                        res.already_stored += 1
+                for group, group_rows in by_group.items():
+                    tiers = [self._alloc[t][group] for t in self._order]
+                    alloc = tiers[0]
+                    fresh: Dict[int, int] = {}  # key -> engine block, the first row's
+                    for key, block in group_rows:
+                        stored = key in fresh
+                        for a in tiers:
+                            if a.holds(key):
+                                a.lookup(key, touch=True)  # stored: only touched (LRU)
+                                stored = True
+                        if stored:
+                            res.already_stored += 1
+                        else:
+                            fresh[key] = int(block)
+                    slots = take_free_slots(alloc, len(fresh))
+                    res.skipped_no_slot += len(fresh) - len(slots)
+                    if not slots:
                         continue
-                    alloc = self._alloc[top][group]
-                    slot = alloc.take_free()
-                    if slot is None:
-                        res.skipped_no_slot += 1
-                        continue
-                    gen = alloc.assign(key, slot)
-                    blocks, slots = placed.setdefault(group, ([], []))
-                    blocks.append(int(block))
-                    slots.append(slot)
-                    entries.append((group, key, int(top), slot, gen))
-                    self._pending.add((group, key))
+                    keys = list(fresh)[:len(slots)]
+                    gens = alloc.assign_many(keys, slots)
+                    placed[group] = ([fresh[k] for k in keys], slots)
+                    entries.extend((group, k, int(top), slot, gen)
+                                   for k, slot, gen in zip(keys, slots, gens))
+                    self._pending.update((group, k) for k in keys)
             if entries:
                 pub = Publication(entries, [(g, k) for g, k, _, _, _ in entries])
                 res.event = self._copy_out(engine_views, top, placed, pub, after_forward)

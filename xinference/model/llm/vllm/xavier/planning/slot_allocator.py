@@ -15,7 +15,9 @@ generation after its copy sees any write that overlapped it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Container, Dict, List, Optional, Protocol, Set, Tuple
+from typing import Any, Container, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+import numpy as np
 
 
 class GenerationWords(Protocol):
@@ -56,6 +58,10 @@ class SlotAllocator:
             self._lru.move_to_end(key)
         return slot, int(self._gen[slot])
 
+    def holds(self, key: int) -> bool:
+        """Whether a slot holds ``key`` (no LRU touch)."""
+        return key in self._lru
+
     def take_free(self) -> Optional[int]:
         while self._free:
             slot = self._free.pop()
@@ -95,6 +101,32 @@ class SlotAllocator:
         self._key_of[slot] = key
         self._lru[key] = slot
         return int(self._gen[slot])
+
+    def assign_many(self, keys: Sequence[int], slots: Sequence[int]) -> List[int]:
+        """:meth:`assign` of ``keys[i]`` to ``slots[i]`` for every i in one pass (the
+        generations bumped together, before anything is written into the slots); returns
+        the new generations.  Every pair is checked first: a bad one changes nothing."""
+        if len(keys) != len(slots):
+            raise ValueError(f"slots: {len(slots)} slots for {len(keys)} keys")
+        if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
+            raise ValueError("keys, slots: each may appear once in one assign_many")
+        for key, slot in zip(keys, slots):
+            if slot in self._key_of:
+                raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; "
+                                 f"release it")
+            if key in self._lru:
+                raise ValueError(f"key: {key} is already stored in slot {self._lru[key]}")
+        self._free_set.difference_update(slots)
+        self._key_of.update(zip(slots, keys))
+        self._lru.update(zip(keys, slots))
+        gen = self._gen
+        if isinstance(gen, np.ndarray):
+            idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
+            gen[idx] += 1
+            return [int(g) for g in gen[idx]]
+        for slot in slots:
+            gen[slot] += 1
+        return [int(gen[slot]) for slot in slots]
 
     def key_of(self, slot: int) -> Optional[int]:
         return self._key_of.get(slot)
