@@ -2,9 +2,10 @@
 
 import random
 
+import numpy as np
 import pytest
 
-from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator
+from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator, take_free_slots
 
 
 def test_free_slots_in_order_and_a_directly_assigned_slot_is_never_handed_out():
@@ -80,3 +81,23 @@ def test_generations_can_live_in_words_the_caller_gives():
     assert alloc.assign(8, 1) == 2 and alloc.lookup(8) == (1, 2) and words[1] == 2
     with pytest.raises(ValueError, match="generations: 2 words for 3 slots"):
         SlotAllocator(3, np.zeros(2, np.int64))
+
+
+def test_assign_many_bumps_the_generations_of_a_shared_row_together_and_checks_first():
+    """The storage writer's bulk path: keys into slots in one pass, the generations (here a
+    numpy row, as the shared ``SlotGenerations`` file gives) bumped before the caller writes;
+    a bad pair (a slot still holding a key, a key stored, a repeat) changes nothing."""
+    gens = np.zeros(8, dtype=np.int64)
+    gens[3] = 41  # generations start where the file holds them
+    a = SlotAllocator(8, gens)
+    slots = take_free_slots(a, 3)
+    assert slots == [0, 1, 2]
+    assert a.assign_many([10, 11, 12], slots) == [1, 1, 1]
+    assert a.assign_many([13], [3]) == [42] and gens.tolist()[:4] == [1, 1, 1, 42]
+    assert a.lookup(11, touch=False) == (1, 1) and a.free == 4 and a.used == 4
+    for keys, bad_slots, name in (([20], [0], "slot"), ([10], [4], "key"),
+                                  ([20, 21], [4, 4], "keys, slots"), ([20], [4, 5], "slots")):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            a.assign_many(keys, bad_slots)
+    assert gens.tolist() == [1, 1, 1, 42, 0, 0, 0, 0] and a.used == 4 and a.free == 4
+    assert a.release(1) == 11 and a.assign_many([11], [1]) == [2]  # reuse bumps again

@@ -393,7 +393,7 @@ class StorageWriter:
         # the slots are assigned (their generations bumped) before the copy writes them:
         # a peer reading what they held before sees the bump when it checks after its copy
         with self._lock:
-            gens = [dst_alloc.assign(k, slot) for (k, _), slot in zip(todo, slots)]
+            gens = dst_alloc.assign_many([k for k, _ in todo], slots)
         try:
             with elapsed_us(lambda us: self.sink.add("room_copy_us", us)):
                 self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
