@@ -44,7 +44,12 @@ from ..planning.counters import Counters, CounterSink, elapsed_us
 from ..planning.directory_link import DirectoryLink, Entry, ExportRow
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
-from ..planning.slot_allocator import SlotAllocator, take_free_slots
+from ..planning.slot_allocator import (
+    SlotAllocator,
+    place_new,
+    rows_by_group,
+    take_free_slots,
+)
 from . import block_copy_triton
 from .block_copy import (
     block_view,
@@ -63,14 +68,6 @@ logger = package_logger(__name__)
 ROOM_CHUNK_BLOCKS = 512
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
-
-
-def _by_group(rows: Sequence[ExportRow]) -> Dict[int, List[Tuple[int, int]]]:
-    """``(key, engine block)`` of ``rows`` per group, in their order."""
-    out: Dict[int, List[Tuple[int, int]]] = {}
-    for group, key, block in rows:
-        out.setdefault(group, []).append((key, block))
-    return out
 
 
 @dataclass
@@ -194,35 +191,20 @@ class StorageWriter:
         placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
         entries: List[Entry] = []
         with elapsed_us(lambda us: self.sink.add("export_launch_us", us)):
-            by_group = _by_group(rows)
+            by_group = rows_by_group(rows)
             for group in by_group:  # (before anything is taken)
                 if group not in self._alloc[top]:
                     raise ValueError(f"group: KV-cache group {group} is not stored")
             with self._lock:
                 for group, group_rows in by_group.items():
-                    tiers = [self._alloc[t][group] for t in self._order]
-                    alloc = tiers[0]
-                    fresh: Dict[int, int] = {}  # key -> engine block, the first row's
-                    for key, block in group_rows:
-                        stored = key in fresh
-                        for a in tiers:
-                            if a.holds(key):
-                                a.lookup(key, touch=True)  # stored: only touched (LRU)
-                                stored = True
-                        if stored:
-                            res.already_stored += 1
-                        else:
-                            fresh[key] = int(block)
-                    slots = take_free_slots(alloc, len(fresh))
-                    res.skipped_no_slot += len(fresh) - len(slots)
-                    if not slots:
-                        continue
-                    keys = list(fresh)[:len(slots)]
-                    gens = alloc.assign_many(keys, slots)
-                    placed[group] = ([fresh[k] for k in keys], slots)
-                    entries.extend((group, k, int(top), slot, gen)
-                                   for k, slot, gen in zip(keys, slots, gens))
-                    self._pending.update((group, k) for k in keys)
+                    got = place_new([self._alloc[t][group] for t in self._order], group_rows)
+                    res.already_stored += got.already_stored
+                    res.skipped_no_slot += got.skipped_no_slot
+                    if got.slots:
+                        placed[group] = (got.blocks, got.slots)
+                        entries.extend((group, k, int(top), slot, gen) for k, slot, gen
+                                       in zip(got.keys, got.slots, got.generations))
+                        self._pending.update((group, k) for k in got.keys)
             if entries:
                 pub = Publication(entries, [(g, k) for g, k, _, _, _ in entries])
                 res.event = self._copy_out(engine_views, top, placed, pub, after_forward)

@@ -15,6 +15,7 @@ generation after its copy sees any write that overlapped it.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Container, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 import numpy as np
@@ -149,3 +150,50 @@ def take_free_slots(alloc: SlotAllocator, count: int) -> List[int]:
             break
         slots.append(free)
     return slots
+
+
+@dataclass
+class Placement:
+    """What one group of an export found: the engine blocks to copy and the top-tier slots
+    (and their new generations) they go to, in order; the rows already stored (any tier,
+    or earlier in the same export: only touched) and those no free slot was left for."""
+
+    keys: List[int] = field(default_factory=list)
+    blocks: List[int] = field(default_factory=list)
+    slots: List[int] = field(default_factory=list)
+    generations: List[int] = field(default_factory=list)
+    already_stored: int = 0
+    skipped_no_slot: int = 0
+
+
+def rows_by_group(rows: Sequence[Tuple[int, int, int]]) -> Dict[int, List[Tuple[int, int]]]:
+    """``(key, engine block)`` of ``(group, key, engine block)`` rows per group, in order."""
+    out: Dict[int, List[Tuple[int, int]]] = {}
+    for group, key, block in rows:
+        out.setdefault(group, []).append((key, block))
+    return out
+
+
+def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -> Placement:
+    """Place ``rows`` (key, engine block) of one group into free slots of ``tiers[0]`` (the
+    top tier): a key any tier holds is touched (LRU) and left; the others take free slots
+    together, their generations bumped in one pass (:meth:`SlotAllocator.assign_many`)."""
+    out = Placement()
+    fresh: Dict[int, int] = {}  # key -> engine block, the first row's
+    for key, block in rows:
+        stored = key in fresh
+        for alloc in tiers:
+            if alloc.holds(key):
+                alloc.lookup(key, touch=True)
+                stored = True
+        if stored:
+            out.already_stored += 1
+        else:
+            fresh[key] = int(block)
+    out.slots = take_free_slots(tiers[0], len(fresh))
+    out.skipped_no_slot = len(fresh) - len(out.slots)
+    if out.slots:
+        out.keys = list(fresh)[:len(out.slots)]
+        out.blocks = [fresh[k] for k in out.keys]
+        out.generations = tiers[0].assign_many(out.keys, out.slots)
+    return out
