@@ -28,8 +28,11 @@ gets :data:`CHILD_PTH`, a one-line bootstrap that loads this module by its
 absolute path and installs the finder with the fork's location.  Only that file
 in the child venv is written; upstream's files are not.
 
-Three more upstream modules are wrapped when imported: ``xinference.core.supervisor``
-(Xavier's launch options checked before any engine starts), ``xinference.core.metrics``
+Four more upstream modules are wrapped when imported: ``xinference.core.supervisor``
+(Xavier's launch options checked before any engine starts; the model's ``xavier_routing``
+kept there, with two methods the API's router calls: a model's live replicas and one
+replica's model actor), ``xinference.api.restful_api`` (chat and completion requests of a
+Xavier model routed by cache and load: ``replica_routing.py``), ``xinference.core.metrics``
 (a :class:`XavierMetricsSink` under the name :data:`METRICS_SINK`, so that replicas'
 counters reach the worker's metrics endpoint through upstream's own
 ``WorkerActor.record_metrics``) and ``xinference.deploy.cmdline`` (``xinference launch``
@@ -61,6 +64,7 @@ WORKER_MODULE = "xinference.core.worker"
 SUPERVISOR_MODULE = "xinference.core.supervisor"
 METRICS_MODULE = "xinference.core.metrics"
 CMDLINE_MODULE = "xinference.deploy.cmdline"
+API_MODULE = "xinference.api.restful_api"
 #: the name Xavier's transfer actors pass to ``WorkerActor.record_metrics``
 METRICS_SINK = "xavier_counters"
 
@@ -221,6 +225,8 @@ def _patch_supervisor(module: ModuleType) -> bool:
         bound = signature.bind(self, *args, **kwargs)
         extra = bound.arguments.get("kwargs", {})
         normalize_launch(extra, bound.arguments.get("replica", 1), bound.arguments.get("envs"))
+        # the router's option is the supervisor's own: never passed on to the model
+        routing = extra.pop("xavier_routing", None) if extra.get("enable_xavier") else None
         if extra.get("enable_xavier") is True:
             from xinference.model.llm.vllm.xavier.collective_manager import (
                 drop_leftover_actors,
@@ -229,10 +235,66 @@ def _patch_supervisor(module: ModuleType) -> bool:
             uid = bound.arguments.get("model_uid") or bound.arguments.get("model_name")
             if isinstance(uid, str) and uid:
                 await drop_leftover_actors(self, uid)
-        return await func(*bound.args, **bound.kwargs)
+        launched = await func(*bound.args, **bound.kwargs)
+        if isinstance(launched, str):
+            from xinference.model.llm.vllm.xavier.replica_routing import (
+                supervisor_record_routing,
+            )
+
+            supervisor_record_routing(self, launched, routing)
+        return launched
 
     launch._xavier_overlay = True  # type: ignore[attr-defined]
     cls.launch_builtin_model = launch  # type: ignore[union-attr]
+
+    async def xavier_route_info(self: Any, model_uid: str) -> Any:
+        """The live replicas of a model Xavier routes (None: Xinference's cycle)."""
+        from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
+
+        return supervisor_route_info(self, model_uid)
+
+    async def xavier_replica_model(self: Any, model_uid: str, replica_id: int) -> Any:
+        """The model actor of one replica (the one Xavier's router chose)."""
+        from xinference.model.llm.vllm.xavier.replica_routing import (
+            supervisor_replica_model,
+        )
+
+        return await supervisor_replica_model(self, module, model_uid, int(replica_id))
+
+    cls.xavier_route_info = xavier_route_info  # type: ignore[union-attr]
+    cls.xavier_replica_model = xavier_replica_model  # type: ignore[union-attr]
+    return True
+
+
+def _patch_api(module: ModuleType) -> bool:
+    """Route the chat and completion requests of models launched with Xavier
+    (``replica_routing.py``): ``RESTfulAPI.create_chat_completion`` and
+    ``create_completion`` wrapped, ``require_model`` of the module's namespace replaced by
+    one that returns the chosen replica.  Idempotent; a missing name (other Xinference) is
+    logged and requests keep Xinference's round robin."""
+    cls = getattr(module, "RESTfulAPI", None)
+    original_require = getattr(module, "require_model", None)
+    names = ("create_chat_completion", "create_completion")
+    if cls is None or original_require is None or any(
+            not inspect.iscoroutinefunction(cls.__dict__.get(n)) for n in names):
+        logger.warning("xavier overlay: %s has no RESTfulAPI.%s or require_model; requests "
+                       "are not routed by cache", API_MODULE, " / ".join(names))
+        return False
+    if getattr(original_require, "_xavier_overlay", False):
+        return True
+    from xinference.model.llm.vllm.xavier.replica_routing import API_ROUTING, wrap_handler
+
+    for name in names:
+        setattr(cls, name, wrap_handler(cls.__dict__[name]))
+
+    @functools.wraps(original_require)
+    async def require_model(get_supervisor_ref: Any, model_uid: str,
+                            report_error_event: Any = None) -> Any:
+        return await API_ROUTING.require_model(original_require, get_supervisor_ref,
+                                               model_uid, report_error_event)
+
+    require_model._xavier_overlay = True  # type: ignore[attr-defined]
+    module.require_model = require_model  # type: ignore[attr-defined]
     return True
 
 
@@ -335,7 +397,8 @@ def _patch_cmdline(module: ModuleType) -> bool:
 
 #: upstream modules wrapped when imported, and how
 _PATCHES = {WORKER_MODULE: _patch_worker, SUPERVISOR_MODULE: _patch_supervisor,
-            METRICS_MODULE: _patch_metrics, CMDLINE_MODULE: _patch_cmdline}
+            METRICS_MODULE: _patch_metrics, CMDLINE_MODULE: _patch_cmdline,
+            API_MODULE: _patch_api}
 
 
 class _HookLoader:

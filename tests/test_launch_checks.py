@@ -32,7 +32,8 @@ def test_the_cli_spelling_and_the_strict_switch():
     kwargs = {"enable-xavier": "true", "vllm-transfer-backend-type": "ipc", "other-key": 1}
     normalize_launch(kwargs, 2, {"XAVIER_CPU_BUDGET": "1GiB"})
     assert kwargs == {"enable_xavier": True, "vllm_transfer_backend_type": "ipc",
-                      "other-key": 1}  # only Xavier's own keys are renamed
+                      "other-key": 1,  # only Xavier's own keys are renamed
+                      "xavier_routing": "cache_aware"}  # (the default: the supervisor's)
     off = {"enable_xavier": "false"}
     normalize_launch(off, 1, {"XAVIER_CPU_BUGDET": "x"})  # off: nothing else is checked
     assert off == {"enable_xavier": False}
@@ -127,3 +128,19 @@ def test_error_text_starts_with_the_option_name():
                     " method failed: [address=a:1, pid=2] xavier_cpu_budget: x"):
         assert error_text(message) == "xavier_cpu_budget: x"
     assert error_text("plain") == "plain"
+
+
+def test_the_routing_option_in_either_spelling_and_its_refusals():
+    """``xavier_routing`` (#37): parsed for a Xavier launch (the supervisor keeps it), a bad
+    value named, and refused without Xavier (the model would get it as a vLLM argument)."""
+    kwargs = {"enable_xavier": True, "xavier-routing": "Round-Robin"}
+    normalize_launch(kwargs, 2, None)
+    assert kwargs == {"enable_xavier": True, "xavier_routing": "round_robin"}
+    with pytest.raises(ValueError, match="^xavier_routing: expected one of cache_aware, "
+                                         "round_robin, got 'nearest'"):
+        normalize_launch({"enable_xavier": True, "xavier_routing": "nearest"}, 2, None)
+    for off in ({"xavier_routing": "round_robin"},
+                {"enable_xavier": "false", "xavier_routing": "round_robin"}):
+        with pytest.raises(ValueError, match="^xavier_routing: routes the replicas of a "
+                                             "Xavier launch"):
+            normalize_launch(off, 2, None)

@@ -1,9 +1,11 @@
 """Real ``xinference-local`` (3.5.0) on loopback, Xavier switched on over REST exactly as a
 user does (``"enable_xavier": true`` beside ``"replica": 2``, options as launch ``envs``):
 the launch goes through upstream's supervisor, worker and model actor into this fork's hook
-classes and two real vLLM CPU engines; a shared prefix computed by one replica is loaded by
-the other; termination leaves no engine process and no model; a bad option fails the launch
-with a message naming it.
+classes and two real vLLM CPU engines; requests are routed by cache and load (a follow-up to
+the replica that computed its prefix, a burst spilled to the other, which loads the prefix
+from its peer), or round robin when launched so (a prefix computed by one replica is loaded
+by the other); termination leaves no engine process and no model; a bad option fails the
+launch with a message naming it.
 
 Two settings differ from a GPU launch, both plain launch parameters: ``tensor_parallel_size``
 (Xinference defaults it to the number of GPUs, 0 here) and ``enable_virtual_env: false``
@@ -19,9 +21,11 @@ on one GPU; ``0,1``: one each; Xinference gives replica ``i`` the ``i``-th), Tri
 import json
 import os
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent import futures as concurrent_futures
 
 import pytest
 
@@ -61,10 +65,29 @@ def two_requests_sharing_a_prefix(server, tag, offset):
     return usages
 
 
-def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_server):
+ROUTED = "xinference_xavier_routed_requests_total"
+
+
+def routed(server):
+    """``{(replica, reason): requests}`` from the API's ``/metrics`` (Xavier's router)."""
+    return {(labels["replica"], labels["reason"]): int(value)
+            for labels, value in scrape(server.base + "/metrics", ROUTED)
+            if labels["model"] == MODEL and value}
+
+
+def completion(server, prompt, max_tokens=8):
+    return server.call("POST", "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_rest_launch_routes_by_cache_shares_prefixes_and_cleans_up(tiny_model_dir,
+                                                                   xinference_server):
     """A REST launch with Xavier in an authenticated deployment (the server's pools and
-    engines hold ``XOSCAR_AUTH_KEY``): the prefix is shared, and a client without the key, or with
-    another, is refused by a replica's transfer actor that answers the same call with it."""
+    engines hold ``XOSCAR_AUTH_KEY``), routed by cache (``xavier_routing`` ``cache_aware``,
+    the default): a follow-up goes to the replica that computed its prefix (no load
+    needed); once that replica holds more than its share in flight the next request goes
+    to the other one, which loads the prefix; a client without the key, or with another,
+    is refused by a replica's transfer actor that answers the same call with it."""
     server = xinference_server
     envs = xavier_envs()
     assert server.launch(launch_body(tiny_model_dir, envs)) == {"model_uid": MODEL}
@@ -75,18 +98,48 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
     attached = server.log_lines("init_xavier: workers attached=True")
     assert len(attached) == 2
     addresses = rank_addresses(server)
-    usages = two_requests_sharing_a_prefix(server, "request", 7000)
+    text = open(os.__file__).read()
+    prefix = text[:2500]
+
+    # one after another: the follow-up lands where its prefix was computed
+    for i in range(2):
+        assert completion(server, prefix + f"\n# request {i}\n"
+                          + text[7000 + 100 * i:7100 + 100 * i])["usage"]["completion_tokens"] > 0
+    first = routed(server)
+    print("routed, one after another:", first)
+    ((warm, _),) = [k for k in first if k[1] == "load"]
+    assert first == {(warm, "load"): 1, (warm, "affinity"): 1}
+    c = {r: server.counters(addresses[r], r) for r in (1, 2)}
+    assert sum(c[r].get("requests_with_hits", 0) for r in (1, 2)) == 0  # a local hit
+
+    # four at once: three stay with the warm replica (in flight there: 0, 1, 2), the
+    # fourth finds it holding more than 1.5 x the other's + 2 and goes to the cold one,
+    # which loads the prefix from the warm one's vLLM cache
+    barrier = threading.Barrier(4)
+
+    def concurrent(i):
+        barrier.wait()
+        return completion(server, prefix + f"\n# burst {i}\n"
+                          + text[12000 + 1500 * i:13500 + 1500 * i], max_tokens=32)
+
+    with concurrent_futures.ThreadPoolExecutor(4) as pool:
+        usages = [r["usage"] for r in pool.map(concurrent, range(4))]
+    assert all(u["completion_tokens"] > 0 for u in usages)
+    after = routed(server)
+    cold = "1" if warm == "0" else "0"
+    print("routed, four at once:", after)
+    assert after == {(warm, "load"): 1, (warm, "affinity"): 4, (cold, "load"): 1}
     c = {r: server.counters(addresses[r], r) for r in (1, 2)}
     print("xavier counters per rank:", {r: {k: c[r].get(k, 0) for k in (
         "requests_with_hits", "hit_blocks", "hit_tokens", "batch_calls", "blocks_written",
         "export_exported", "rows_from_gpu_tier", "rows_from_cpu_tier",
         "rows_from_vllm_cache", "in_place_registered", "load_failures")}
         for r in (1, 2)}, "usages:", usages)
-    # Xinference sent the two requests to different replicas: the second one loaded
-    # the shared prefix the first one computed
-    assert sum(c[r].get("requests_with_hits", 0) for r in (1, 2)) == 1
-    assert sum(c[r].get("hit_blocks", 0) for r in (1, 2)) >= 2500 // 4 // 16
-    assert sum(c[r].get("batch_calls", 0) for r in (1, 2)) == 1
+    cold_rank = int(cold) + 1
+    assert c[cold_rank].get("requests_with_hits", 0) == 1
+    assert c[cold_rank].get("hit_blocks", 0) >= 2500 // 4 // 16
+    assert c[cold_rank].get("batch_calls", 0) == 1
+    assert c[3 - cold_rank].get("requests_with_hits", 0) == 0
     assert sum(c[r].get("load_failures", 0) for r in (1, 2)) == 0
     # read in place from the other replica's vLLM cache (the default)
     assert sum(c[r].get("rows_from_vllm_cache", 0) for r in (1, 2)) == sum(
@@ -130,6 +183,8 @@ def test_rest_launch_shares_prefixes_and_cleans_up(tiny_model_dir, xinference_se
             "replica": 1},
         "XAVIER_CPU_BUGDET: unknown Xavier setting; did you mean XAVIER_CPU_BUDGET?": {
             "envs": {"XAVIER_CPU_BUGDET": "64MiB"}},
+        "xavier_routing: expected one of cache_aware, round_robin, got 'nearest'": {
+            "xavier_routing": "nearest"},
     }
     for message, change in fast.items():
         body = launch_body(tiny_model_dir, envs)
@@ -178,6 +233,7 @@ def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_d
         envs["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     body = launch_body(tiny_model_dir, envs)
     body["tensor_parallel_size"] = 2
+    body["xavier_routing"] = "round_robin"  # Xinference's cycle: the two go to both
     if DEVICE == "cuda":  # each replica on both GPUs
         body["gpu_idx"] = [0, 1]
     assert server.launch(body) == {"model_uid": MODEL}

@@ -7,8 +7,10 @@ which fails only after the engines started.  The overlay wraps the supervisor's
 Xavier's own keys in either spelling, ``enable_xavier`` as a strict switch, and, when it is
 on, the replica count, vLLM's pipeline parallel size (1 only: tensor parallelism is shared
 shard by shard, pipeline stages are not), vLLM's prefix hash (a cryptographic one: block
-names cross replicas) and the ``XAVIER_*`` launch envs, each failing at
-once with a message that starts with the option's name.  Nothing else of the launch is touched.
+names cross replicas), ``xavier_routing`` (how the API picks a replica: ``cache_aware`` by
+default, ``round_robin``; the overlay keeps it in the supervisor, the model never sees it)
+and the ``XAVIER_*`` launch envs, each failing at once with a message that starts with the
+option's name.  Nothing else of the launch is touched.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from .options import (
     parse_switch,
     parse_switch_interval,
 )
+from .routing import parse_routing
 
 #: Xavier's own launch keys: the dashed spelling (the CLI's ``--enable-xavier``) is accepted
 XAVIER_KEYS = ("enable_xavier", "vllm_transfer_backend_type", "transfer_backend_type",
-               "xavier_transfer_block_num")
+               "xavier_transfer_block_num", "xavier_routing")
 
 
 #: vLLM's prefix-caching hashes Xavier accepts: block names are shared between replicas
@@ -68,11 +71,14 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             if key in kwargs:
                 raise ValueError(f"{key}: given twice (as {key} and {dashed})")
             kwargs[key] = kwargs.pop(dashed)
-    if "enable_xavier" not in kwargs:
-        return
-    on = parse_switch("enable_xavier", kwargs["enable_xavier"])
-    kwargs["enable_xavier"] = on
+    on = "enable_xavier" in kwargs and parse_switch("enable_xavier", kwargs["enable_xavier"])
+    if "enable_xavier" in kwargs:
+        kwargs["enable_xavier"] = on
     if not on:
+        if "xavier_routing" in kwargs:
+            raise ValueError(f"xavier_routing: routes the replicas of a Xavier launch; "
+                             f"launch with enable_xavier true or without xavier_routing, "
+                             f"got xavier_routing={kwargs['xavier_routing']!r}")
         return
     try:
         replicas = int(replica)
@@ -91,6 +97,7 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
             raise ValueError(f"{key}: Xavier does not share the KV of pipeline-parallel "
                              f"replicas (tensor parallelism is supported), got {key}="
                              f"{value!r}; launch with {key}=1 or without enable_xavier")
+    kwargs["xavier_routing"] = parse_routing(kwargs.get("xavier_routing", "cache_aware"))
     problem = prefix_hash_problem(kwargs.get("prefix_caching_hash_algo",
                                              kwargs.get("prefix-caching-hash-algo")))
     if problem is not None:

@@ -1,0 +1,152 @@
+"""The router wired into Xinference's API (replica_routing.py), around stand-ins of the
+supervisor and of Starlette's request for the faults the real-part test
+(``test_xinference_local.py``, routed by cache on a real ``xinference-local``) cannot cause:
+a chosen replica that is gone (the request goes round robin, counted, never failed), a body
+that is no JSON, a stream that ends late, a supervisor that stops answering."""
+
+import asyncio
+
+import pytest
+
+from xinference.model.llm.vllm.xavier import replica_routing
+from xinference.model.llm.vllm.xavier.replica_routing import ApiRouting, wrap_handler
+
+PROMPT = "You are a careful assistant. " * 100
+
+
+class Request:
+    def __init__(self, body):
+        self._body = body
+
+    async def json(self):
+        if isinstance(self._body, Exception):
+            raise self._body
+        return self._body
+
+
+class Supervisor:
+    def __init__(self, replicas=(0, 1)):
+        self.replicas = list(replicas)
+        self.gone = set()
+        self.info_calls = 0
+
+    async def xavier_route_info(self, uid):
+        self.info_calls += 1
+        if isinstance(self.replicas, Exception):
+            raise self.replicas
+        return self.replicas if uid == "m" else None
+
+    async def xavier_replica_model(self, uid, replica):
+        if replica in self.gone:
+            raise LookupError(f"replica: {replica} of {uid} is not live")
+        return f"replica-{replica}"
+
+
+class Api:
+    def __init__(self, supervisor):
+        self.supervisor = supervisor
+
+    async def _get_supervisor_ref(self):
+        return self.supervisor
+
+
+async def upstream_require_model(get_ref, uid, report=None):
+    return "round-robin"
+
+
+def serve(routing, api, body):
+    """One request through a wrapped handler that, as upstream's does, calls
+    ``require_model`` in its body; returns (the model it got, the response)."""
+    got = {}
+
+    async def handler(self, request):
+        got["model"] = await routing.require_model(upstream_require_model,
+                                                   self._get_supervisor_ref, body.get("model"))
+        return "response"
+
+    async def run():
+        replica_routing.API_ROUTING, saved = routing, replica_routing.API_ROUTING
+        try:
+            return await wrap_handler(handler)(api, Request(body))
+        finally:
+            replica_routing.API_ROUTING = saved
+
+    return got.get("model") if asyncio.run(run()) else None, got
+
+
+def test_a_follow_up_gets_the_replica_its_prefix_went_to_and_ends_in_flight():
+    routing, api = ApiRouting(), Api(Supervisor())
+    body = {"model": "m", "prompt": PROMPT + "one"}
+    first, _ = serve(routing, api, body)
+    second, _ = serve(routing, api, dict(body, prompt=PROMPT + "two"))
+    assert first == second and first.startswith("replica-")
+    replica = int(first.split("-")[1])
+    assert routing.routers["m"].counts[replica] == {"affinity": 1, "load": 1, "fallback": 0}
+    assert routing.routers["m"].in_flight() == {0: 0, 1: 0}  # each ended with its response
+
+
+def test_a_gone_replica_falls_back_to_round_robin_counted_and_leaves_the_candidates():
+    supervisor = Supervisor()
+    routing, api = ApiRouting(), Api(supervisor)
+    first, _ = serve(routing, api, {"model": "m", "prompt": PROMPT + "one"})
+    supervisor.gone.add(int(first.split("-")[1]))
+    again, _ = serve(routing, api, {"model": "m", "prompt": PROMPT + "two"})
+    assert again == "round-robin"
+    router = routing.routers["m"]
+    gone = int(first.split("-")[1])
+    assert router.counts[gone]["fallback"] == 1
+    assert gone not in router.in_flight()  # forgotten at once
+
+
+@pytest.mark.parametrize("body", [ValueError("no JSON"), ["a", "list"], {"prompt": "no model"},
+                                  {"model": "other", "prompt": PROMPT}])
+def test_what_is_not_a_routed_request_goes_upstreams_way(body):
+    routing, api = ApiRouting(), Api(Supervisor())
+    got = asyncio.run(routing.begin(api, Request(body)))
+    assert got is None
+
+
+def test_a_supervisor_that_does_not_answer_is_no_route_and_no_failure():
+    supervisor = Supervisor()
+    supervisor.replicas = RuntimeError("supervisor gone")
+    routing, api = ApiRouting(), Api(supervisor)
+    model, _ = serve(routing, api, {"model": "m", "prompt": PROMPT})
+    assert model == "round-robin" and "m" not in routing.routers
+
+
+def test_live_replicas_are_asked_once_a_second_in_the_background():
+    now = [0.0]
+    supervisor = Supervisor()
+    routing, api = ApiRouting(clock=lambda: now[0]), Api(supervisor)
+
+    async def three():
+        for t in (0.0, 0.5, 1.6):
+            now[0] = t
+            await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(three())
+    assert supervisor.info_calls == 2  # the first (waited for), then one refresh
+
+
+def test_a_streamed_response_ends_when_its_stream_does():
+    routing, api = ApiRouting(), Api(Supervisor())
+
+    class Streamed:
+        def __init__(self):
+            async def chunks():
+                for c in ("a", "b"):
+                    yield c
+            self.body_iterator = chunks()
+
+    async def run():
+        routed = await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
+        response = routing.attach_end(Streamed(), routed)
+        assert sum(routing.routers["m"].in_flight().values()) == 1
+        assert [c async for c in response.body_iterator] == ["a", "b"]
+        assert sum(routing.routers["m"].in_flight().values()) == 0
+        routing.end(routed)  # once only
+        assert sum(routing.routers["m"].in_flight().values()) == 0
+
+    asyncio.run(run())

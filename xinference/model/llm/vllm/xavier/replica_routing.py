@@ -1,0 +1,245 @@
+"""Cache-aware replica routing wired into Xinference 3.5.0 (#37): the REST layer asks
+:class:`~.planning.routing.ReplicaRouter` where a request goes, the supervisor hands out
+that replica.  Installed by the import overlay (``_xinference_xavier_overlay.py``), never
+by editing upstream's files.
+
+Path of one ``POST /v1/chat/completions`` or ``/v1/completions`` (the OpenAI client, the
+web UI and Xinference's own client all come this way):
+
+1. :meth:`ApiRouting.begin`, in a wrapper of the handler: reads the body (Starlette keeps
+   it for the handler), asks the model's router (:func:`routed_models`: which models were
+   launched with Xavier and ``xavier_routing`` ``cache_aware``, and their live replicas;
+   one supervisor call a second per model, refreshed in the background) and keeps the
+   choice in a context variable;
+2. upstream's handler calls ``require_model``, which the overlay replaced in
+   ``restful_api``'s namespace by :meth:`ApiRouting.require_model`: the chosen replica's
+   model actor (:func:`supervisor_replica_model`), or upstream's round-robin one when
+   routing failed (counted ``fallback``; the request never fails for it);
+3. :meth:`ApiRouting.attach_end`: the request's end (a streamed one's when its stream ends)
+   takes it out of the router's in-flight count.
+
+Counters: ``xinference_xavier_routed_requests_total{model, replica, reason}`` on the API's
+``/metrics`` (reason ``affinity``, ``load`` or ``fallback``; replica ``-1`` when a fallback
+had no replica yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+
+from .planning.routing import ReplicaRouter, chunk_chain, prompt_text
+
+logger = logging.getLogger(__name__)
+
+#: how long the live replicas of a model are taken from the last answer (s)
+INFO_TTL_S = 1.0
+#: the counter on the API's ``/metrics``
+ROUTED_METRIC = "xinference_xavier_routed_requests_total"
+
+
+@dataclass
+class Routed:
+    """One request's routing, from the handler's start to its end."""
+
+    model_uid: str
+    replica: Optional[int]
+    uncached_chars: int = 0
+    ended: bool = False
+
+
+_ROUTED: contextvars.ContextVar[Optional[Routed]] = contextvars.ContextVar(
+    "xavier_routed", default=None)
+
+
+# ---------------------------------------------------------------------- supervisor side
+def supervisor_record_routing(supervisor: Any, model_uid: str, policy: Optional[str]) -> None:
+    """Remember how ``model_uid`` routes (None: not a Xavier launch: Xinference's cycle)."""
+    table: Dict[str, str] = supervisor.__dict__.setdefault("_xavier_routing", {})
+    if policy is None:
+        table.pop(model_uid, None)
+    else:
+        table[model_uid] = policy
+
+
+def supervisor_route_info(supervisor: Any, model_uid: str) -> Optional[List[int]]:
+    """The live replica ids of ``model_uid`` when it routes ``cache_aware``, else None."""
+    if supervisor.__dict__.get("_xavier_routing", {}).get(model_uid) != "cache_aware":
+        return None
+    info = supervisor._model_uid_to_replica_info.get(model_uid)
+    if info is None or not info.active_replica_ids:
+        return None
+    return [int(r) for r in info.active_replica_ids]
+
+
+async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,
+                                   replica_id: int) -> Any:
+    """The model actor of replica ``replica_id`` of ``model_uid`` (what upstream's
+    ``get_model`` returns for the replica its cycle picks); ``LookupError`` when that
+    replica is not live."""
+    info = supervisor._model_uid_to_replica_info.get(model_uid)
+    if info is None or replica_id not in info.active_replica_ids:
+        raise LookupError(f"replica: {replica_id} of {model_uid} is not live")
+    replica_uid = module.build_replica_model_uid(model_uid, replica_id)
+    worker_ref = supervisor._replica_model_uid_to_worker.get(replica_uid)
+    if worker_ref is None:
+        raise LookupError(f"replica: {replica_uid} has no worker yet")
+    if isinstance(worker_ref, (list, tuple)):
+        worker_ref = worker_ref[0]
+    return await module.xo.wait_for(
+        module.actor_call(worker_ref, "get_model", model_uid=replica_uid),
+        module.XINFERENCE_GET_MODEL_RPC_TIMEOUT)
+
+
+# ---------------------------------------------------------------------- API side
+class ApiRouting:
+    """The API process's routers, one per model (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.routers: Dict[str, ReplicaRouter] = {}
+        self._info: Dict[str, Tuple[float, Optional[List[int]]]] = {}
+        self._refreshing: Dict[str, asyncio.Task] = {}
+        self._clock = clock
+        self._counter: Any = None
+
+    # -------------------------------------------------------------- the handler
+    async def begin(self, api: Any, request: Any) -> Optional[Routed]:
+        """Route the request if its model routes ``cache_aware``; never raises (None:
+        upstream's path unchanged)."""
+        model_uid = None
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                return None
+            model_uid = body.get("model")
+            if not isinstance(model_uid, str):
+                return None
+            replicas = await self._replicas(api, model_uid)
+            if not replicas:
+                return None
+            text = prompt_text(body) or ""
+            router = self.routers.setdefault(model_uid, ReplicaRouter())
+            router.forget(replicas)
+            decision = router.route(chunk_chain(text), len(text), replicas)
+            self._count(model_uid, decision.replica, decision.reason)
+            return Routed(model_uid, decision.replica, len(text) - decision.matched_chars)
+        except Exception as exc:  # routing never fails a request
+            if model_uid is not None:
+                logger.warning("xavier routing of %s failed, round robin: %r", model_uid, exc)
+                known = self.routers.get(model_uid)
+                if known is not None:
+                    known.fallback(None)
+                self._count(model_uid, -1, "fallback")
+            return None
+
+    async def require_model(self, original: Callable[..., Awaitable[Any]],
+                            get_supervisor_ref: Callable[[], Awaitable[Any]], model_uid: str,
+                            report_error_event: Optional[Callable] = None) -> Any:
+        """Upstream's ``require_model`` for the replica this request was routed to."""
+        routed = _ROUTED.get()
+        if routed is None or routed.model_uid != model_uid or routed.replica is None:
+            return await original(get_supervisor_ref, model_uid, report_error_event)
+        try:
+            supervisor = await get_supervisor_ref()
+            return await supervisor.xavier_replica_model(model_uid, routed.replica)
+        except Exception as exc:
+            logger.warning("xavier routing: replica %s of %s unavailable, round robin: %r",
+                           routed.replica, model_uid, exc)
+            self._info.pop(model_uid, None)  # its live replicas asked again next time
+            self.end(routed)
+            router = self.routers.get(model_uid)
+            if router is not None:
+                router.forget([r for r in router.in_flight() if r != routed.replica])
+                router.fallback(routed.replica)
+            self._count(model_uid, routed.replica, "fallback")
+            routed.replica = None
+            return await original(get_supervisor_ref, model_uid, report_error_event)
+
+    def end(self, routed: Optional[Routed]) -> None:
+        """The request ended: out of its replica's in-flight count (once)."""
+        if routed is None or routed.ended or routed.replica is None:
+            return
+        routed.ended = True
+        router = self.routers.get(routed.model_uid)
+        if router is not None:
+            router.finished(routed.replica, routed.uncached_chars)
+
+    def attach_end(self, response: Any, routed: Optional[Routed]) -> Any:
+        """End ``routed`` when ``response`` is done: now, or when its stream ends."""
+        body = getattr(response, "body_iterator", None)
+        if routed is None or body is None:
+            self.end(routed)
+            return response
+
+        async def streamed() -> Any:
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                self.end(routed)
+
+        response.body_iterator = streamed()
+        return response
+
+    # -------------------------------------------------------------- internals
+    async def _replicas(self, api: Any, model_uid: str) -> Optional[List[int]]:
+        """The live replicas of a ``cache_aware`` model: the last answer (asked again in
+        the background once older than :data:`INFO_TTL_S`; the first time, waited for)."""
+        now = self._clock()
+        cached = self._info.get(model_uid)
+        if cached is None:
+            return await self._ask(api, model_uid)
+        if now - cached[0] > INFO_TTL_S and model_uid not in self._refreshing:
+            task = asyncio.ensure_future(self._ask(api, model_uid))
+            self._refreshing[model_uid] = task
+            task.add_done_callback(lambda _t: self._refreshing.pop(model_uid, None))
+        return cached[1]
+
+    async def _ask(self, api: Any, model_uid: str) -> Optional[List[int]]:
+        try:
+            supervisor = await api._get_supervisor_ref()
+            replicas = await supervisor.xavier_route_info(model_uid)
+        except Exception as exc:
+            logger.debug("xavier routing: no route info for %s: %r", model_uid, exc)
+            replicas = None
+        self._info[model_uid] = (self._clock(), replicas)
+        return replicas
+
+    def _count(self, model_uid: str, replica: int, reason: str) -> None:
+        try:
+            if self._counter is None:
+                from aioprometheus import Counter
+
+                self._counter = Counter(ROUTED_METRIC, "requests routed to a replica by "
+                                                       "Xavier's router, by reason")
+            self._counter.inc({"model": model_uid, "replica": str(replica), "reason": reason})
+        except Exception as exc:  # a metrics problem never fails a request
+            logger.debug("xavier routing: counter: %r", exc)
+
+
+#: the API process's routing (one per process)
+API_ROUTING = ApiRouting()
+
+
+def wrap_handler(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``RESTfulAPI.create_chat_completion`` / ``create_completion`` routed."""
+
+    @functools.wraps(handler)  # (FastAPI reads the handler's signature through __wrapped__)
+    async def routed_handler(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        routed = await API_ROUTING.begin(self, request)
+        token = _ROUTED.set(routed)
+        try:
+            response = await handler(self, request, *args, **kwargs)
+        except BaseException:
+            API_ROUTING.end(routed)
+            raise
+        finally:
+            _ROUTED.reset(token)
+        return API_ROUTING.attach_end(response, routed)
+
+    return routed_handler
