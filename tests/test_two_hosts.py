@@ -194,6 +194,10 @@ class Cluster:
             # these tests are about the channel: every hit is loaded (with the default cost
             # policy, one fetch that ran into its timeout keeps the next hits recomputed)
             body["envs"]["XAVIER_LOAD_POLICY"] = "always"
+            # and about what crosses the hosts: Xinference's cycle sends each request of a
+            # pair to the other host (routed by cache, a follow-up would stay where its
+            # prefix is, #37)
+            body["xavier_routing"] = "round_robin"
         if transport:
             body["vllm_transfer_backend_type"] = transport
         t0 = time.monotonic()

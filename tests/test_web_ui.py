@@ -31,8 +31,10 @@ PASSWORD = "xavier-test-pw"
 #: what the dialog's "Environment Variables" get (as in test_xinference_local's CPU launch)
 ENVS = [("XAVIER_CPU_BUDGET", "64MiB"), ("XAVIER_GPU_BUDGET", "0"),
         ("VLLM_CPU_KVCACHE_SPACE", "1")]
-#: what "Additional Parameters: vLLM" get: Xavier's switch, and the CPU engine's settings
-PARAMS = [("enable_xavier", "true"), ("tensor_parallel_size", "1"),
+#: what "Additional Parameters: vLLM" get: Xavier's switch and its routing (Xinference's
+#: cycle, so that the two requests below go to both replicas), the CPU engine's settings
+PARAMS = [("enable_xavier", "true"), ("xavier_routing", "round_robin"),
+          ("tensor_parallel_size", "1"),
           ("pipeline_parallel_size", "1"), ("max_model_len", "2048"),
           ("enforce_eager", "true"), ("block_size", "16"), ("dtype", "bfloat16"),
           ("max_num_seqs", "16")]
@@ -154,8 +156,9 @@ def test_launch_from_the_web_ui_shares_a_prefix_and_shows_errors(browser, tiny_m
     dialog.get_by_role("button", name="Deploy").click()
     wait_ready(server, 900)
 
-    # two requests sharing a prefix: Xinference sends them to different replicas, the
-    # second loads the first one's blocks; the hit shows in the worker's metrics
+    # two requests sharing a prefix: Xinference's cycle (xavier_routing round_robin, set in
+    # the dialog) sends them to different replicas, the second loads the first one's
+    # blocks; the hit shows in the worker's metrics
     text = open(os.__file__).read()
     prefix = text[:2500]
     for i in range(2):

@@ -121,6 +121,7 @@ class ApiRouting:
                 return None
             replicas = await self._replicas(api, model_uid)
             if not replicas:
+                self.routers.pop(model_uid, None)  # not (or no more) routed: forgotten
                 return None
             text = prompt_text(body) or ""
             router = self.routers.setdefault(model_uid, ReplicaRouter())

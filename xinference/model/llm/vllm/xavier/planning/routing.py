@@ -9,7 +9,9 @@ the REST layer asks :class:`ReplicaRouter` instead (``replica_routing.py`` wires
 or a chat's messages in order, each as role and content) is cut into chunks of
 :data:`CHUNK_CHARS` characters and named by a hash chain (chunk ``i``'s name covers chunks
 ``0..i``); each replica keeps the names of the prompts sent to it, least recently used
-forgotten past ``capacity`` names.  A replica that was sent a prompt holds its prefix
+forgotten past ``capacity`` names (16,384 by default: 4 M characters of prompts, about
+3 MB of the API process's memory per replica; which replicas were sent a name is one int,
+a bit per replica).  A replica that was sent a prompt holds its prefix
 (computed, or loaded from its peer) until its vLLM cache evicts it; the router does not
 see evictions, and need not: with Xavier a prefix the chosen replica has lost is loaded
 from a peer that still holds it, or recomputed -- a slower hit, never a wrong one.  Why not
@@ -39,7 +41,7 @@ import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, OrderedDict, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, OrderedDict, Sequence, Tuple
 
 #: ``xavier_routing``: ``cache_aware`` (the default with Xavier) or ``round_robin``
 #: (Xinference's own cycle)
@@ -117,7 +119,7 @@ class ReplicaRouter:
     """The routing state of one model (see the module docstring).  Not thread-safe: the
     API's event loop only."""
 
-    def __init__(self, capacity: int = 1 << 16, min_match_ratio: float = 0.3,
+    def __init__(self, capacity: int = 1 << 14, min_match_ratio: float = 0.3,
                  imbalance_ratio: float = 1.5, imbalance_requests: int = 2,
                  chunk_chars: int = CHUNK_CHARS) -> None:
         if capacity < 1:
@@ -131,7 +133,7 @@ class ReplicaRouter:
         self.imbalance_ratio, self.imbalance_requests = imbalance_ratio, imbalance_requests
         self.chunk_chars = chunk_chars
         self._replicas: Dict[int, _Replica] = {}
-        self._holders: Dict[int, Set[int]] = {}  # chunk name -> replicas sent it
+        self._holders: Dict[int, int] = {}  # chunk name -> replicas sent it (bit r: r)
         self._turn = itertools.count()
         self.counts: Dict[int, Dict[str, int]] = collections.defaultdict(
             lambda: dict.fromkeys(REASONS, 0))
@@ -145,6 +147,8 @@ class ReplicaRouter:
         if not replicas:
             raise ValueError("replicas: no live replica to route to")
         live = list(dict.fromkeys(int(r) for r in replicas))
+        if min(live) < 0:
+            raise ValueError(f"replicas: replica ids are >= 0, got {live}")
         for r in live:
             self._replicas.setdefault(r, _Replica())
         held, matched = self._longest_holders(chain, live)
@@ -196,15 +200,16 @@ class ReplicaRouter:
     # ------------------------------------------------------------------ internals
     def _longest_holders(self, chain: Sequence[int], live: List[int]) -> Tuple[List[int], int]:
         """The live replicas sent the longest prefix of ``chain`` and its length (chunks)."""
-        alive: Set[int] = set(live)
-        held: Set[int] = set()
-        matched = 0
+        alive = 0
+        for r in live:
+            alive |= 1 << r
+        held, matched = 0, 0
         for i, name in enumerate(chain):
-            alive = alive & self._holders.get(name, set())
+            alive &= self._holders.get(name, 0)
             if not alive:
                 break
             held, matched = alive, i + 1
-        return sorted(held), matched
+        return [r for r in live if held >> r & 1], matched
 
     def _matched(self, replica: int, chain: Sequence[int]) -> int:
         """How many chunks of ``chain`` from its start ``replica`` was sent."""
@@ -225,14 +230,14 @@ class ReplicaRouter:
                 s.names.move_to_end(name)
             else:
                 s.names[name] = None
-                self._holders.setdefault(name, set()).add(replica)
+                self._holders[name] = self._holders.get(name, 0) | 1 << replica
         while len(s.names) > self.capacity:
             old, _ = s.names.popitem(last=False)
             self._drop_holder(old, replica)
 
     def _drop_holder(self, name: int, replica: int) -> None:
-        holders = self._holders.get(name)
-        if holders is not None:
-            holders.discard(replica)
-            if not holders:
-                del self._holders[name]
+        holders = self._holders.get(name, 0) & ~(1 << replica)
+        if holders:
+            self._holders[name] = holders
+        else:
+            self._holders.pop(name, None)
