@@ -150,3 +150,19 @@ def test_a_streamed_response_ends_when_its_stream_does():
         assert sum(routing.routers["m"].in_flight().values()) == 0
 
     asyncio.run(run())
+
+
+def test_a_model_not_routed_is_asked_again_on_the_request_path_once_its_answer_is_old():
+    """A uid relaunched with routing on (the rows of ``rest_bench.py``: the same uid, round
+    robin then cache aware) is routed from the first request after the TTL, not one later."""
+    now = [0.0]
+    supervisor = Supervisor()
+    routing, api = ApiRouting(clock=lambda: now[0]), Api(supervisor)
+    supervisor.replicas = None  # launched round robin
+    assert asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT}))) is None
+    supervisor.replicas = [0, 1]  # relaunched cache aware
+    now[0] = 0.5
+    assert asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT}))) is None
+    now[0] = 1.6
+    routed = asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT})))
+    assert routed is not None and routed.replica in (0, 1)

@@ -189,11 +189,14 @@ class ApiRouting:
 
     # -------------------------------------------------------------- internals
     async def _replicas(self, api: Any, model_uid: str) -> Optional[List[int]]:
-        """The live replicas of a ``cache_aware`` model: the last answer (asked again in
-        the background once older than :data:`INFO_TTL_S`; the first time, waited for)."""
+        """The live replicas of a ``cache_aware`` model: the last answer, asked again in
+        the background once older than :data:`INFO_TTL_S` -- waited for the first time and
+        while the answer was "not routed" (a model relaunched under the same uid with
+        routing on is routed from its first request after that; the cost: one call a
+        second per model that is not routed)."""
         now = self._clock()
         cached = self._info.get(model_uid)
-        if cached is None:
+        if cached is None or (cached[1] is None and now - cached[0] > INFO_TTL_S):
             return await self._ask(api, model_uid)
         if now - cached[0] > INFO_TTL_S and model_uid not in self._refreshing:
             task = asyncio.ensure_future(self._ask(api, model_uid))
