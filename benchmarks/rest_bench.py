@@ -15,7 +15,8 @@ Rows, each a launch of the same model with two replicas, one after another on on
 
 Workloads (closed loop, ``--concurrency`` users, requests streamed):
 
-* ``shared``: ``--groups`` prefixes of ``--prefix-chars`` characters, each asked
+* ``shared``: ``--groups`` prefixes (at least half the concurrency, made odd) of
+  ``--prefix-chars`` characters, each asked
   ``--per-group`` times with a different question, in rounds (every group's first, then
   every group's second, ...);
 * ``skew``: the same number of requests, ``--skew`` of them (90 %) on one prefix, the rest
@@ -226,7 +227,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for work in a.workloads.split(","):
                 for c in [int(x) for x in a.concurrency.split(",")]:
                     tag = f"{row} {work} c{c}"
-                    prompts = workload(work, text, tag, max(a.groups, c // 2), a.per_group,
+                    # an odd number of groups: Xinference's cycle then alternates the
+                    # replicas between a group's requests (with an even number every request
+                    # of a group lands on the same replica: round robin would look sticky)
+                    prompts = workload(work, text, tag, max(a.groups, c // 2) | 1, a.per_group,
                                        a.prefix_chars, a.skew)
                     before_r, before_h = routed(server), xavier_hits(server)
                     res = asyncio.run(run(server, prompts, c, a.max_tokens))
