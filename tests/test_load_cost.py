@@ -11,6 +11,13 @@ from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost, busy_l
 FIXED, PER_TOKEN = 0.004, 8e-6  # a step's fixed time, a prefill token's (the H200's 0.5B)
 
 
+def waited(cost: LoadCost, seconds: float, others: int = 0, lookup_s: float = 0.0) -> None:
+    """Two hits of the same wait at the key of ``others`` now (a key's wait is known from
+    its second sample on)."""
+    for _ in range(2):
+        cost.hit_waited(seconds, cost.wait_key(others), lookup_s=lookup_s)
+
+
 def served(cost: LoadCost, steps: int = 200, seed: int = 0, start: float = 0.0) -> float:
     """Steps as vLLM would build them: decode steps and prefill chunks, each interval the
     time of the forward ``cost.lag`` steps before; returns the clock at the end."""
@@ -72,7 +79,7 @@ def test_nothing_is_known_until_steps_vary_and_a_hit_was_measured():
     assert cost.step_line() is not None
     assert cost.pays(16, 0)  # no hit measured yet: load (and measure)
     assert cost.figures()["cost_hit_wait_us"] == 0
-    cost.hit_waited(0.008, cost.wait_key(0))
+    waited(cost, 0.008, 0)
     assert not cost.pays(16, 0)
     assert cost.figures() == {"cost_prefill_ns_per_token": 8000, "cost_step_fixed_us": 4000,
                               "cost_hit_wait_us": 8000}
@@ -83,7 +90,7 @@ def test_alone_a_hit_loads_from_the_crossover_where_its_wait_equals_the_recomput
     token pays from 1000 tokens on."""
     cost = LoadCost(lag=1)
     served(cost)
-    cost.hit_waited(0.008, cost.wait_key(0))
+    waited(cost, 0.008, 0)
     assert not cost.pays(992, 0)
     assert cost.pays(1008, 0)
     assert cost.recompute_s(1008, 0) == pytest.approx(1008 * PER_TOKEN)
@@ -93,7 +100,7 @@ def test_under_load_a_recompute_delays_everyone_so_a_short_hit_still_pays():
     cost = LoadCost(lag=1)
     served(cost)
     for others in (0, 31):
-        cost.hit_waited(0.040, cost.wait_key(others))
+        waited(cost, 0.040, others)
     assert not cost.pays(2048, others=0)  # 40 ms against 16 ms
     assert cost.pays(2048, others=31)  # against 32 x 16 ms
     assert not cost.pays(128, others=31)  # 40 ms against 32 x 1 ms
@@ -102,24 +109,38 @@ def test_under_load_a_recompute_delays_everyone_so_a_short_hit_still_pays():
 def test_a_wait_seen_under_load_does_not_decide_for_a_lone_request():
     cost = LoadCost(lag=1)
     served(cost)
-    cost.hit_waited(0.500, cost.wait_key(40))  # a long wait at C32+
+    waited(cost, 0.500, 40)  # a long wait at C32+
     assert cost.expected_wait_s(0) is None and cost.pays(512, 0)  # C1 measures its own
-    cost.hit_waited(0.002, cost.wait_key(0))
+    waited(cost, 0.002, 0)
     assert cost.pays(512, 0) and not cost.pays(512, 40)
     assert [level_of(n) for n in (0, 1, 2, 3, 4, 31, 32, 10_000)] == [0, 1, 2, 2, 3, 5, 6, 7]
 
 
-def test_waits_are_a_weighted_mean():
-    cost = LoadCost(lag=1, wait_weight=0.5)
-    cost.hit_waited(0.010, cost.wait_key(0))
-    cost.hit_waited(0.020, cost.wait_key(0))
-    assert cost.expected_wait_s(0) == pytest.approx(0.015)
+def test_a_keys_wait_is_the_lowest_of_its_last_samples_known_from_the_second():
+    """One sample may hold a one-time cost (H100, session 32: the first load from a peer,
+    which maps its memory, waited ~320 ms and then declined every C1 hit on an idle engine):
+    a key's wait is known from its second sample and is the lowest of its last 4, so one
+    outlier never declines alone; four long waits in a row do."""
+    cost = LoadCost(lag=1, wait_samples=4)
+    served(cost)
+    key = cost.wait_key(0)
+    cost.hit_waited(0.320, key)
+    assert cost.wait_s_at(key) is None and cost.pays(512, 0)  # one sample: loaded
+    assert cost.figures()["cost_hit_wait_us"] == 320_000  # (shown all the same)
+    cost.hit_waited(0.016, key)
+    assert cost.wait_s_at(key) == pytest.approx(0.016)
+    for _ in range(3):
+        cost.hit_waited(0.100, key)
+    assert cost.wait_s_at(key) == pytest.approx(0.016)  # still in the last 4
+    cost.hit_waited(0.100, key)
+    assert cost.wait_s_at(key) == pytest.approx(0.100)
+    assert cost.wait_samples_at(key) == [0.100] * 4
 
 
 def test_a_declined_level_loads_every_nth_hit_to_measure_its_wait_again():
     cost = LoadCost(lag=1, explore_every=4)
     served(cost)
-    cost.hit_waited(0.050, cost.wait_key(0))
+    waited(cost, 0.050, 0)
     assert [cost.decide(64, 0) for _ in range(8)] == [False, False, False, True] * 2
     # a skipped lookup is a decline of the level too: every 4th request is looked up
     assert [cost.worth_looking_up(64, 0, lookup_pending=True) for _ in range(4)] == [
@@ -134,7 +155,7 @@ def test_a_declined_level_loads_every_nth_hit_to_measure_its_wait_again():
 def test_judge_counts_but_never_declines_when_asked_to_load_everything():
     cost = LoadCost(lag=1, explore_every=2)
     served(cost)
-    cost.hit_waited(0.050, cost.wait_key(0))
+    waited(cost, 0.050, 0)
     assert [cost.judge(64, 0, decline=False) for _ in range(3)] == [(False, True)] * 3
     assert [cost.judge(64, 0, decline=True) for _ in range(2)] == [(False, False),
                                                                    (False, True)]
@@ -152,7 +173,8 @@ def test_a_recompute_beyond_the_token_budget_pays_a_steps_fixed_time_per_budget(
     assert cost.recompute_s(2047, 1) == pytest.approx(2 * 2047 * PER_TOKEN)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"lag": -1}, "lag"), ({"wait_weight": 0}, "wait_weight"),
+@pytest.mark.parametrize("kwargs, name", [({"lag": -1}, "lag"),
+                                          ({"wait_samples": 1}, "wait_samples"),
                                           ({"explore_every": 0}, "explore_every"),
                                           ({"remeasure_after_s": 0}, "remeasure_after_s")])
 def test_bad_settings_name_themselves(kwargs, name):
@@ -174,7 +196,7 @@ def test_a_noisy_fit_declines_less_never_more():
         now_e += FIXED + PER_TOKEN * t
         now_n += FIXED + PER_TOKEN * t + rnd.uniform(-0.005, 0.005)
     for cost in (exact, noisy):
-        cost.hit_waited(0.004, cost.wait_key(0))  # pays from 500 tokens on
+        waited(cost, 0.004, 0)  # pays from 500 tokens on
     assert exact.prefill_s_per_token_high() == pytest.approx(PER_TOKEN, rel=1e-3)
     assert noisy.prefill_s_per_token_high() > 1.5 * PER_TOKEN
     assert not exact.pays(320, 0) and noisy.pays(320, 0)
@@ -204,7 +226,7 @@ def test_a_lookup_not_yet_answered_counts_against_a_short_request():
     lookup paid), the same blocks are judged by the load's wait alone."""
     cost = LoadCost(lag=1)
     served(cost)
-    cost.hit_waited(0.004, cost.wait_key(0), lookup_s=0.004)  # a lone hit: pays from 500 tokens on
+    waited(cost, 0.004, 0, lookup_s=0.004)  # a lone hit: pays from 500 tokens on
     assert cost.pays(640, 0)
     assert not cost.worth_looking_up(640, 0, lookup_pending=True)  # 5.1 ms < 4 + 4 ms
     assert cost.worth_looking_up(640, 0, lookup_pending=False)
@@ -227,7 +249,7 @@ def test_a_short_recompute_is_read_off_the_step_time_curve_not_the_line():
             cost.step(now, t)
         now += step_ms[t] / 1000
     for cost in (curve, line_only):
-        cost.hit_waited(0.002, cost.wait_key(0))
+        waited(cost, 0.002, 0)
     assert curve.recompute_s(64, 0) == pytest.approx(0.001 * 64 / 71, rel=0.05)
     assert line_only.recompute_s(64, 0) > 0.002
     assert not curve.pays(64, 0) and line_only.pays(64, 0)
@@ -247,11 +269,12 @@ def test_a_wait_seen_behind_a_bursts_long_steps_does_not_decide_for_an_idle_engi
     cost.step(now + 0.01, 4096)  # the burst's tail: one long step in flight
     behind_burst = cost.wait_key(0)
     cost.hit_waited(0.070, behind_burst)
+    cost.hit_waited(0.070, behind_burst)
     assert behind_burst == (0, 7) and not cost.pays(2048, 0)  # 70 ms against 16 ms
     cost.idle()  # the burst ended; a lone request arrives
     assert cost.wait_key(0) == (0, 0)
     assert cost.expected_wait_s(0) is None and cost.decide(2048, 0)
-    cost.hit_waited(0.004, cost.wait_key(0))
+    waited(cost, 0.004, 0)
     assert cost.decide(2048, 0) and not cost.decide(256, 0)  # its own crossover: 500 tokens
     assert [busy_level_of(n) for n in (0, 1, 31, 32, 64, 100, 2047, 2048, 10 ** 6)] == [
         0, 0, 0, 1, 2, 2, 6, 7, 7]
@@ -265,6 +288,7 @@ def test_a_wait_older_than_remeasure_after_s_is_measured_again_by_one_hit():
     cost = LoadCost(lag=1, explore_every=1000, remeasure_after_s=10.0, max_interval_s=1.0)
     now = served(cost)
     key = cost.wait_key(0)
+    cost.hit_waited(0.050, key)
     cost.hit_waited(0.050, key)
     assert [cost.decide(64, 0) for _ in range(3)] == [False] * 3
     cost.step(now + 9.0, 1)

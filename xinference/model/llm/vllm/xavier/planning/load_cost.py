@@ -24,15 +24,18 @@ while it serves:
   forward computed nothing, during which the engine had no request (:meth:`LoadCost.idle`)
   or longer than ``max_interval_s`` is not a step's and is skipped.  The model decides with
   the slope plus two standard errors: a noisy fit (a loaded host) declines less, never more.
-* **the wait**: per hit, blocks allocated -> first forward, kept as an exponentially
-  weighted mean per :data:`WaitKey`: the load level (``others`` in powers of two: 0, 1,
+* **the wait**: per hit, blocks allocated -> first forward, kept per :data:`WaitKey` as
+  the lowest of its last ``wait_samples`` (4) samples, known from the second on (a single
+  sample may hold a one-time cost -- the first load from a peer maps its memory: 320 ms on
+  an H100, session 32 -- and the low side errs towards loading, as the recompute side
+  does): the load level (``others`` in powers of two: 0, 1,
   2-3, 4-7, ...) and the tokens of the step in flight when the blocks were allocated (in
   powers of two from 32: the steps a hit waits behind), so that neither a wait seen at 32
   concurrent requests nor one seen alone behind the tail of a C32 burst's long steps
   decides for a lone request on an idle engine (CPU machine, session 31: the second taught
   a 70 ms wait that declined every later C1 hit).
 
-Until both are known (no hit measured at its key yet; too few steps, or steps too alike to
+Until both are known (fewer than two hits measured at its key; too few steps, or steps too alike to
 give a slope; a slope not above zero) a hit is loaded: the model never declines on a guess.
 A key whose hits keep being declined is measured again: every ``explore_every``-th hit
 declined there in a row is loaded anyway, and so is the first declined once its wait is
@@ -165,14 +168,14 @@ class LoadCost:
     """See the module docstring.  Not thread-safe: the scheduler's thread only."""
 
     def __init__(self, lag: int = 1, token_budget: Optional[int] = None,
-                 half_life_steps: float = 64.0, wait_weight: float = 0.25,
+                 half_life_steps: float = 64.0, wait_samples: int = 4,
                  explore_every: int = 32, min_steps: int = 16,
                  min_token_spread: float = 16.0, max_interval_s: float = 60.0,
                  remeasure_after_s: float = 10.0) -> None:
         if lag < 0:
             raise ValueError(f"lag: must be >= 0, got {lag}")
-        if not 0 < wait_weight <= 1:
-            raise ValueError(f"wait_weight: must be in (0, 1], got {wait_weight}")
+        if wait_samples < 2:
+            raise ValueError(f"wait_samples: must be >= 2, got {wait_samples}")
         if explore_every < 1:
             raise ValueError(f"explore_every: must be >= 1, got {explore_every}")
         if not remeasure_after_s > 0:
@@ -181,7 +184,7 @@ class LoadCost:
         self.token_budget = token_budget if token_budget and token_budget > 0 else None
         self.fit = StepTimeFit(0.5 ** (1.0 / half_life_steps))
         self.curve = StepTimeCurve(0.5 ** (1.0 / half_life_steps))
-        self.wait_weight = wait_weight
+        self.wait_samples = wait_samples
         self.explore_every = explore_every
         self.min_steps = min_steps
         self.min_token_spread = min_token_spread
@@ -190,8 +193,8 @@ class LoadCost:
         self._last_step_at: Optional[float] = None
         self._tokens: Deque[int] = collections.deque(maxlen=lag + 1)
         self._idle = False
-        self._wait_s: Dict[WaitKey, float] = {}
-        self._lookup_s: Dict[WaitKey, float] = {}
+        self._wait_s: Dict[WaitKey, Deque[float]] = {}
+        self._lookup_s: Dict[WaitKey, Deque[float]] = {}
         #: when a key's wait was last measured (or a hit loaded to measure it again)
         self._measured_at: Dict[WaitKey, float] = {}
         self._last_key: Optional[WaitKey] = None  # that of the latest hit measured
@@ -232,11 +235,14 @@ class LoadCost:
         self._last_key = at
         if self._last_step_at is not None:
             self._measured_at[at] = self._last_step_at
-        for means, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
-            if value is None:
-                continue
-            old = means.get(at)
-            means[at] = value if old is None else old + self.wait_weight * (value - old)
+        for samples, value in ((self._wait_s, seconds), (self._lookup_s, lookup_s)):
+            if value is not None:
+                samples.setdefault(at, collections.deque(maxlen=self.wait_samples)).append(value)
+
+    def _low(self, samples: Dict[WaitKey, Deque[float]], key: WaitKey) -> Optional[float]:
+        """The lowest of ``key``'s last samples, or None before its second."""
+        window = samples.get(key)
+        return min(window) if window is not None and len(window) >= 2 else None
 
     # ------------------------------------------------------------- estimates
     def step_line(self) -> Optional[Tuple[float, float]]:
@@ -261,9 +267,13 @@ class LoadCost:
         its key)."""
         return self.wait_s_at(self.wait_key(others))
 
+    def wait_samples_at(self, key: WaitKey) -> List[float]:
+        """The last samples of a hit's wait kept at ``key``, oldest first."""
+        return list(self._wait_s.get(key, ()))
+
     def wait_s_at(self, key: WaitKey) -> Optional[float]:
-        """The expected wait kept at ``key``, or None (none measured there)."""
-        return self._wait_s.get(key)
+        """The expected wait kept at ``key``, or None (fewer than two measured there)."""
+        return self._low(self._wait_s, key)
 
     def recompute_s(self, tokens: int, others: int) -> Optional[float]:
         """What recomputing ``tokens`` tokens costs the requests it delays, or None."""
@@ -329,8 +339,8 @@ class LoadCost:
         decline at its key: every ``explore_every``-th one is looked up anyway, and the
         key's next hit loaded, so that its wait is measured again)."""
         key = self.wait_key(others)
-        wait, recompute = self._wait_s.get(key), self.recompute_s(tokens, others)
-        lookup = self._lookup_s.get(key, 0.0) if lookup_pending else 0.0
+        wait, recompute = self.wait_s_at(key), self.recompute_s(tokens, others)
+        lookup = (self._low(self._lookup_s, key) or 0.0) if lookup_pending else 0.0
         if wait is None or recompute is None or wait + lookup <= recompute:
             return True
         # exploring: the run stays one short, so that decide() loads this request's hit
@@ -342,7 +352,8 @@ class LoadCost:
         (µs) at the latest measured hit's key."""
         line = self.step_line()
         key = self._last_key
-        wait = self._wait_s.get(key) if key is not None else None
+        window = self._wait_s.get(key) if key is not None else None
+        wait = min(window) if window else None  # (shown from the first sample on)
         return {"cost_prefill_ns_per_token": round(1e9 * line[1]) if line else 0,
                 "cost_step_fixed_us": round(1e6 * line[0]) if line else 0,
                 "cost_hit_wait_us": round(1e6 * wait) if wait is not None else 0}
