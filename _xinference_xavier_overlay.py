@@ -251,7 +251,7 @@ def _patch_supervisor(module: ModuleType) -> bool:
         """The live replicas of a model Xavier routes (None: Xinference's cycle)."""
         from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
 
-        return supervisor_route_info(self, model_uid)
+        return supervisor_route_info(self, module, model_uid)
 
     async def xavier_replica_model(self: Any, model_uid: str, replica_id: int) -> Any:
         """The model actor of one replica (the one Xavier's router chose)."""

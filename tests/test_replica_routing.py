@@ -130,26 +130,113 @@ def test_live_replicas_are_asked_once_a_second_in_the_background():
     assert supervisor.info_calls == 2  # the first (waited for), then one refresh
 
 
-def test_a_streamed_response_ends_when_its_stream_does():
-    routing, api = ApiRouting(), Api(Supervisor())
-
+def streamed_response(log):
+    """A response as sse-starlette's: its body an async generator with a clean-up."""
     class Streamed:
         def __init__(self):
             async def chunks():
-                for c in ("a", "b"):
-                    yield c
+                try:
+                    for c in ("a", "b", "c"):
+                        yield c
+                finally:
+                    log.append("upstream cleaned up")
             self.body_iterator = chunks()
+    return Streamed()
+
+
+def begin_two(routing, api):
+    """Two requests of one prompt routed to the same replica (the second by affinity)."""
+    async def two():
+        a = await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
+        b = await routing.begin(api, Request({"model": "m", "prompt": PROMPT + "more"}))
+        return a, b
+    a, b = asyncio.run(two())
+    assert a.replica == b.replica
+    return a, b
+
+
+def test_a_streamed_response_ends_when_its_stream_does_once():
+    """With a second request in flight on the same replica, so that a double end would
+    show (the count never goes below 0)."""
+    routing, api = ApiRouting(), Api(Supervisor())
+    a, b = begin_two(routing, api)
+    router, log = routing.routers["m"], []
 
     async def run():
-        routed = await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
-        response = routing.attach_end(Streamed(), routed)
-        assert sum(routing.routers["m"].in_flight().values()) == 1
-        assert [c async for c in response.body_iterator] == ["a", "b"]
-        assert sum(routing.routers["m"].in_flight().values()) == 0
-        routing.end(routed)  # once only
-        assert sum(routing.routers["m"].in_flight().values()) == 0
+        response = routing.attach_end(streamed_response(log), a)
+        assert router.in_flight()[a.replica] == 2
+        assert [c async for c in response.body_iterator] == ["a", "b", "c"]
+        assert router.in_flight()[a.replica] == 1
+        routing.end(a)  # once only
+        assert router.in_flight()[a.replica] == 1
 
     asyncio.run(run())
+    assert log == ["upstream cleaned up"]
+
+
+def test_a_stream_closed_midway_ends_and_closes_upstreams_stream():
+    """A client that leaves mid-stream: the server closes the body iterator; the request
+    ends and upstream's generator is closed at once (its clean-up aborts the request)."""
+    routing, api = ApiRouting(), Api(Supervisor())
+    a, b = begin_two(routing, api)
+    router, log = routing.routers["m"], []
+
+    async def run():
+        response = routing.attach_end(streamed_response(log), a)
+        it = response.body_iterator
+        assert await it.__anext__() == "a"
+        await it.aclose()
+        assert router.in_flight()[a.replica] == 1 and log == ["upstream cleaned up"]
+
+    asyncio.run(run())
+
+
+def test_a_stream_that_never_starts_ends_when_its_response_is_dropped():
+    routing, api = ApiRouting(), Api(Supervisor())
+    a, b = begin_two(routing, api)
+    router = routing.routers["m"]
+    response = routing.attach_end(streamed_response([]), a)
+    assert router.in_flight()[a.replica] == 2
+    del response
+    import gc
+    gc.collect()
+    assert router.in_flight()[a.replica] == 1
+
+
+def test_a_handler_that_raises_ends_its_request():
+    routing, api = ApiRouting(), Api(Supervisor())
+
+    async def failing(self, request):
+        await routing.require_model(upstream_require_model, self._get_supervisor_ref, "m")
+        raise RuntimeError("bad request")
+
+    async def run():
+        replica_routing.API_ROUTING, saved = routing, replica_routing.API_ROUTING
+        try:
+            with pytest.raises(RuntimeError):
+                await wrap_handler(failing)(api, Request({"model": "m", "prompt": PROMPT}))
+        finally:
+            replica_routing.API_ROUTING = saved
+
+    asyncio.run(run())
+    assert sum(routing.routers["m"].in_flight().values()) == 0
+
+
+def test_a_supervisor_error_after_an_answer_keeps_the_router():
+    """A refresh that fails (a timeout) keeps the last answer: the router, what it knows
+    and its in-flight counts stay."""
+    now = [0.0]
+    supervisor = Supervisor()
+    routing, api = ApiRouting(clock=lambda: now[0]), Api(supervisor)
+    a, b = begin_two(routing, api)
+    router = routing.routers["m"]
+    supervisor.replicas = RuntimeError("timeout")
+    for t in (1.5, 3.0):
+        now[0] = t
+        c = asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT + "x"})))
+        assert c is not None and c.replica == a.replica and c.router is router
+        routing.end(c)
+    assert routing.routers["m"] is router
 
 
 def test_a_model_not_routed_is_asked_again_on_the_request_path_once_its_answer_is_old():

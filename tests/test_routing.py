@@ -76,6 +76,8 @@ def test_a_gone_replica_leaves_the_candidates_at_once():
     d = ask(router, SYSTEM + "more", replicas=survivors)
     assert d.replica in survivors and d.reason == "load"
     assert where not in router.in_flight()
+    back = ask(router, SYSTEM + "again", replicas=[0, 1, 2])  # the gone one, back: it holds
+    assert back.reason == "affinity" and back.replica == d.replica  # nothing of the old
     with pytest.raises(ValueError, match="^replicas:"):
         router.route(chunk_chain(SYSTEM), len(SYSTEM), [])
 

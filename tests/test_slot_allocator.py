@@ -99,5 +99,8 @@ def test_assign_many_bumps_the_generations_of_a_shared_row_together_and_checks_f
                                   ([20, 21], [4, 4], "keys, slots"), ([20], [4, 5], "slots")):
         with pytest.raises(ValueError, match=f"^{name}"):
             a.assign_many(keys, bad_slots)
+    with pytest.raises(ValueError, match="^key"):  # the second pair is bad: the first
+        a.assign_many([20, 10], [4, 5])  # is not assigned either
+    assert a.key_of(4) is None and not a.holds(20)
     assert gens.tolist() == [1, 1, 1, 42, 0, 0, 0, 0] and a.used == 4 and a.free == 4
     assert a.release(1) == 11 and a.assign_many([11], [1]) == [2]  # reuse bumps again

@@ -68,11 +68,14 @@ def two_requests_sharing_a_prefix(server, tag, offset):
 ROUTED = "xinference_xavier_routed_requests_total"
 
 
-def routed(server):
-    """``{(replica, reason): requests}`` from the API's ``/metrics`` (Xavier's router)."""
-    return {(labels["replica"], labels["reason"]): int(value)
-            for labels, value in scrape(server.base + "/metrics", ROUTED)
-            if labels["model"] == MODEL and value}
+def routed(server, since=None):
+    """``{(replica, reason): requests}`` from the API's ``/metrics`` (Xavier's router), less
+    ``since`` (an earlier answer: the API's counters live as long as the shared server)."""
+    now = {(labels["replica"], labels["reason"]): int(value)
+           for labels, value in scrape(server.base + "/metrics", ROUTED)
+           if labels["model"] == MODEL}
+    since = since or {}
+    return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
 
 
 def completion(server, prompt, max_tokens=8):
@@ -100,12 +103,13 @@ def test_rest_launch_routes_by_cache_shares_prefixes_and_cleans_up(tiny_model_di
     addresses = rank_addresses(server)
     text = open(os.__file__).read()
     prefix = text[:2500]
+    start = routed(server)
 
     # one after another: the follow-up lands where its prefix was computed
     for i in range(2):
         assert completion(server, prefix + f"\n# request {i}\n"
                           + text[7000 + 100 * i:7100 + 100 * i])["usage"]["completion_tokens"] > 0
-    first = routed(server)
+    first = routed(server, start)
     print("routed, one after another:", first)
     ((warm, _),) = [k for k in first if k[1] == "load"]
     assert first == {(warm, "load"): 1, (warm, "affinity"): 1}
@@ -125,7 +129,7 @@ def test_rest_launch_routes_by_cache_shares_prefixes_and_cleans_up(tiny_model_di
     with concurrent_futures.ThreadPoolExecutor(4) as pool:
         usages = [r["usage"] for r in pool.map(concurrent, range(4))]
     assert all(u["completion_tokens"] > 0 for u in usages)
-    after = routed(server)
+    after = routed(server, start)
     cold = "1" if warm == "0" else "0"
     print("routed, four at once:", after)
     assert after == {(warm, "load"): 1, (warm, "affinity"): 4, (cold, "load"): 1}

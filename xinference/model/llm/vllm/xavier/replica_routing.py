@@ -26,10 +26,12 @@ had no replica yet).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
@@ -39,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 #: how long the live replicas of a model are taken from the last answer (s)
 INFO_TTL_S = 1.0
+#: how long one call for a model's live replicas may take (s)
+INFO_CALL_TIMEOUT_S = 5.0
+#: models whose answers are kept (the oldest forgotten past it)
+MAX_MODELS = 1024
 #: the counter on the API's ``/metrics``
 ROUTED_METRIC = "xinference_xavier_routed_requests_total"
 
@@ -49,6 +55,7 @@ class Routed:
 
     model_uid: str
     replica: Optional[int]
+    router: ReplicaRouter
     uncached_chars: int = 0
     ended: bool = False
 
@@ -67,14 +74,18 @@ def supervisor_record_routing(supervisor: Any, model_uid: str, policy: Optional[
         table[model_uid] = policy
 
 
-def supervisor_route_info(supervisor: Any, model_uid: str) -> Optional[List[int]]:
-    """The live replica ids of ``model_uid`` when it routes ``cache_aware``, else None."""
+def supervisor_route_info(supervisor: Any, module: Any, model_uid: str) -> Optional[List[int]]:
+    """The live replica ids of ``model_uid`` (active, with a worker) when it routes
+    ``cache_aware``, else None."""
     if supervisor.__dict__.get("_xavier_routing", {}).get(model_uid) != "cache_aware":
         return None
     info = supervisor._model_uid_to_replica_info.get(model_uid)
-    if info is None or not info.active_replica_ids:
+    if info is None:
         return None
-    return [int(r) for r in info.active_replica_ids]
+    workers = supervisor._replica_model_uid_to_worker
+    live = [int(r) for r in info.active_replica_ids
+            if workers.get(module.build_replica_model_uid(model_uid, r)) is not None]
+    return live or None
 
 
 async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,
@@ -96,6 +107,22 @@ async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,
         module.XINFERENCE_GET_MODEL_RPC_TIMEOUT)
 
 
+async def _replica_model(supervisor: Any, model_uid: str, replica: int) -> Any:
+    """The chosen replica's model actor, as upstream's ``require_model`` returns one: the
+    call and the reference correlated with the request's id where Xinference has one."""
+    try:
+        from xinference.api.model_request_logging import get_current_model_request_id
+        from xinference.core.rpc_context import actor_call, correlate_model_ref
+    except ImportError:  # (another Xinference)
+        return await supervisor.xavier_replica_model(model_uid, replica)
+    request_id = get_current_model_request_id()
+    if request_id is None:
+        return await supervisor.xavier_replica_model(model_uid, replica)
+    ref = await actor_call(supervisor, "xavier_replica_model", model_uid, replica,
+                           _rpc_correlation_id=request_id)
+    return correlate_model_ref(ref, request_id)
+
+
 # ---------------------------------------------------------------------- API side
 class ApiRouting:
     """The API process's routers, one per model (see the module docstring)."""
@@ -103,7 +130,7 @@ class ApiRouting:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.routers: Dict[str, ReplicaRouter] = {}
         self._info: Dict[str, Tuple[float, Optional[List[int]]]] = {}
-        self._refreshing: Dict[str, asyncio.Task] = {}
+        self._asking: Dict[str, asyncio.Future[Optional[List[int]]]] = {}
         self._clock = clock
         self._counter: Any = None
 
@@ -128,7 +155,8 @@ class ApiRouting:
             router.forget(replicas)
             decision = router.route(chunk_chain(text), len(text), replicas)
             self._count(model_uid, decision.replica, decision.reason)
-            return Routed(model_uid, decision.replica, len(text) - decision.matched_chars)
+            return Routed(model_uid, decision.replica, router,
+                          len(text) - decision.matched_chars)
         except Exception as exc:  # routing never fails a request
             if model_uid is not None:
                 logger.warning("xavier routing of %s failed, round robin: %r", model_uid, exc)
@@ -146,17 +174,15 @@ class ApiRouting:
         if routed is None or routed.model_uid != model_uid or routed.replica is None:
             return await original(get_supervisor_ref, model_uid, report_error_event)
         try:
-            supervisor = await get_supervisor_ref()
-            return await supervisor.xavier_replica_model(model_uid, routed.replica)
+            return await _replica_model(await get_supervisor_ref(), model_uid, routed.replica)
         except Exception as exc:
             logger.warning("xavier routing: replica %s of %s unavailable, round robin: %r",
                            routed.replica, model_uid, exc)
             self._info.pop(model_uid, None)  # its live replicas asked again next time
             self.end(routed)
-            router = self.routers.get(model_uid)
-            if router is not None:
-                router.forget([r for r in router.in_flight() if r != routed.replica])
-                router.fallback(routed.replica)
+            router = routed.router
+            router.forget([r for r in router.in_flight() if r != routed.replica])
+            router.fallback(routed.replica)
             self._count(model_uid, routed.replica, "fallback")
             routed.replica = None
             return await original(get_supervisor_ref, model_uid, report_error_event)
@@ -166,9 +192,7 @@ class ApiRouting:
         if routed is None or routed.ended or routed.replica is None:
             return
         routed.ended = True
-        router = self.routers.get(routed.model_uid)
-        if router is not None:
-            router.finished(routed.replica, routed.uncached_chars)
+        routed.router.finished(routed.replica, routed.uncached_chars)
 
     def attach_end(self, response: Any, routed: Optional[Routed]) -> Any:
         """End ``routed`` when ``response`` is done: now, or when its stream ends."""
@@ -183,8 +207,13 @@ class ApiRouting:
                     yield chunk
             finally:
                 self.end(routed)
+                with contextlib.suppress(Exception):  # upstream's own clean-up (its abort of
+                    await body.aclose()  # the vLLM request) runs now, not at collection
 
         response.body_iterator = streamed()
+        # a stream that never starts (the client left while the handler still awaited)
+        # runs no finally: the response's collection ends the request then
+        weakref.finalize(response, self.end, routed)
         return response
 
     # -------------------------------------------------------------- internals
@@ -193,25 +222,39 @@ class ApiRouting:
         the background once older than :data:`INFO_TTL_S` -- waited for the first time and
         while the answer was "not routed" (a model relaunched under the same uid with
         routing on is routed from its first request after that; the cost: one call a
-        second per model that is not routed)."""
+        second per model that is not routed).  One call per model at a time."""
         now = self._clock()
         cached = self._info.get(model_uid)
         if cached is None or (cached[1] is None and now - cached[0] > INFO_TTL_S):
             return await self._ask(api, model_uid)
-        if now - cached[0] > INFO_TTL_S and model_uid not in self._refreshing:
-            task = asyncio.ensure_future(self._ask(api, model_uid))
-            self._refreshing[model_uid] = task
-            task.add_done_callback(lambda _t: self._refreshing.pop(model_uid, None))
+        if now - cached[0] > INFO_TTL_S and model_uid not in self._asking:
+            asyncio.ensure_future(self._ask(api, model_uid))
         return cached[1]
 
     async def _ask(self, api: Any, model_uid: str) -> Optional[List[int]]:
+        pending = self._asking.get(model_uid)
+        if pending is None:
+            pending = self._asking[model_uid] = asyncio.ensure_future(
+                self._ask_now(api, model_uid))
+            pending.add_done_callback(lambda _t: self._asking.pop(model_uid, None))
+        return await asyncio.shield(pending)
+
+    async def _ask_now(self, api: Any, model_uid: str) -> Optional[List[int]]:
+        """One call to the supervisor; a failed one keeps the last answer (asked again after
+        :data:`INFO_TTL_S`), or "not routed" when there is none."""
+        previous = self._info.get(model_uid)
         try:
             supervisor = await api._get_supervisor_ref()
-            replicas = await supervisor.xavier_route_info(model_uid)
+            replicas = await asyncio.wait_for(supervisor.xavier_route_info(model_uid),
+                                              INFO_CALL_TIMEOUT_S)
         except Exception as exc:
             logger.debug("xavier routing: no route info for %s: %r", model_uid, exc)
-            replicas = None
+            replicas = previous[1] if previous is not None else None
         self._info[model_uid] = (self._clock(), replicas)
+        while len(self._info) > MAX_MODELS:  # (a client may name any uid)
+            oldest = next(iter(self._info))
+            self._info.pop(oldest)
+            self.routers.pop(oldest, None)
         return replicas
 
     def _count(self, model_uid: str, replica: int, reason: str) -> None:
