@@ -302,3 +302,21 @@ def test_a_wait_older_than_remeasure_after_s_is_measured_again_by_one_hit():
     cost.step(now + 22.5, cost._tokens[-2])
     assert cost.worth_looking_up(64, 0, lookup_pending=False)
     assert cost.decide(64, 0) and not cost.decide(64, 0)
+
+
+def test_a_lookup_made_to_explore_loads_its_hit_even_once_the_key_moved():
+    """The lookup's answer comes steps later; by then the step in flight (so the key) has
+    changed: the hit is loaded all the same, once (the next one is judged again)."""
+    cost = LoadCost(lag=1, explore_every=2)
+    now = served(cost)
+    cost.step(now + 0.01, 1)
+    waited(cost, 0.050, 0)  # at the key of a 1-token step in flight: (0, 0)
+    cost.step(now + 0.02, 4096)
+    waited(cost, 0.050, 0)  # and behind a long one: (0, 7)
+    cost.step(now + 0.03, 1)
+    assert [cost.worth_looking_up(64, 0, lookup_pending=True) for _ in range(2)] == [
+        False, True]  # explored at (0, 0)
+    cost.step(now + 0.04, 4096)  # the answer comes while a long step is in flight
+    assert cost.wait_key(0) == (0, 7)
+    assert cost.decide(64, 0)  # loaded: measured again
+    assert not cost.decide(64, 0)

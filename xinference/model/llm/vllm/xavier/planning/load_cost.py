@@ -199,6 +199,7 @@ class LoadCost:
         self._measured_at: Dict[WaitKey, float] = {}
         self._last_key: Optional[WaitKey] = None  # that of the latest hit measured
         self._declined_in_a_row: Dict[WaitKey, int] = collections.defaultdict(int)
+        self._explore_credit = False  # a lookup made to explore: load the next declined hit
 
     # ------------------------------------------------------------- measuring
     def step(self, now: float, tokens: int, host_s: float = 0.0) -> None:
@@ -310,9 +311,14 @@ class LoadCost:
         if not decline:
             return pays, True
         key = self.wait_key(others)
+        # a lookup made to explore: the next hit judged is loaded (that request's, usually,
+        # whichever key the step in flight gives it by now)
+        credit, self._explore_credit = self._explore_credit, False
         if pays:
             self._declined_in_a_row[key] = 0
             return True, True
+        if credit:
+            return False, True
         return False, self._declined_unless_exploring(key, restart_at=0)
 
     def _declined_unless_exploring(self, key: WaitKey, restart_at: int) -> bool:
@@ -343,8 +349,10 @@ class LoadCost:
         lookup = (self._low(self._lookup_s, key) or 0.0) if lookup_pending else 0.0
         if wait is None or recompute is None or wait + lookup <= recompute:
             return True
-        # exploring: the run stays one short, so that decide() loads this request's hit
-        return self._declined_unless_exploring(key, restart_at=self.explore_every - 1)
+        # exploring: the next hit judged not paying is loaded (this request's, usually; by
+        # then the step in flight, and so its key, may have changed)
+        self._explore_credit = self._declined_unless_exploring(key, restart_at=0)
+        return self._explore_credit
 
     def figures(self) -> Dict[str, int]:
         """The estimates as whole numbers for the counters (0 until known; a counter keeps
