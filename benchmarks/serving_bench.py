@@ -797,7 +797,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "export_skipped_no_slot",
                         "load_failures", "rejected_batches", "load_launch_us",
                         "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
-                        "scheduler_steps", "lookup_calls", "lookups_deferred")
+                        "scheduler_steps", "lookup_calls", "lookups_deferred",
+                        "host_index_hits", "hits_not_paying", "hits_declined",
+                        "lookups_skipped_not_paying", "cost_hit_wait_us",
+                        "cost_prefill_ns_per_token")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
     print(f"\nwrote {out}")
     return 0
