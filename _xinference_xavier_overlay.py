@@ -247,19 +247,22 @@ def _patch_supervisor(module: ModuleType) -> bool:
     launch._xavier_overlay = True  # type: ignore[attr-defined]
     cls.launch_builtin_model = launch  # type: ignore[union-attr]
 
-    async def xavier_route_info(self: Any, model_uid: str) -> Any:
+    async def xavier_route_info(self: Any, model_uid: str, **_rpc: Any) -> Any:
         """The live replicas of a model Xavier routes (None: Xinference's cycle)."""
         from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
 
         return supervisor_route_info(self, module, model_uid)
 
-    async def xavier_replica_model(self: Any, model_uid: str, replica_id: int) -> Any:
-        """The model actor of one replica (the one Xavier's router chose)."""
+    async def xavier_replica_model(self: Any, model_uid: str, replica_id: int,
+                                   launch: Optional[str] = None, **_rpc: Any) -> Any:
+        """The model actor of one replica (the one Xavier's router chose); ``_rpc``:
+        Xinference's call metadata (``actor_call`` adds it to correlate the request)."""
         from xinference.model.llm.vllm.xavier.replica_routing import (
             supervisor_replica_model,
         )
 
-        return await supervisor_replica_model(self, module, model_uid, int(replica_id))
+        return await supervisor_replica_model(self, module, model_uid, int(replica_id),
+                                              launch)
 
     cls.xavier_route_info = xavier_route_info  # type: ignore[union-attr]
     cls.xavier_replica_model = xavier_replica_model  # type: ignore[union-attr]

@@ -30,14 +30,16 @@ class Supervisor:
         self.gone = set()
         self.info_calls = 0
 
+    launch = "launch-1"
+
     async def xavier_route_info(self, uid):
         self.info_calls += 1
         if isinstance(self.replicas, Exception):
             raise self.replicas
-        return self.replicas if uid == "m" else None
+        return (self.launch, self.replicas) if uid == "m" and self.replicas else None
 
-    async def xavier_replica_model(self, uid, replica):
-        if replica in self.gone:
+    async def xavier_replica_model(self, uid, replica, launch=None):
+        if replica in self.gone or launch != self.launch:
             raise LookupError(f"replica: {replica} of {uid} is not live")
         return f"replica-{replica}"
 
@@ -114,7 +116,7 @@ def test_a_supervisor_that_does_not_answer_is_no_route_and_no_failure():
     assert model == "round-robin" and "m" not in routing.routers
 
 
-def test_live_replicas_are_asked_once_a_second_in_the_background():
+def test_live_replicas_are_asked_again_once_their_answer_is_a_second_old():
     now = [0.0]
     supervisor = Supervisor()
     routing, api = ApiRouting(clock=lambda: now[0]), Api(supervisor)
@@ -123,11 +125,53 @@ def test_live_replicas_are_asked_once_a_second_in_the_background():
         for t in (0.0, 0.5, 1.6):
             now[0] = t
             await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
-            await asyncio.sleep(0)
-        await asyncio.sleep(0)
 
     asyncio.run(three())
-    assert supervisor.info_calls == 2  # the first (waited for), then one refresh
+    assert supervisor.info_calls == 2  # the first, then once it was older than a second
+
+
+def test_a_relaunch_under_the_same_uid_starts_a_new_router():
+    """What the router knew of the last launch (its replicas' prefixes, in-flight counts)
+    says nothing of the new one: a new launch id, a new router (CI, session 32: a round-robin
+    relaunch had its first request routed by the cache-aware launch's router)."""
+    now = [0.0]
+    supervisor = Supervisor()
+    routing, api = ApiRouting(clock=lambda: now[0]), Api(supervisor)
+    a, b = begin_two(routing, api)
+    old = routing.routers["m"]
+    supervisor.launch = "launch-2"  # relaunched, also cache aware
+    now[0] = 60.0
+    c = asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT})))
+    assert c.router is not old
+    assert routing.routers["m"].counts[c.replica]["load"] == 1  # nothing known: by load
+    supervisor.replicas = None  # relaunched round robin
+    now[0] = 120.0
+    assert asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT}))) is None
+    assert "m" not in routing.routers
+
+
+
+def test_a_request_routed_under_a_launch_that_is_gone_goes_round_robin():
+    """Routed just before a relaunch: the supervisor refuses the old launch's replica (its
+    id names another model now) and the request takes Xinference's cycle, counted."""
+    supervisor = Supervisor()
+    routing, api = ApiRouting(), Api(supervisor)
+    chosen = []
+
+    async def run():
+        routed = await routing.begin(api, Request({"model": "m", "prompt": PROMPT}))
+        chosen.append(routed.replica)
+        supervisor.launch = "launch-2"
+        token = replica_routing._ROUTED.set(routed)
+        try:
+            return routed, await routing.require_model(upstream_require_model,
+                                                       api._get_supervisor_ref, "m")
+        finally:
+            replica_routing._ROUTED.reset(token)
+
+    routed, model = asyncio.run(run())
+    assert model == "round-robin" and routed.replica is None
+    assert routed.router.counts[chosen[0]]["fallback"] == 1
 
 
 def streamed_response(log):

@@ -8,8 +8,8 @@ web UI and Xinference's own client all come this way):
 
 1. :meth:`ApiRouting.begin`, in a wrapper of the handler: reads the body (Starlette keeps
    it for the handler), asks the model's router (:func:`routed_models`: which models were
-   launched with Xavier and ``xavier_routing`` ``cache_aware``, and their live replicas;
-   one supervisor call a second per model, refreshed in the background) and keeps the
+   launched with Xavier and ``xavier_routing`` ``cache_aware``, with the launch's id and
+   their live replicas; asked again when a second old) and keeps the
    choice in a context variable;
 2. upstream's handler calls ``require_model``, which the overlay replaced in
    ``restful_api``'s namespace by :meth:`ApiRouting.require_model`: the chosen replica's
@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import secrets
 import time
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Routed:
     router: ReplicaRouter
     uncached_chars: int = 0
     ended: bool = False
+    launch: Optional[str] = None
 
 
 _ROUTED: contextvars.ContextVar[Optional[Routed]] = contextvars.ContextVar(
@@ -66,33 +68,43 @@ _ROUTED: contextvars.ContextVar[Optional[Routed]] = contextvars.ContextVar(
 
 # ---------------------------------------------------------------------- supervisor side
 def supervisor_record_routing(supervisor: Any, model_uid: str, policy: Optional[str]) -> None:
-    """Remember how ``model_uid`` routes (None: not a Xavier launch: Xinference's cycle)."""
-    table: Dict[str, str] = supervisor.__dict__.setdefault("_xavier_routing", {})
+    """Remember how ``model_uid`` routes (None: not a Xavier launch: Xinference's cycle),
+    with a fresh id of this launch (a relaunch under the same uid is another model: what
+    the API's router knew of the last one is dropped)."""
+    table: Dict[str, Tuple[str, str]] = supervisor.__dict__.setdefault("_xavier_routing", {})
     if policy is None:
         table.pop(model_uid, None)
     else:
-        table[model_uid] = policy
+        table[model_uid] = (policy, secrets.token_hex(8))
 
 
-def supervisor_route_info(supervisor: Any, module: Any, model_uid: str) -> Optional[List[int]]:
-    """The live replica ids of ``model_uid`` (active, with a worker) when it routes
-    ``cache_aware``, else None."""
-    if supervisor.__dict__.get("_xavier_routing", {}).get(model_uid) != "cache_aware":
-        return None
+def _launch_of(supervisor: Any, model_uid: str) -> Optional[str]:
+    """The id of ``model_uid``'s launch when it routes ``cache_aware``, else None."""
+    policy, launch = supervisor.__dict__.get("_xavier_routing", {}).get(model_uid, (None, None))
+    return launch if policy == "cache_aware" else None
+
+
+def supervisor_route_info(supervisor: Any, module: Any,
+                          model_uid: str) -> Optional[Tuple[str, List[int]]]:
+    """``(launch id, live replica ids)`` of ``model_uid`` (active, with a worker) when it
+    routes ``cache_aware``, else None."""
+    launch = _launch_of(supervisor, model_uid)
     info = supervisor._model_uid_to_replica_info.get(model_uid)
-    if info is None:
+    if launch is None or info is None:
         return None
     workers = supervisor._replica_model_uid_to_worker
     live = [int(r) for r in info.active_replica_ids
             if workers.get(module.build_replica_model_uid(model_uid, r)) is not None]
-    return live or None
+    return (launch, live) if live else None
 
 
 async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,
-                                   replica_id: int) -> Any:
+                                   replica_id: int, launch: Optional[str] = None) -> Any:
     """The model actor of replica ``replica_id`` of ``model_uid`` (what upstream's
     ``get_model`` returns for the replica its cycle picks); ``LookupError`` when that
-    replica is not live."""
+    replica is not live, or ``model_uid`` is no more the launch ``launch`` names."""
+    if launch is not None and _launch_of(supervisor, model_uid) != launch:
+        raise LookupError(f"launch: {model_uid} was relaunched (or is no more routed)")
     info = supervisor._model_uid_to_replica_info.get(model_uid)
     if info is None or replica_id not in info.active_replica_ids:
         raise LookupError(f"replica: {replica_id} of {model_uid} is not live")
@@ -107,18 +119,19 @@ async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,
         module.XINFERENCE_GET_MODEL_RPC_TIMEOUT)
 
 
-async def _replica_model(supervisor: Any, model_uid: str, replica: int) -> Any:
+async def _replica_model(supervisor: Any, model_uid: str, replica: int,
+                         launch: Optional[str]) -> Any:
     """The chosen replica's model actor, as upstream's ``require_model`` returns one: the
     call and the reference correlated with the request's id where Xinference has one."""
     try:
         from xinference.api.model_request_logging import get_current_model_request_id
         from xinference.core.rpc_context import actor_call, correlate_model_ref
     except ImportError:  # (another Xinference)
-        return await supervisor.xavier_replica_model(model_uid, replica)
+        return await supervisor.xavier_replica_model(model_uid, replica, launch)
     request_id = get_current_model_request_id()
     if request_id is None:
-        return await supervisor.xavier_replica_model(model_uid, replica)
-    ref = await actor_call(supervisor, "xavier_replica_model", model_uid, replica,
+        return await supervisor.xavier_replica_model(model_uid, replica, launch)
+    ref = await actor_call(supervisor, "xavier_replica_model", model_uid, replica, launch,
                            _rpc_correlation_id=request_id)
     return correlate_model_ref(ref, request_id)
 
@@ -129,8 +142,9 @@ class ApiRouting:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.routers: Dict[str, ReplicaRouter] = {}
-        self._info: Dict[str, Tuple[float, Optional[List[int]]]] = {}
-        self._asking: Dict[str, asyncio.Future[Optional[List[int]]]] = {}
+        self._launches: Dict[str, str] = {}  # model -> the launch its router knows
+        self._info: Dict[str, Tuple[float, Optional[Tuple[str, List[int]]]]] = {}
+        self._asking: Dict[str, asyncio.Future[Optional[Tuple[str, List[int]]]]] = {}
         self._clock = clock
         self._counter: Any = None
 
@@ -146,17 +160,21 @@ class ApiRouting:
             model_uid = body.get("model")
             if not isinstance(model_uid, str):
                 return None
-            replicas = await self._replicas(api, model_uid)
-            if not replicas:
+            info = await self._replicas(api, model_uid)
+            if not info:
                 self.routers.pop(model_uid, None)  # not (or no more) routed: forgotten
                 return None
+            launch, replicas = info
             text = prompt_text(body) or ""
-            router = self.routers.setdefault(model_uid, ReplicaRouter())
+            router = self.routers.get(model_uid)
+            if router is None or self._launches.get(model_uid) != launch:
+                router = self.routers[model_uid] = ReplicaRouter()  # another launch
+                self._launches[model_uid] = launch
             router.forget(replicas)
             decision = router.route(chunk_chain(text), len(text), replicas)
             self._count(model_uid, decision.replica, decision.reason)
             return Routed(model_uid, decision.replica, router,
-                          len(text) - decision.matched_chars)
+                          len(text) - decision.matched_chars, launch=launch)
         except Exception as exc:  # routing never fails a request
             if model_uid is not None:
                 logger.warning("xavier routing of %s failed, round robin: %r", model_uid, exc)
@@ -174,7 +192,8 @@ class ApiRouting:
         if routed is None or routed.model_uid != model_uid or routed.replica is None:
             return await original(get_supervisor_ref, model_uid, report_error_event)
         try:
-            return await _replica_model(await get_supervisor_ref(), model_uid, routed.replica)
+            return await _replica_model(await get_supervisor_ref(), model_uid, routed.replica,
+                                        routed.launch)
         except Exception as exc:
             logger.warning("xavier routing: replica %s of %s unavailable, round robin: %r",
                            routed.replica, model_uid, exc)
@@ -217,21 +236,19 @@ class ApiRouting:
         return response
 
     # -------------------------------------------------------------- internals
-    async def _replicas(self, api: Any, model_uid: str) -> Optional[List[int]]:
-        """The live replicas of a ``cache_aware`` model: the last answer, asked again in
-        the background once older than :data:`INFO_TTL_S` -- waited for the first time and
-        while the answer was "not routed" (a model relaunched under the same uid with
-        routing on is routed from its first request after that; the cost: one call a
-        second per model that is not routed).  One call per model at a time."""
-        now = self._clock()
+    async def _replicas(self, api: Any,
+                        model_uid: str) -> Optional[Tuple[str, List[int]]]:
+        """``(launch, live replicas)`` of a ``cache_aware`` model, or None: the last
+        answer while it is younger than :data:`INFO_TTL_S`, else asked again and waited for
+        (one call per model at a time: about one a second per model on a request's path;
+        an answer from before a relaunch is never used for the relaunched model, whose
+        launch takes longer than that)."""
         cached = self._info.get(model_uid)
-        if cached is None or (cached[1] is None and now - cached[0] > INFO_TTL_S):
+        if cached is None or self._clock() - cached[0] > INFO_TTL_S:
             return await self._ask(api, model_uid)
-        if now - cached[0] > INFO_TTL_S and model_uid not in self._asking:
-            asyncio.ensure_future(self._ask(api, model_uid))
         return cached[1]
 
-    async def _ask(self, api: Any, model_uid: str) -> Optional[List[int]]:
+    async def _ask(self, api: Any, model_uid: str) -> Optional[Tuple[str, List[int]]]:
         pending = self._asking.get(model_uid)
         if pending is None:
             pending = self._asking[model_uid] = asyncio.ensure_future(
@@ -239,23 +256,25 @@ class ApiRouting:
             pending.add_done_callback(lambda _t: self._asking.pop(model_uid, None))
         return await asyncio.shield(pending)
 
-    async def _ask_now(self, api: Any, model_uid: str) -> Optional[List[int]]:
+    async def _ask_now(self, api: Any, model_uid: str) -> Optional[Tuple[str, List[int]]]:
         """One call to the supervisor; a failed one keeps the last answer (asked again after
         :data:`INFO_TTL_S`), or "not routed" when there is none."""
         previous = self._info.get(model_uid)
         try:
             supervisor = await api._get_supervisor_ref()
-            replicas = await asyncio.wait_for(supervisor.xavier_route_info(model_uid),
-                                              INFO_CALL_TIMEOUT_S)
+            answer = await asyncio.wait_for(supervisor.xavier_route_info(model_uid),
+                                            INFO_CALL_TIMEOUT_S)
+            info = (str(answer[0]), [int(r) for r in answer[1]]) if answer else None
         except Exception as exc:
             logger.debug("xavier routing: no route info for %s: %r", model_uid, exc)
-            replicas = previous[1] if previous is not None else None
-        self._info[model_uid] = (self._clock(), replicas)
+            info = previous[1] if previous is not None else None
+        self._info[model_uid] = (self._clock(), info)
         while len(self._info) > MAX_MODELS:  # (a client may name any uid)
             oldest = next(iter(self._info))
             self._info.pop(oldest)
             self.routers.pop(oldest, None)
-        return replicas
+            self._launches.pop(oldest, None)
+        return info
 
     def _count(self, model_uid: str, replica: int, reason: str) -> None:
         try:
