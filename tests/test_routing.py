@@ -114,3 +114,14 @@ def test_a_bad_option_is_named():
     with pytest.raises(ValueError, match="^xavier_routing: expected one of cache_aware, "
                                          "round_robin, got 'sticky'"):
         parse_routing("sticky")
+
+
+def test_a_prompts_first_chunks_are_the_last_forgotten():
+    """Past the capacity a replica forgets least recently used chunks; within one prompt the
+    first chunks (what later prompts share) count as the most recent, and a prompt longer
+    than the capacity keeps its head."""
+    router = ReplicaRouter(capacity=8)
+    long = "h" * (4 * CHUNK_CHARS) + "t" * (12 * CHUNK_CHARS)  # 16 chunks, capacity 8
+    ask(router, long, replicas=[0])
+    head = router.route(chunk_chain(long[:4 * CHUNK_CHARS] + "?"), 4 * CHUNK_CHARS + 1, [0, 1])
+    assert (head.replica, head.reason, head.matched_chars) == (0, "affinity", 4 * CHUNK_CHARS)

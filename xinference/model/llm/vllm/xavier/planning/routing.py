@@ -225,7 +225,9 @@ class ReplicaRouter:
         s = self._replicas[replica]
         s.in_flight += 1
         s.uncached_chars += uncached_chars
-        for name in chain:
+        # from the end: a prompt's first chunks (the prefix others share) are the most
+        # recently used, the last forgotten; a chain longer than the capacity keeps its head
+        for name in reversed(chain[:self.capacity]):
             if name in s.names:
                 s.names.move_to_end(name)
             else:
