@@ -93,20 +93,13 @@ class SlotAllocator:
 
     def assign(self, key: int, slot: int) -> int:
         """Put ``key`` into ``slot`` (free or just released); returns the new generation."""
-        if slot in self._key_of:
-            raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; release it")
-        if key in self._lru:
-            raise ValueError(f"key: {key} is already stored in slot {self._lru[key]}")
-        self._free_set.discard(slot)
-        self._gen[slot] += 1
-        self._key_of[slot] = key
-        self._lru[key] = slot
-        return int(self._gen[slot])
+        return self.assign_many([key], [slot])[0]
 
     def assign_many(self, keys: Sequence[int], slots: Sequence[int]) -> List[int]:
-        """:meth:`assign` of ``keys[i]`` to ``slots[i]`` for every i in one pass (the
-        generations bumped together, before anything is written into the slots); returns
-        the new generations.  Every pair is checked first: a bad one changes nothing."""
+        """Put ``keys[i]`` into ``slots[i]`` (each free or just released) for every i in one
+        pass (the generations bumped together, before anything is written into the slots);
+        returns the new generations.  Every pair is checked first: a bad one changes
+        nothing."""
         if len(keys) != len(slots):
             raise ValueError(f"slots: {len(slots)} slots for {len(keys)} keys")
         if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
