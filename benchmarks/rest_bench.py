@@ -44,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -55,12 +55,12 @@ from tests.support.xinference_server import (  # noqa: E402
     Server,
     launch_body,
     metrics_endpoint,
+    routed,
     scrape,
     xavier_envs,
 )
 
 ROWS = ("plain-rr", "xavier-rr", "xavier-cache", "routing-alone")
-ROUTED = "xinference_xavier_routed_requests_total"
 
 
 def row_body(model_dir: str, row: str) -> Dict[str, Any]:
@@ -134,12 +134,6 @@ async def run(server: Server, prompts: Sequence[str], concurrency: int,
             "ttft_p95_ms": 1e3 * ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]}
 
 
-def routed(server: Server) -> Dict[Tuple[str, str], int]:
-    return {(labels["replica"], labels["reason"]): int(value)
-            for labels, value in scrape(server.base + "/metrics", ROUTED)
-            if labels.get("model") == MODEL}
-
-
 def xavier_hits(server: Server) -> Dict[str, float]:
     try:
         endpoint = metrics_endpoint(server.home)
@@ -149,9 +143,8 @@ def xavier_hits(server: Server) -> Dict[str, float]:
         return {}
 
 
-def delta(after: Dict[Any, float], before: Dict[Any, float]) -> Dict[str, float]:
-    return {"/".join(k) if isinstance(k, tuple) else k: v - before.get(k, 0)
-            for k, v in after.items() if v - before.get(k, 0)}
+def delta(after: Dict[str, float], before: Dict[str, float]) -> Dict[str, float]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
 def router_cost(prompt_chars: int = 32_768, replicas: int = 2,
@@ -236,7 +229,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     res = asyncio.run(run(server, prompts, c, a.max_tokens))
                     time.sleep(6)  # replicas send their counters every 5 s
                     res.update(row=row, workload=work, concurrency=c,
-                               routed=delta(routed(server), before_r),
+                               routed={"/".join(k): v
+                                       for k, v in routed(server, before_r).items()},
                                xavier_requests_with_hits=delta(xavier_hits(server), before_h))
                     results.append(res)
                     print(f"[rest_bench] {tag}: {res['tok_per_s']:.1f} tok/s, TTFT p50 "

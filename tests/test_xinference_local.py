@@ -35,6 +35,7 @@ from .support.xinference_server import (
     cli_launch,
     launch_body,
     metrics_endpoint,
+    routed,
     scrape,
     wait_for_series,
     xavier_envs,
@@ -63,19 +64,6 @@ def two_requests_sharing_a_prefix(server, tag, offset):
         "max_tokens": 8, "temperature": 0})["usage"] for i in range(2)]
     assert all(u["completion_tokens"] > 0 for u in usages)
     return usages
-
-
-ROUTED = "xinference_xavier_routed_requests_total"
-
-
-def routed(server, since=None):
-    """``{(replica, reason): requests}`` from the API's ``/metrics`` (Xavier's router), less
-    ``since`` (an earlier answer: the API's counters live as long as the shared server)."""
-    now = {(labels["replica"], labels["reason"]): int(value)
-           for labels, value in scrape(server.base + "/metrics", ROUTED)
-           if labels["model"] == MODEL}
-    since = since or {}
-    return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
 
 
 def completion(server, prompt, max_tokens=8):

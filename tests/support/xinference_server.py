@@ -227,6 +227,21 @@ def scrape(endpoint, metric):
     return out
 
 
+#: Xavier's router's counter on the API's ``/metrics`` (``replica_routing.py``)
+ROUTED = "xinference_xavier_routed_requests_total"
+
+
+def routed(server, since=None):
+    """``{(replica, reason): requests}`` of :data:`MODEL` from the API's ``/metrics``
+    (Xavier's router), less ``since`` (an earlier answer: the API's counters live as long as
+    the server)."""
+    now = {(labels["replica"], labels["reason"]): int(value)
+           for labels, value in scrape(server.base + "/metrics", ROUTED)
+           if labels.get("model") == MODEL}
+    since = since or {}
+    return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
+
+
 def wait_for_series(endpoint, metric, count, timeout):
     """:func:`scrape` until ``count`` series are there (or ``timeout`` passed)."""
     deadline = time.monotonic() + timeout
