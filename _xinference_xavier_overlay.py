@@ -248,7 +248,8 @@ def _patch_supervisor(module: ModuleType) -> bool:
     cls.launch_builtin_model = launch  # type: ignore[union-attr]
 
     async def xavier_route_info(self: Any, model_uid: str, **_rpc: Any) -> Any:
-        """The live replicas of a model Xavier routes (None: Xinference's cycle)."""
+        """``(launch id, live replicas)`` of a model Xavier routes (None: Xinference's
+        cycle)."""
         from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
 
         return supervisor_route_info(self, module, model_uid)
