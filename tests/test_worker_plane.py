@@ -34,7 +34,7 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     doubling with each failure in a row; a world update that gives it a new address
     (recovery) allows the next try at once."""
     plane = plane_of()
-    plane.peers.apply_world(["m", "127.0.0.1:1", "b"])
+    plane.peers.apply_world(["m", "127.0.0.1:1", "127.0.0.1:3"])
     tries = []
 
     def failing_describe(rank, address):
@@ -56,10 +56,40 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     clock[0] += peers.PEER_RETRY_S + 0.1  # a second failure in a row doubled the wait
     assert plane.peers.ensure_mapped({1}) == {1}
     assert tries == [1, 1]
-    plane.peers.apply_world(["m", "127.0.0.1:2", "b"])  # rank 1 recovered elsewhere
+    plane.peers.apply_world(["m", "127.0.0.1:2", "127.0.0.1:3"])  # recovered elsewhere
     assert plane.peers.ensure_mapped({1}) == {1}
     assert tries == [1, 1, 1]
     assert plane.counters.snapshot()["peer_map_failures"] == 3
+    plane.close()
+
+
+def test_the_step_thread_never_describes_a_peer_of_another_address_host(monkeypatch):
+    """A load naming a peer not mapped yet whose address is on another host (CI once saw
+    its first describe take 17 s, on vLLM's step thread): its rows fail at once and the
+    mapping thread describes and sets it up; a peer on this rank's own address host is
+    still described at once.  Control: the same peer moved to this host's address."""
+    plane = plane_of()
+    plane.peers.apply_world(["m", "10.77.0.2:1", "10.77.0.1:3"])
+    described = []
+
+    def describe(rank, address):
+        if rank == 0:
+            return None  # (the launch's coordinator: no storage)
+        described.append((rank, threading.current_thread() is threading.main_thread()))
+        raise ConnectionRefusedError("not yet")
+
+    monkeypatch.setattr(plane.peers, "_describe", describe)
+    monkeypatch.setattr(plane.peers, "_premap_failed", lambda rank, exc: None)
+    assert plane.peers.ensure_mapped({1}) == {1}
+    assert described == []  # not on the step's thread
+    assert 1 in plane.peers._wanted  # asked of the mapping thread instead
+    mapper = threading.Thread(target=plane.peers.premap)
+    mapper.start()
+    mapper.join(10)
+    assert described == [(1, False)]
+    plane.peers.apply_world(["m", "10.77.0.1:1", "10.77.0.1:3"])  # now on this host's address
+    assert plane.peers.ensure_mapped({1}) == {1}
+    assert described == [(1, False), (1, True)]
     plane.close()
 
 

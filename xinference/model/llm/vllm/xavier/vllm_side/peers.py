@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Set
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.in_place import CacheHandles, open_caches
 from ..mechanism.kv_schema import KVLayout
+from ..mechanism.nixl_endpoint import endpoint_host
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..planning.counters import SharedCounters
@@ -233,8 +234,8 @@ class PeerMaps:
 
     def ensure_mapped(self, ranks: Set[int]) -> Set[int]:
         """The ranks of ``ranks`` a load cannot read now (vLLM's step thread: it never waits
-        for a peer of another host, see the module docstring).  A peer not mapped yet that
-        is not known to be of another host and did not fail lately is mapped here (after
+        for a peer of another host, see the module docstring).  A peer not mapped yet whose
+        address names this rank's host and that did not fail lately is mapped here (after
         the mapping thread's work on this host, which holds the lock; a remote setup never
         holds it)."""
         self.follow_world()  # (asks this rank's own actor, never a peer)
@@ -244,7 +245,8 @@ class PeerMaps:
             return kept_out
         now = _monotonic()
         here = [r for r in sorted(missing)
-                if r not in self._remote and not self._peer_backoff.waiting(r, now)]
+                if r not in self._remote and self._same_address_host(r)
+                and not self._peer_backoff.waiting(r, now)]
         if here and self._lock.acquire(timeout=PEER_MAP_TIMEOUT_S):  # (this host's work only)
             try:
                 for rank in here:  # (one of another host: found so, and left to the thread)
@@ -257,6 +259,21 @@ class PeerMaps:
                 self._wanted |= missing
             self._wake.set()
         return missing | kept_out
+
+    def _same_address_host(self, rank: int) -> bool:
+        """Whether ``rank``'s address names the host part of this rank's own (then the
+        step's thread may ask for its descriptor; any other peer is described by the
+        mapping thread only: a first describe of another host's peer took 17 s under
+        load in CI, on vLLM's step thread).  Conservative: a peer of this host bound to
+        another address is only mapped a little later, by the thread."""
+        world = self._world
+        if not (rank < len(world) and self._rank < len(world)):
+            return False
+        own, peer = world[self._rank], world[rank]
+        try:
+            return bool(own and peer) and endpoint_host(own) == endpoint_host(peer)
+        except ValueError:
+            return False
 
     def _try_map(self, rank: int, t0: float, desc: Optional[Dict[str, Any]] = None,
                  ahead: bool = False, remote: Optional[bool] = None) -> bool:
