@@ -224,8 +224,9 @@ def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
     that comes late still counts: a rank that answers every check after 1.75 timeouts stays
     registered for many rounds (the control: with late answers ignored both are dropped),
     while one that goes dark is dropped within ``LIVENESS_MISSES`` intervals plus the
-    timeout (#36: a blackholed host leaves the directory in about 11 s by default).  While
-    no rank answers at all (this side cut off), nobody is dropped."""
+    timeout (#36: a blackholed host leaves the directory in about 11 s by default), and is
+    taken back once it answers again (it was alive).  While no rank answers at all (this
+    side cut off), nobody is dropped."""
     interval, timeout = 0.5, 0.2
 
     async def run():
@@ -277,6 +278,25 @@ def test_a_dark_rank_leaves_within_two_intervals_and_a_slow_one_stays():
             assert dropped_after <= bound + 0.3, (dropped_after, bound)
             assert (await tracker.stats())["blocks"] == 4  # rank 2's only
             assert (await manager.liveness())["dropped_unreachable"] == 1
+            assert await ranks[2].world() == ["", "", addr]  # told rank 1 left
+
+            # the dark rank was alive (a stall, a link that came back): still asked, it is
+            # taken back once it answers, and the others get the world with it again
+            # (control: while it stays dark for as long again, it stays out)
+            await asyncio.sleep(4 * interval)
+            live = await manager.liveness()
+            assert live["ranks"] == [2] and live["readmitted"] == 0, live
+            await ranks[1].light_up()
+            t0 = time.monotonic()
+            while (await manager.liveness())["ranks"] != [1, 2]:
+                assert time.monotonic() - t0 < 10 * interval, await manager.liveness()
+                await asyncio.sleep(0.02)
+            live = await manager.liveness()
+            assert live["readmitted"] == 1 and live["dropped_unreachable"] == 1, live
+            assert await ranks[2].world() == ["", addr, addr]
+            assert await ranks[1].world() == ["", addr, addr]
+            await asyncio.sleep(6 * interval)  # and it is judged again like any rank
+            assert (await manager.liveness())["ranks"] == [1, 2]
             await xo.destroy_actor(manager)
 
     asyncio.run(run())

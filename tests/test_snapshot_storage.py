@@ -5,6 +5,7 @@ real processes in test_storage_multiprocess.py.
 """
 
 import os
+import secrets
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     remove_orphaned_shm_files,
 )
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
+from xinference.model.llm.vllm.xavier.planning.shm_words import shm_dir
 from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator
 
 from .kvfixtures import BLOCK_DIM, make_caches
@@ -68,9 +70,15 @@ def test_shared_memory_tier_maps_elsewhere_and_files_go_on_close():
     assert rows[0].dtype == torch.uint8 and rows[0].shape[0] == 1
     paths = [p for layers in h.values() for p, _, _ in layers]
     assert all(os.path.exists(p) for p in paths)
+    # a killed process's file (its pid gone, no owner lock) appears while the storage lives:
+    # its close sweeps it, as the next storage's start would (none may start again)
+    orphan = os.path.join(shm_dir(), f"xavier-{2**22 + 12345}-{secrets.token_hex(16)}")
+    with open(orphan, "wb") as f:
+        f.write(b"x")
     release()
     st.close()
     assert not any(os.path.exists(p) for p in paths)
+    assert not os.path.exists(orphan)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["private", "shared_memory"])

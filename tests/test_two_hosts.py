@@ -23,6 +23,11 @@ hosts again.  (Xinference 3.5.0 neither relaunches a replica on a returning work
 replicas to Xavier models, so "back" means a new launch.)  Five engine starts in all: the
 baseline, one launch with the automatic transport for the first two tests, the relaunch.
 
+The deployment is authenticated (issue #36): supervisor and workers, and so every sub pool
+and vLLM engine they start, sign their xoscar frames with ``XOSCAR_AUTH_KEY`` (a fresh key
+per run), the tests' own actor calls too (``tests/support/xoscar_keys.py``); a client
+without the key is refused.
+
 The hosts share one kernel: the workers run with ``UCX_TLS=tcp`` so that UCX does not
 pick its shared-memory transports between them (real separate hosts cannot), and the
 measured figures are printed and, with ``XAVIER_TEST_LOG_DIR``, written as JSON.
@@ -33,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -51,6 +57,7 @@ from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
 from xinference.model.llm.vllm.xavier.vllm_side import peers, remote_reads
 
 from .support.netns import SimulatedHosts, simulated_hosts
+from .support.xoscar_keys import signing_with
 
 REQUIRED = os.environ.get("XAVIER_TEST_REQUIRE_NETNS") == "1"  # CI: fail, never skip
 pytestmark = [
@@ -99,6 +106,9 @@ class Cluster:
         self.base = f"http://{self.a}:{HTTP_PORT}"
         self.supervisor_address = f"{self.a}:{SUPERVISOR_PORT}"
         self.token = ""
+        #: an authenticated deployment (issue #36): every process of the cluster signs its
+        #: xoscar frames with this key (a fresh one per run), and so do this test's calls
+        self.auth_key = secrets.token_hex(16)
         self.workers: Dict[int, subprocess.Popen] = {}
         env = self.env("supervisor")
         hosts.popen(0, [os.path.join(BIN, "xinference-supervisor"), "-H", self.a,
@@ -114,7 +124,7 @@ class Cluster:
 
     def env(self, name: str) -> Dict[str, str]:
         return dict(os.environ, XINFERENCE_HOME=os.path.join(self.home, name),
-                    PYTHONUNBUFFERED="1", UCX_TLS="tcp")
+                    PYTHONUNBUFFERED="1", UCX_TLS="tcp", XOSCAR_AUTH_KEY=self.auth_key)
 
     def log(self, name: str) -> str:
         return os.path.join(self.home, f"{name}.log")
@@ -172,12 +182,21 @@ class Cluster:
 
         return self.hosts.run_in(0, request, timeout + 30)
 
-    def actor_call(self, address: str, uid: str, method: str, *args: Any) -> Any:
+    def actor_call(self, address: str, uid: str, method: str, *args: Any,
+                   key: Optional[str] = "") -> Any:
+        """``method(*args)`` of actor ``uid`` at ``address``, from host A, the frames signed
+        with ``key`` ("": the cluster's; None: unsigned, as a client without the key)."""
         async def go() -> Any:
             ref = await xo.actor_ref(address, uid)
             return await asyncio.wait_for(getattr(ref, method)(*args), 60)
 
-        return self.hosts.run_in(0, lambda: asyncio.run(go()), 120)
+        def run() -> Any:
+            if key is None:
+                return asyncio.run(go())
+            with signing_with(key or self.auth_key):
+                return asyncio.run(go())
+
+        return self.hosts.run_in(0, run, 120)
 
     # ----------------------------------------------------------------- a model
     def launch(self, xavier: bool, transport: Optional[str] = None) -> float:
@@ -417,9 +436,21 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
 
 def test_a_prefix_computed_on_one_host_is_loaded_on_the_other(cluster, baseline,
                                                               automatic_launch):
-    """The automatic transport (no RDMA device here: xoscar's sockets)."""
-    a_prefix_crosses_the_hosts(cluster, baseline, automatic_launch.get(), "xavier",
-                               "sockets")
+    """The automatic transport (no RDMA device here: xoscar's sockets), in an authenticated
+    deployment: a client without the cluster's key, or with another, is refused by the
+    directory and by the replica on host B at its first frame (negative control: the same
+    calls with the key are answered, as every call of these tests is)."""
+    world = automatic_launch.get()
+    a_prefix_crosses_the_hosts(cluster, baseline, world, "xavier", "sockets")
+    on_b = next(r for r in (1, 2) if host_of(world[r], cluster) == "B")
+    calls = [(cluster.supervisor_address, f"{VLLMBlockTracker.default_uid()}-{MODEL}", "stats"),
+             (world[on_b], transfer_actor_uid(on_b), "counters")]
+    for address, uid, method in calls:
+        assert cluster.actor_call(address, uid, method)  # (signed with the cluster's key)
+        for key in (None, "another-key"):
+            with pytest.raises(Exception) as refused:
+                cluster.actor_call(address, uid, method, key=key)
+            assert type(refused.value).__name__ == "ServerClosed", repr(refused.value)
 
 
 class DropWatch:

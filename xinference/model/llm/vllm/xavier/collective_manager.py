@@ -11,7 +11,7 @@ Imported by Xinference's supervisor at every start: xoscar only, no torch, no vL
   whose worker or host died or went dark (Xinference tells Xavier nothing then) is
   unregistered once it has answered none of :attr:`CollectiveManager.LIVENESS_MISSES`
   checks in a row, so its blocks leave the directory and the other ranks stop trying to
-  read them.
+  read them; one that answers again later (it was stalled, not dead) is taken back.
 * :class:`Rank0ModelActor` (worker, GPU-less subpool, uid ``"<model_uid>-rank0"``): rank 0
   holds no engine; its :class:`Rank0TransferActor` only answers the world updates so that
   the manager can treat all ranks alike.
@@ -118,6 +118,8 @@ class CollectiveManager(xo.StatelessActor):
     LIVENESS_TIMEOUT_S = 1.0
     #: checks in a row a rank answered none of before it counts as dead and is unregistered
     LIVENESS_MISSES = 2
+    #: seconds a rank dropped as unreachable is still asked (one that answers is taken back)
+    READMIT_WINDOW_S = 600.0
 
     @classmethod
     def default_uid(cls) -> str:
@@ -162,6 +164,11 @@ class CollectiveManager(xo.StatelessActor):
         #: or timed out: sent the world again once they answer a liveness check
         self._behind: Dict[int, int] = {}
         self.world_updates_retried = 0
+        #: rank -> (generation, address, ref, when) of ranks dropped as unreachable: still
+        #: asked, taken back when one answers (a live rank left out of the world publishes
+        #: blocks no peer can read: offered hits that fail)
+        self._dropped: Dict[int, Tuple[int, str, Any, float]] = {}
+        self.ranks_readmitted = 0
 
     async def __post_create__(self) -> None:
         from .block_tracker import VLLMBlockTracker
@@ -179,6 +186,7 @@ class CollectiveManager(xo.StatelessActor):
         the new world to every rank."""
         ref = await xo.actor_ref(address=address, uid=transfer_actor_uid(rank))
         async with self._lock:
+            self._dropped.pop(rank, None)  # (Xinference's recovery: the new one counts)
             self._refs[rank] = ref
             self._addresses[rank] = address
             self._generation[rank] = self._generation.get(rank, 0) + 1
@@ -202,13 +210,15 @@ class CollectiveManager(xo.StatelessActor):
             if generation is not None and (self._generation.get(rank) != generation
                                            or rank not in self._refs):
                 return False
-            self._refs.pop(rank, None)
-            self._addresses.pop(rank, None)
+            ref = self._refs.pop(rank, None)
+            address = self._addresses.pop(rank, "")
             self._behind.pop(rank, None)
+            self._dropped.pop(rank, None)
             if generation is not None:
                 # counted with the removal, so that liveness() never shows the rank gone
                 # and the count not yet raised (it answers while the directory is told)
                 self.ranks_dropped_unreachable += 1
+                self._dropped[rank] = (generation, address, ref, time.monotonic())
         if self._tracker is not None:
             dropped = await self._tracker.unregister_rank(rank)
             logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
@@ -252,17 +262,45 @@ class CollectiveManager(xo.StatelessActor):
         async with self._lock:
             checked = [(rank, self._generation.get(rank, 0), ref)
                        for rank, ref in self._refs.items()]
-        current = {(rank, generation) for rank, generation, _ in checked}
+            dropped = []  # (those dropped long ago are dead: a recovery registers anew)
+            for rank, (generation, _, ref, at) in list(self._dropped.items()):
+                if time.monotonic() - at > self.READMIT_WINDOW_S:
+                    del self._dropped[rank]
+                else:
+                    dropped.append((rank, generation, ref))
+                    self._answered.setdefault((rank, generation), at)
+        current = {(rank, generation) for rank, generation, _ in checked + dropped}
         for stale in [key for key in self._answered if key not in current]:
             del self._answered[stale]  # unregistered or registered again meanwhile
             task = self._asking.pop(stale, None)
             if task is not None:
                 task.cancel()
-        for rank, generation, ref in checked:
+        for rank, generation, ref in checked + dropped:
             key = (rank, generation)
             if key not in self._asking:
                 self._asking[key] = asyncio.create_task(self._ask(key, ref))
         return checked
+
+    async def _readmit_answering(self) -> None:
+        """Take back, as new registrations, the dropped ranks that answered since (a stall
+        or a link back, not a death) and send the world to every rank; the blocks they
+        publish from now on are offered again (older ones are misses)."""
+        back = []
+        async with self._lock:
+            for rank, (generation, address, ref, at) in list(self._dropped.items()):
+                answered = self._answered.get((rank, generation), 0.0)
+                if answered <= at or rank in self._refs:
+                    continue
+                del self._dropped[rank]  # (its old check's answer goes at the next round)
+                self._refs[rank], self._addresses[rank] = ref, address
+                self._generation[rank] = self._generation.get(rank, 0) + 1  # (judged
+                self._answered[(rank, self._generation[rank])] = time.monotonic()  # anew)
+                self.ranks_readmitted += 1
+                back.append(rank)
+                logger.warning("xavier %s: rank %d at %s answers again after it was dropped "
+                               "as unreachable: taken back", self._model_uid, rank, address)
+        if back:
+            await self._update_world()
 
     async def _ask(self, key: Tuple[int, int], ref: Any) -> None:
         """One check: an answer (any value) is recorded when it comes, however late; a
@@ -286,6 +324,7 @@ class CollectiveManager(xo.StatelessActor):
         while their last update failed."""
         if self._heard_any < since:
             return  # nobody answered since: this side is cut off, the ranks may be fine
+        await self._readmit_answering()
         retry, dropped = [], 0
         try:
             for rank, generation, ref in checked:
@@ -319,7 +358,8 @@ class CollectiveManager(xo.StatelessActor):
         """The ranks watched now, how many were dropped as unreachable, the ranks whose last
         world update failed (``behind``) and how many updates were sent again."""
         return {"ranks": sorted(self._refs), "dropped_unreachable":
-                self.ranks_dropped_unreachable, "interval_s": self._interval,
+                self.ranks_dropped_unreachable, "readmitted": self.ranks_readmitted,
+                "interval_s": self._interval,
                 "behind": sorted(self._behind), "world_updates_retried":
                 self.world_updates_retried}
 
@@ -365,11 +405,9 @@ class CollectiveManager(xo.StatelessActor):
 
 
 async def _within(timeout: float, calls: List[Any]) -> List[Any]:
-    """Run ``calls`` (coroutines) at once; each one's result, its exception, or a
-    :class:`TimeoutError` for those not done after ``timeout`` s.  Unlike
-    ``asyncio.wait_for``, never waits for a call to take its cancellation: xoscar's
-    connection set-up to a host that answers nothing does not (seen: a 5 s bound held the
-    registry for 20 s, until the kernel's connect timeout)."""
+    """Run ``calls`` at once: each one's result, exception, or ``TimeoutError`` after
+    ``timeout`` s.  Unlike ``asyncio.wait_for``, never waits for a call to take its
+    cancellation (xoscar's connect to a dark host does not: a 5 s bound held 20 s)."""
     tasks = [asyncio.ensure_future(call) for call in calls]
     if not tasks:
         return []

@@ -195,10 +195,14 @@ class SnapshotStorage:
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Free the slots (and the shared-memory files). Idempotent."""
+        """Free the slots (and the shared-memory files), then sweep the orphaned files of
+        dead processes of this host, as a storage's start does (so that a killed peer's
+        files go when the model is terminated without any storage starting again).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
+        shared = any(t.shm_files for t in self._tiers.values())
         for t in self._tiers.values():
             unpin_host(t.pinned)
             t.pinned.clear()
@@ -207,6 +211,8 @@ class SnapshotStorage:
             remove_files(t.shm_files)
             t.shm_files.clear()
         self.generations.close()
+        if shared:
+            remove_orphaned_shm_files()
 
 
 def open_tier(kind: str, handles: Any, pin: bool = False
