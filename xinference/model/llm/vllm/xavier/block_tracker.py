@@ -1,10 +1,11 @@
 """The block directory actor (supervisor pool): ``VLLMBlockTracker``.
 
 Imported by Xinference's supervisor at every start: xoscar and numpy only, no
-torch, no vLLM.  A thin adapter over :class:`~.block_directory.BlockDirectory`;
+torch, no vLLM.  A thin adapter over :class:`~.planning.block_directory.BlockDirectory`;
 every method is synchronous, so each runs atomically in the actor.  Its
 ``register`` and ``claim`` are what a worker's storage writer calls
-(:class:`~.storage_writer.DirectoryLink`, through :class:`~.worker_plane.TrackerLink`).
+(:class:`~.planning.directory_link.DirectoryLink`, through
+:class:`~.vllm_side.tracker_link.TrackerLink`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the model actor awaits :meth:`XavierEngine.init_xavier`.
 
 ``from_engine_args``
 
-1. validates the options (:class:`~.options.XavierOptions`; errors name the option);
+1. validates the options (:class:`~.planning.options.XavierOptions`; errors name the option);
 2. checks ``PYTHONHASHSEED`` (a user's fixed value is kept, ``random`` refused; unset, the
    engine core seeds vLLM's block hashes with the launch's secret seed:
    :mod:`~.planning.hash_seed`) and makes vLLM spawn its workers;

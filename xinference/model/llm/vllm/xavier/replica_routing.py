@@ -7,7 +7,7 @@ Path of one ``POST /v1/chat/completions`` or ``/v1/completions`` (the OpenAI cli
 web UI and Xinference's own client all come this way):
 
 1. :meth:`ApiRouting.begin`, in a wrapper of the handler: reads the body (Starlette keeps
-   it for the handler), asks the model's router (:func:`routed_models`: which models were
+   it for the handler), asks the model's router (:func:`supervisor_route_info`: which models were
    launched with Xavier and ``xavier_routing`` ``cache_aware``, with the launch's id and
    their live replicas; asked again when a second old) and keeps the
    choice in a context variable;

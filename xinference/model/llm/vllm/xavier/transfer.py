@@ -3,9 +3,9 @@
 Created by Xinference's ``ModelActor.start_transfer_for_vllm`` with uid
 ``f"{TransferActor.default_uid()}-{rank}"`` in the model actor's pool, after the engine
 is up.  The engine's vLLM worker moves the bytes of its own loads and exports
-(:mod:`.worker_plane`); this actor holds what needs an actor:
+(:mod:`.vllm_side.worker_plane`); this actor holds what needs an actor:
 
-* the rank's :class:`~.snapshot_storage.SnapshotStorage`, allocated when the worker
+* the rank's :class:`~.mechanism.snapshot_storage.SnapshotStorage`, allocated when the worker
   registers (:meth:`TransferActor.register_engine`, sized for the engine's KV layout:
   GPU tier on the engine's device, CPU tier in shared memory) and kept for the life of
   the replica; the worker and same-host peers map it.  A tensor-parallel replica has one

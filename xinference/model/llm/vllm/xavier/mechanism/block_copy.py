@@ -1,4 +1,4 @@
-"""Execution of one planned :class:`~.plan.Transfer` with torch (CPU or CUDA).
+"""Execution of one planned :class:`~..planning.plan.Transfer` with torch (CPU or CUDA).
 
 Every layer tensor is addressed through a *block view*: the block dimension
 moved first and the dtype reinterpreted as plain integers (``int64`` words

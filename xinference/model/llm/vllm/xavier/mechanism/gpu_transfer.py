@@ -1,10 +1,10 @@
 """The batched load engine of one rank: ``GPUTransfer.load_gpu_requests_v1``.
 
 Runs inside the vLLM worker process that owns the destination KV caches.  One call per
-scheduler step carries every scheduled request's loads (a :class:`~.load_batch.LoadBatch`).
-The call
+scheduler step carries every scheduled request's loads (a
+:class:`~..planning.load_batch.LoadBatch`).  The call
 
-1. plans the batch (:func:`~.plan.plan_step`: null blocks dropped, conflicts rejected,
+1. plans the batch (:func:`~..planning.plan.plan_step`: null blocks dropped, conflicts rejected,
    duplicates collapsed, reads grouped by source rank and tier, cut into slab-bounded
    transfers, slab size per peer with hysteresis);
 2. validates the whole plan against the mapped storages and the local KV caches (groups,

@@ -1,8 +1,8 @@
 """This rank's snapshot storage as its vLLM worker writes it: slots, exports, room.
 
 The storage's memory belongs to the rank's ``TransferActor`` (:mod:`.snapshot_storage`);
-the worker maps every tier and keeps the bookkeeping (one :class:`~.slot_allocator.
-SlotAllocator` per tier and group: which key each slot holds, LRU order, generations).
+the worker maps every tier and keeps the books (a :class:`~..planning.slot_allocator.
+SlotAllocator` per tier and group: each slot's key, LRU order, generations).
 
 :meth:`StorageWriter.export` runs on the worker's step thread after the forward that
 computed the blocks, and never waits:

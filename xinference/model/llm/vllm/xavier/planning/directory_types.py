@@ -124,9 +124,10 @@ class DirectoryStats:
     leases_expired: int = 0
     leases_of_gone_holders: int = 0
     claims_refused: int = 0
-    #: leases :meth:`BlockDirectory.lease` could not grant (the bound reached)
+    #: leases :meth:`~.block_directory.BlockDirectory.lease` could not grant (the bound reached)
     leases_refused: int = 0
-    #: entries dropped because their rank no longer held the block (:meth:`forget`)
+    #: entries dropped because their rank no longer held the block
+    #: (:meth:`~.block_directory.BlockDirectory.forget`)
     forgotten: int = 0
     stale_registrations: int = 0
     #: lookups that found another block name with the same low 63 bits (a miss)

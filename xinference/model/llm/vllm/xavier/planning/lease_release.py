@@ -111,8 +111,8 @@ def directory_sender(directory: Any, start: Callable[[Callable[[], Awaitable[Any
                                                     concurrent.futures.Future[Any]]
                      ) -> SendRelease:
     """A :data:`SendRelease` calling ``release(ids)`` of the directory actor that
-    ``directory`` (an unchecked :class:`~.actor_bridge.LazyActor`: its ref needs no lookup,
-    so this is safe on the bridge's own thread) names, started with ``start``
+    ``directory`` (an unchecked :class:`~..vllm_side.actor_bridge.LazyActor`: its ref needs
+    no lookup, so this is safe on the bridge's own thread) names, started with ``start``
     (``ActorBridge.start``)."""
     if getattr(directory, "checked", False):
         raise ValueError("directory: an unchecked LazyActor (checked=False) is needed here")

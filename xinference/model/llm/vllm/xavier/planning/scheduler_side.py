@@ -1,6 +1,6 @@
 """The scheduler half of the connector, without vLLM: lookups, leases, destinations, exports.
 
-:class:`SchedulerSide` is driven by :class:`~.connector.XavierConnector` (scheduler
+:class:`SchedulerSide` is driven by :class:`~..vllm_side.connector.XavierConnector` (scheduler
 role), which translates vLLM's objects into plain values.  Contract:
 
 * :meth:`SchedulerSide.track` (vLLM's ``on_new_request``) queues the request's directory

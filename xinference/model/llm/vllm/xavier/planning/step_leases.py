@@ -32,7 +32,8 @@ logger = package_logger(__name__)
 
 #: release lease ids (fire and forget is fine: a late release only delays eviction)
 ReleaseFn = Callable[[Sequence[int]], None]
-#: asks the directory for leases on these locations (rows of :class:`Location` fields);
+#: asks the directory for leases on these locations (rows of
+#: :class:`~.directory_types.Location` fields);
 #: the future gives one id per location (``NO_LEASE`` where none was granted)
 TakeLeasesFn = Callable[[np.ndarray], "concurrent.futures.Future[List[int]]"]
 #: the leases of one request's load: the step's lease call and the request's slice of it

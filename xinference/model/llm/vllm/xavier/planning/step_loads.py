@@ -19,8 +19,8 @@ from .load_batch import COLUMNS, DEST, GEN, GROUP, INC, KEY, RANK, SLOT, TIER, T
 @dataclass
 class StepLoad:
     """One request's loads in the step being built: its load-table rows, each row's block
-    name (an index into ``names``) and the rows of the reads to lease (:class:`Location`
-    fields: reads of Xavier's own tiers)."""
+    name (an index into ``names``) and the rows of the reads to lease
+    (:class:`~.directory_types.Location` fields: reads of Xavier's own tiers)."""
 
     request_id: str
     rows: np.ndarray

@@ -189,8 +189,9 @@ class XavierConnectorScheduler:
             self._host_poll = self._bridge.start(lambda: ref.host_indexes(host, rank))
 
     def _take_leases(self, locations: np.ndarray) -> concurrent.futures.Future[List[int]]:
-        """Leases for this rank's load of ``locations`` (rows of :class:`Location` fields;
-        one directory call, not waited for)."""
+        """Leases for this rank's load of ``locations`` (rows of
+        :class:`~..planning.directory_types.Location` fields; one directory call, not waited
+        for)."""
         ref = self._directory.get()
         rank = self.options.rank
         rows = locations.tolist()

@@ -16,7 +16,7 @@ CALL_TIMEOUT_S = 30.0
 
 
 class TrackerLink:
-    """The storage writer's :class:`~.storage_writer.DirectoryLink`: blocking calls to the
+    """The storage writer's :class:`~..planning.directory_link.DirectoryLink`: blocking calls to the
     ``VLLMBlockTracker`` through the bridge (made off the step thread)."""
 
     def __init__(self, bridge: ActorBridge, tracker: LazyActor) -> None:
