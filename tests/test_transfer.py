@@ -14,7 +14,7 @@ from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import (
     tier_configs,
 )
 from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
-from xinference.model.llm.vllm.xavier.transfer import TransferActor, TransferClosedError
+from xinference.model.llm.vllm.xavier.transfer import EngineNotRegisteredError, TransferActor
 
 from .kvfixtures import engine_cache, opts
 
@@ -73,7 +73,7 @@ def test_a_tensor_parallel_engine_is_ready_with_every_shard_and_each_is_describe
         actor._tp_size = 2
         actor._shards = {0: RankShard(SnapshotStorage(1, layout, tiers), None, 7, None)}
         assert not actor.is_ready()  # worker 1 not registered yet
-        with pytest.raises(TransferClosedError, match="no storage of TP worker 1"):
+        with pytest.raises(EngineNotRegisteredError, match="no storage of TP worker 1"):
             actor.storage_descriptor(1)
         actor._shards[1] = RankShard(SnapshotStorage(1, layout, tiers), None, 9, None)
         assert actor.is_ready()

@@ -66,8 +66,8 @@ METRICS_PUSH_S = 5.0
 METRICS_SINK = "xavier_counters"
 
 
-class TransferClosedError(RuntimeError):
-    """No engine registered (or it was released): nothing to serve."""
+class EngineNotRegisteredError(RuntimeError):
+    """No engine (TP worker) registered here, or it was released: nothing to serve."""
 
 
 class TransferActor(xo.StatelessActor):
@@ -331,7 +331,7 @@ class TransferActor(xo.StatelessActor):
     def _shard(self, tp_rank: int) -> RankShard:
         shard = self._shards.get(int(tp_rank))
         if shard is None:
-            raise TransferClosedError(f"rank {self.rank}: no storage of TP worker {tp_rank} "
+            raise EngineNotRegisteredError(f"rank {self.rank}: no storage of TP worker {tp_rank} "
                                       "(engine not registered)")
         return shard
 
@@ -402,7 +402,7 @@ class TransferActor(xo.StatelessActor):
         lands in its rows; with both sets held, ``StagingBusyError`` (recomputed)."""
         shard = self._shard(tp_rank)
         if shard.owner is None or shard.staging is None:
-            raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
+            raise EngineNotRegisteredError(f"rank {self.rank}: TP worker {tp_rank} not registered")
         if rank not in self._remote:
             await self.map_remote(rank)
         peer, address = self._remote[rank]
@@ -424,7 +424,7 @@ class TransferActor(xo.StatelessActor):
         """How TP worker ``tp_rank`` maps its staging row set ``index``."""
         shard = self._shard(tp_rank)
         if shard.staging is None:
-            raise TransferClosedError(f"rank {self.rank}: TP worker {tp_rank} not registered")
+            raise EngineNotRegisteredError(f"rank {self.rank}: TP worker {tp_rank} not registered")
         return shard.staging.handles(index)
 
     # --------------------------------------------------------------- counters
