@@ -3,6 +3,7 @@ downwards, every public class documented, modules of a size a reader takes in at
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -99,3 +100,33 @@ def test_production_objects_carry_no_test_hooks():
     assert {"inject_fault", "raw_load", "stored_block_digests"} <= hooks
     for production in (TransferActor, WorkerDataPlane):
         assert hooks & set(dir(production)) <= {"flush"}, production.__name__
+
+
+def file_map() -> dict:
+    """The folders' rows of doc/architecture.md's map: folder -> the row's text."""
+    doc = (PKG.parents[4] / "doc" / "architecture.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        m = re.match(r"\| (root:[^|]*|`(\w+)/`) \| (.*?) \| [^|]* \|$", line)
+        if m:
+            rows["root" if m.group(1).startswith("root") else m.group(2)] = line
+    return rows
+
+
+def test_the_file_map_names_every_module_and_only_modules():
+    """doc/architecture.md's map is the one file map (#38): each folder's row names every
+    module of the folder, and every lowercase name outside parentheses in it is one."""
+    rows = file_map()
+    assert sorted(rows) == sorted(LAYERS)
+    for folder, row in rows.items():
+        here = PKG if folder == "root" else PKG / folder
+        present = {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+        named = set(re.findall(r"`(\w+)`", row))
+        assert not present - named, f"{folder}: not in doc/architecture.md's map"
+        depth, top = 0, set()
+        for token in re.finditer(r"\(|\)|`([^`]+)`", row.split("|")[2]):
+            if token.group(0) in "()":
+                depth = max(0, depth + (1 if token.group(0) == "(" else -1))
+            elif depth == 0 and re.fullmatch(r"[a-z_0-9]+", token.group(1)):
+                top.add(token.group(1))
+        assert not top - present, f"{folder}: the map names modules that are not there"
