@@ -11,7 +11,10 @@ Layers, one folder each, imports only downwards (see ``doc/architecture.md``):
 * :mod:`.mechanism` -- torch: KV layouts, storage tiers, copies, the load engine, NIXL;
 * :mod:`.vllm_side` -- vLLM's connector halves, the worker's data plane, peers;
 * this folder -- the modules Xinference 3.5.0 imports by path: :mod:`.engine`,
-  :mod:`.transfer`, :mod:`.block_tracker`, :mod:`.collective_manager`, :mod:`.transport`.
+  :mod:`.transfer`, :mod:`.block_tracker`, :mod:`.collective_manager`, :mod:`.transport`;
+  and :mod:`.replica_routing`, which the overlay installs into Xinference's API.
+
+Module by module: the one file map in ``doc/architecture.md``.
 
 The package itself imports nothing heavy: Xinference's supervisor imports
 :mod:`.block_tracker`, :mod:`.collective_manager` and :mod:`.transport` at
