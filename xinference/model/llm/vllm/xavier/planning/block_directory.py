@@ -1,8 +1,7 @@
 """The block directory (pure): where each KV block lives, and leases on it.
 
-Hosted by ``VLLMBlockTracker`` in the supervisor pool; one instance per model.
-Every operation is synchronous and runs to completion inside the actor, so
-each one is atomic with respect to the others.
+Hosted by ``VLLMBlockTracker`` in the supervisor pool; one instance per model.  Every
+operation is synchronous and runs to completion inside the actor: each is atomic.
 
 * Blocks are named by ``(group, key)``: the KV-cache group and the block's full name
   (:func:`~.block_names.block_name`, 192 bits of vLLM's block hash; hybrid models hash
@@ -11,9 +10,9 @@ each one is atomic with respect to the others.
   carries) is counted in ``identity_mismatches``: a forged or accidental collision of the
   short key is a miss, never a load.
 * A **location** is ``(rank, tier, group, slot, generation, incarnation)``: the slot of a
-  rank's tier storage for that group that holds the block.  ``generation`` changes whenever the
-  storage reuses a slot, so an entry for an older generation is never
-  returned or leased (a stale entry); ``incarnation`` names the storage that wrote it
+  rank's tier storage for that group that holds the block.  ``generation`` changes whenever
+  the storage reuses a slot (an older one is never returned or leased: a stale entry);
+  ``incarnation`` names the storage that wrote it
   (:mod:`~..mechanism.slot_generations`: minted per storage), so that a restarted source's
   slots are another storage's, whatever their numbers.  None of this is trusted for the
   bytes: a loader checks the identity against the source's own generations after its copy
@@ -27,12 +26,11 @@ each one is atomic with respect to the others.
   location in a rank's own vLLM cache (``Tier.VLLM``, read in place) gets none
   (:data:`~.load_batch.NO_LEASE`): vLLM reuses its blocks without asking anyone, and the
   reader's check after its copy is what makes such a read safe.
-* :meth:`BlockDirectory.forget` drops locations a rank no longer holds (vLLM handed those
-  blocks out to be overwritten), whatever their generation.
-* :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to
-  reuse, the directory removes the unleased ones (so they can no longer be
-  returned) and refuses the leased ones.  So a slot under lease is never
-  reused, and a query never returns a slot being reused.
+* :meth:`BlockDirectory.forget` drops locations a rank no longer holds (vLLM handed them
+  out to be overwritten), whatever their generation.
+* :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to reuse, the
+  directory removes the unleased ones (never returned again) and refuses the leased ones:
+  a slot under lease is never reused, and a query never returns a slot being reused.
 * :meth:`BlockDirectory.unregister_rank` purges a rank: the leases on its slots die (a
   load from a dead rank fails and vLLM recomputes), and so do the leases it holds on other
   ranks' slots (a dead loader no longer pins them).
@@ -44,12 +42,10 @@ each one is atomic with respect to the others.
   id, and a late release from before a directory was re-created frees nothing of the new
   one's.
 
-Memory is bounded by the number of registered slots (one entry per slot: one int,
-:mod:`.directory_entries`, kept by reference under its place and its short name) and by
-what a departed rank left, swept :data:`SWEEP_PER_CALL` entries per call;
-``max_leases`` bounds outstanding leases.  Unregistering a rank or forgetting a whole tier
-drops its places at once (its entries become garbage, skipped by every lookup), so the
-actor is never held for long by a rank with many blocks.
+Memory is bounded by the registered slots (one int per slot, :mod:`.directory_entries`,
+kept under its place and its short name), by what a departed rank left (swept
+:data:`SWEEP_PER_CALL` entries per call) and by ``max_leases``.  Unregistering a rank or
+forgetting a tier drops its places at once (its entries: garbage every lookup skips).
 """
 
 from __future__ import annotations
@@ -60,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import directory_entries as ent
+from .block_names import ROW_KEY_MASK
 from .directory_entries import DirectoryError
 from .directory_leases import Leases
 from .directory_types import DirectoryStats, Location, QueryResult
@@ -77,6 +74,8 @@ SWEEP_PER_CALL = 4096
 CANDIDATES_PER_BLOCK = 4
 _EMPTY: Dict[int, int] = {}
 _TIERS = frozenset(int(t) for t in Tier)
+_VLLM = int(Tier.VLLM)
+_PLACE_TIER, _PLACE_GROUP = ent.PLACE_TIER_SHIFT, ent.PLACE_GROUP_SHIFT
 #: read_preference by tier, looked up without a call (the lookup loop)
 _PREFERENCE = tuple(read_preference(t) for t in range(max(_TIERS) + 1))
 
@@ -175,13 +174,15 @@ class BlockDirectory:
         limits = ent.LIMITS
         g_max, k_max, s_max, n_max = (limits["group"], limits["key"], limits["slot"],
                                       limits["generation"])
+        records, rank_bits = self._records, rank << ent.RANK_SHIFT
         for group, key, tier, slot, gen in entries:
             if not (type(group) is int and type(key) is int and type(slot) is int
                     and type(gen) is int and type(tier) is int
                     and 0 <= group <= g_max and 0 <= key <= k_max
                     and tier in _TIERS and 0 <= slot <= s_max and 0 <= gen <= n_max):
                 ent.check_entry(group, key, tier, slot, gen)  # (one call per entry cost ~25 %)
-            where = ent.place(tier, group, slot)
+            # (packed inline, as ent.place / ent.short_name / ent.pack do: calls cost ~30 %)
+            where = (tier << _PLACE_TIER) | (group << _PLACE_GROUP) | slot
             if gen < floors.get(where, 0):  # forgotten at a newer generation already
                 self.stats.stale_registrations += 1
                 continue
@@ -202,17 +203,21 @@ class BlockDirectory:
                         "reused without claim()")
                 del places[where]
                 self._unlink(prev)
-            short = ent.short_name(key, group)
-            record = self._records.get(short)
-            for other in ent.entries(record) if record is not None else ():
-                # one location per (key, rank): the newest registration wins (a block
-                # demoted to the CPU tier is registered there before its GPU slot is claimed)
-                if ent.rank_of(other) == rank and ent.name_of(other) == key:
-                    record = ent.without_entry(record, other)  # type: ignore[arg-type]
-                    if places.get(ent.place_of(other)) is other:
-                        del places[ent.place_of(other)]
-            entry = ent.pack(key, rank, tier, group, slot, gen, incarnation)
-            self._records[short] = ent.with_entry(record, entry, read_preference(tier) == 0)
+            short = ((key & ROW_KEY_MASK) << 16) | group
+            record = records.get(short)
+            entry = ((key << ent.NAME_SHIFT) | rank_bits | (where << ent.PLACE_SHIFT)
+                     | (gen << ent.GEN_SHIFT) | incarnation)
+            if record is None:
+                records[short] = entry
+            else:
+                for other in ent.entries(record):  # one location per (key, rank): the
+                    # newest registration wins (a demoted block is registered in the CPU
+                    # tier before its GPU slot is claimed)
+                    if ent.rank_of(other) == rank and ent.name_of(other) == key:
+                        record = ent.without_entry(record, other)  # type: ignore[arg-type]
+                        if places.get(ent.place_of(other)) is other:
+                            del places[ent.place_of(other)]
+                records[short] = ent.with_entry(record, entry, _PREFERENCE[tier] == 0)
             places[where] = entry
             recorded += 1
         self.stats.registered += recorded
@@ -251,17 +256,22 @@ class BlockDirectory:
             self._garbage.append([places.pop(p) for p in mine])
             self.stats.forgotten += len(mine)
             return len(mine)
-        floors = self._floors.setdefault(rank, {})
+        floors, records = self._floors.setdefault(rank, {}), self._records
         dropped = 0
         for group, group_slots in slots.items():
             checked = ent.checked_places(tier, group, [slot for slot, _ in group_slots])
+            bits = (int(tier) << _PLACE_TIER) | (int(group) << _PLACE_GROUP)
             for slot, (_, gen) in zip(checked, group_slots):
-                where = ent.place(int(tier), int(group), slot)
+                where = bits | slot
                 if gen:
                     floors[where] = int(gen)
                 prev = places.pop(where, None)
                 if prev is not None:
-                    self._unlink(prev)
+                    short = (((prev >> ent.NAME_SHIFT) & ROW_KEY_MASK) << 16) | int(group)
+                    if records.get(short) is prev:  # (its only copy: unlinked inline)
+                        del records[short]
+                    else:
+                        self._unlink(prev)
                     dropped += 1
         self.stats.forgotten += dropped
         return dropped
@@ -283,8 +293,21 @@ class BlockDirectory:
         self.sweep()
         self.stats.queries += 1
         chosen: List[int] = []
+        records, places = self._records, self._places
         for key in keys:
-            best = self._best_copy(group, key, exclude_rank)
+            record = records.get(((key & ROW_KEY_MASK) << 16) | group)
+            if record is None:
+                break
+            # inline, the common case: a first copy _best_copy would return at once
+            first = record if isinstance(record, int) else record[0]
+            rank = (first >> ent.RANK_SHIFT) & 0xFFFF
+            if (first >> ent.NAME_SHIFT == key and rank != exclude_rank
+                    and (first >> ent.TIER_SHIFT) & 0xFF == _VLLM
+                    and places.get(rank, _EMPTY).get((first >> ent.PLACE_SHIFT)
+                                                     & ent.PLACE_MASK) is first):
+                chosen.append(first)
+                continue
+            best = self._best_copy(group, key, exclude_rank, record)
             if best is None:
                 break
             chosen.append(best)
@@ -301,13 +324,11 @@ class BlockDirectory:
         self.stats.hit_blocks += len(chosen)
         return QueryResult(tuple(keys[:len(chosen)]), ent.location_table(chosen), lease_ids)
 
-    def _best_copy(self, group: int, key: int, exclude_rank: Optional[int]) -> Optional[int]:
-        """The entry of ``key``'s copy a query offers, None if no other rank holds it (a
-        record of only other names with the same short name counts a mismatch).  Device
-        memory first, then the least leased (:data:`CANDIDATES_PER_BLOCK` weighed)."""
-        record = self._records.get(ent.short_name(key, group))
-        if record is None:
-            return None
+    def _best_copy(self, group: int, key: int, exclude_rank: Optional[int],
+                   record: ent.Record) -> Optional[int]:
+        """The entry of ``key``'s copy a query offers from ``record`` (its short name's),
+        None if no other rank holds it (only other names there: a mismatch, counted).
+        Device memory first, then the least leased (:data:`CANDIDATES_PER_BLOCK` weighed)."""
         places, counts = self._places, self._leases.counts
         best: Optional[int] = None
         best_pref, seen, named = (2, 0), 0, False

@@ -34,8 +34,10 @@ ENTRY_DTYPE = np.dtype([("incarnation", "<u8"), ("generation", "<u8"), ("slot", 
                         ("group", "<u2"), ("tier", "u1"), ("pad", "u1"), ("rank", "<u2"),
                         ("name", "V24")])
 _GEN, _SLOT, _GROUP, _TIER, _RANK, _NAME = 64, 128, 160, 176, 192, 208
-#: for the directory's lookup loop, which unpacks inline (a call per field cost ~40 %)
-NAME_SHIFT, RANK_SHIFT, TIER_SHIFT, PLACE_SHIFT = _NAME, _RANK, _TIER, _SLOT
+#: for the directory's loops, which pack and unpack inline (a call per field cost ~40 %)
+NAME_SHIFT, RANK_SHIFT, TIER_SHIFT, PLACE_SHIFT, GEN_SHIFT = _NAME, _RANK, _TIER, _SLOT, _GEN
+#: a place's fields (:func:`place`), inline
+PLACE_TIER_SHIFT, PLACE_GROUP_SHIFT = _TIER - _SLOT, _GROUP - _SLOT
 #: the largest value each field takes (``register`` refuses larger ones, naming the field;
 #: generations and incarnations fit the int64 table of a query's answer)
 LIMITS = {"rank": (1 << 16) - 1, "tier": (1 << 8) - 1, "group": (1 << 16) - 1,
@@ -157,7 +159,11 @@ def checked_places(tier: object, group: object, slots: Sequence[object]) -> List
     named); numpy's ints are ints here."""
     Tier(check_int("tier", _as_int(tier)))
     check_int("group", _as_int(group), LIMITS["group"])
-    return [check_int("slot", _as_int(slot), LIMITS["slot"]) for slot in slots]
+    s_max = LIMITS["slot"]
+    plain = [slot for slot in slots if type(slot) is int and 0 <= slot <= s_max]
+    if len(plain) == len(slots):  # (the common case, without a call per slot)
+        return plain
+    return [check_int("slot", _as_int(slot), s_max) for slot in slots]
 
 
 def _as_int(value: object) -> object:
