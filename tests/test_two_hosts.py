@@ -438,7 +438,9 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
     assert figures["hit_blocks"] >= 2500 // 4 // 16
     assert figures["remote_fetches"] >= 1 and figures["remote_bytes"] > 0
     assert figures["served_bytes (source)"] == figures["remote_bytes"]
-    assert figures[f"peers_mapped_{route}"] == 1  # the channel that moved the bytes
+    # the channel that moved the bytes: mapped once (again after a dropped peer came back)
+    readmitted = cluster.liveness()["readmitted"]
+    assert 1 <= figures[f"peers_mapped_{route}"] <= 1 + readmitted, readmitted
     assert figures["peers_mapped_ipc"] == 0  # the other host's memory was never mapped
     assert all(delta(after, before, r, "peers_mapped_ipc") == 0 for r in (1, 2))
     assert cluster.directory()["outstanding_leases"] == 0
