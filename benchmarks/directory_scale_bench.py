@@ -26,7 +26,9 @@ Pure Python, no actor: what the supervisor's directory actor would spend.  Three
   replica holds; each replica holds ``--held`` blocks.  Prints the directory's busy time
   per simulated second (above 1 s it cannot keep up) and each call's cost; and the busy
   time when a same-host peer of each replica holds the prefix (the host index answers it,
-  the directory is asked only from the block after it: a miss here).
+  the directory is asked only from the block after it: a miss here); and how long a
+  lookup's answer takes when the same calls arrive at random over the second and the actor
+  serves them one at a time (``lookup_answer_ms_*``: queueing included).
 
 ``--code CHECKOUT`` measures another checkout's ``planning/`` (two versions of the
 directory compared in one session, on one machine).
@@ -142,6 +144,7 @@ def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
     secrets.SystemRandom().shuffle(calls)
     spent = {"register": 0.0, "lookup": 0.0, "after_host_hit": 0.0}
     count = {"register": 0, "lookup": 0}
+    served: List[Any] = []  # (kind, seconds) in the order the actor runs them
     for kind, rank in calls:
         if kind == "register":
             # the oldest blocks after the prefix go (vLLM reused their slots for new ones)
@@ -165,14 +168,27 @@ def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
             t0 += time.perf_counter() - t1
         spent[kind] += time.perf_counter() - t0
         count[kind] += 1
+        served.append((kind, time.perf_counter() - t0))
     busy = spent["register"] + spent["lookup"]
+    # the same calls arriving at random over the second, served one at a time in arrival
+    # order (the actor): how long a lookup's answer takes, queueing included
+    arrivals = sorted(secrets.SystemRandom().random() for _ in served)
+    free_at, answered = 0.0, []
+    for at, (kind, seconds) in zip(arrivals, served):
+        free_at = max(at, free_at) + seconds
+        if kind == "lookup":
+            answered.append(free_at - at)
+    answered.sort()
     return {"replicas": replicas, "held_per_replica": held, "entries": replicas * held,
             "busy_s_per_simulated_s": busy,
             "busy_s_if_same_host_peers_hold_the_prefix": spent["register"]
             + spent["after_host_hit"],
             "register_ms_per_call": 1e3 * spent["register"] / count["register"],
             "lookup_ms_per_call": 1e3 * spent["lookup"] / count["lookup"],
-            "register_calls": count["register"], "lookups": count["lookup"]}
+            "register_calls": count["register"], "lookups": count["lookup"],
+            "lookup_answer_ms_p50": 1e3 * answered[len(answered) // 2],
+            "lookup_answer_ms_p99": 1e3 * answered[int(len(answered) * 0.99)],
+            "lookup_answer_ms_max": 1e3 * answered[-1]}
 
 
 def main() -> None:

@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+import numpy as np
+
 from . import directory_entries as ent
 from .block_names import ROW_KEY_MASK
 from .directory_entries import DirectoryError
@@ -356,12 +358,11 @@ class BlockDirectory:
         return best
 
     def lease(self, holder: int, locations: Sequence[Location]) -> List[int]:
-        """Leases for ``holder``'s load of ``locations`` (taken when its destination blocks
-        are allocated, released when the load is done): one id per location, in order.
-        ``NO_LEASE`` for a location read in place (no lease needed), for one whose slot no
-        longer holds what it names (its rank gone, the slot forgotten or reused: the read
-        fails its check anyway), and for all of them when the lease bound is reached even
-        after expiry (the reads are then unprotected: still checked, at worst recomputed)."""
+        """Leases for ``holder``'s load of ``locations`` (taken when its destinations are
+        allocated, released when the load is done): one id per location.  ``NO_LEASE`` for
+        a location read in place, for one whose slot no longer holds what it names (the
+        read fails its check anyway), and for all when the lease bound is reached even
+        after expiry (then unprotected reads: still checked, at worst recomputed)."""
         ent.check_int("holder", holder)
         live = [self._names_its_slot(loc) for loc in locations]
         if not self._leases.room_for(sum(live)):
@@ -393,20 +394,19 @@ class BlockDirectory:
         extra = [lid for r in results for lid in r.lease_ids[n:]]
         if extra:
             self.release(extra)
-        return QueryResult(tuple(keys[:n]),
-                           tuple(loc for r in results for loc in r.locations[:n]),
-                           tuple(lid for r in results for lid in r.lease_ids[:n]))
+        if len(results) == 1:  # (as arrays: no tuple per block)
+            return results[0]
+        return QueryResult(tuple(keys[:n]), np.concatenate([r.table[:n] for r in results]),
+                           np.concatenate([r.lease_table[:n] for r in results]))
 
     def query_many(self, groups: Sequence[int], requests: Sequence[Sequence[int]],
                    exclude_rank: Optional[int] = None, lease: bool = True
                    ) -> List[QueryResult]:
-        """:meth:`query_prefix` for each request's keys: a scheduler step's new requests
-        in one call."""
+        """:meth:`query_prefix` for each request's keys (a step's new requests, one call)."""
         return [self.query_prefix(groups, keys, exclude_rank, lease) for keys in requests]
 
     def release(self, lease_ids: Iterable[int]) -> int:
-        """Release leases; unknown ids (already released, purged rank) are counted, not errors.
-        Returns how many were released."""
+        """Release leases (unknown ids: counted, not errors); returns how many were."""
         return self._leases.release(lease_ids)
 
     def expire_leases(self) -> int:
