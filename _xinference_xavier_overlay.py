@@ -204,7 +204,7 @@ def _patch_supervisor(module: ModuleType) -> bool:
     normalized and checked before upstream reads them (``planning/launch_checks.py``: the
     CLI's ``enable-xavier`` spelling, ``enable_xavier`` as a strict switch, the replica
     count and ``XAVIER_*`` envs), and a Xavier launch first removes the actors an earlier
-    termination of the same uid left behind (``collective_manager.drop_leftover_actors``).
+    termination of the same uid left behind (``block_tracker.drop_leftover_actors``).
     Idempotent; a missing method (other Xinference) is logged and the launch stays
     upstream's."""
     cls = getattr(module, "SupervisorActor", None)
@@ -228,9 +228,7 @@ def _patch_supervisor(module: ModuleType) -> bool:
         # the router's option is the supervisor's own: never passed on to the model
         routing = extra.pop("xavier_routing", None) if extra.get("enable_xavier") else None
         if extra.get("enable_xavier") is True:
-            from xinference.model.llm.vllm.xavier.collective_manager import (
-                drop_leftover_actors,
-            )
+            from xinference.model.llm.vllm.xavier.block_tracker import drop_leftover_actors
 
             uid = bound.arguments.get("model_uid") or bound.arguments.get("model_name")
             if isinstance(uid, str) and uid:

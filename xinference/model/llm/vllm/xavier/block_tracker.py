@@ -137,3 +137,32 @@ class VLLMBlockTracker(xo.StatelessActor):
         out = asdict(d.stats)
         out.update(blocks=d.num_blocks, keys=d.num_keys, outstanding_leases=d.outstanding_leases)
         return out
+
+
+async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:
+    """Destroy the directory and registry of ``model_uid`` that an earlier termination left
+    behind, when no model of that uid runs; returns how many were destroyed.
+
+    Xinference 3.5.0's ``terminate_model`` raises as soon as one replica cannot be
+    terminated (its worker died) and skips ``_cleanup_distributed_actors``: launching the
+    same uid again then fails with ``Actor 'vllm-block-tracker-actor-<uid>' already
+    exist``.  Called by the overlay's launch hook before upstream's launch."""
+    from .collective_manager import CollectiveManager
+
+    running = getattr(supervisor, "_model_uid_to_replica_info", None)
+    if running is None or model_uid in running:
+        return 0
+    destroyed = 0
+    for mapping, uid in (
+            ("_block_tracker_mapping", f"{VLLMBlockTracker.default_uid()}-{model_uid}"),
+            ("_collective_manager_mapping", f"{CollectiveManager.default_uid()}-{model_uid}")):
+        getattr(supervisor, mapping, {}).pop(model_uid, None)
+        ref = xo.create_actor_ref(supervisor.address, uid)
+        if await xo.has_actor(ref):
+            await xo.destroy_actor(ref)
+            destroyed += 1
+    if destroyed:
+        logger.warning("xavier %s: destroyed %d actors an earlier termination left behind",
+                       model_uid, destroyed)
+    return destroyed
+

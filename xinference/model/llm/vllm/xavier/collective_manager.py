@@ -164,10 +164,11 @@ class CollectiveManager(xo.StatelessActor):
         #: or timed out: sent the world again once they answer a liveness check
         self._behind: Dict[int, int] = {}
         self.world_updates_retried = 0
-        #: rank -> (generation, address, ref, when) of ranks dropped as unreachable: still
-        #: asked, taken back when one answers (a live rank left out of the world publishes
-        #: blocks no peer can read: offered hits that fail)
-        self._dropped: Dict[int, Tuple[int, str, Any, float]] = {}
+        #: rank -> (generation, address, when) of ranks dropped as unreachable: still asked,
+        #: taken back when one answers (a live rank left out of the world publishes blocks
+        #: no peer can read: offered hits that fail); the ask in flight
+        self._dropped: Dict[int, Tuple[int, str, float]] = {}
+        self._probing: Optional[asyncio.Task] = None
         self.ranks_readmitted = 0
 
     async def __post_create__(self) -> None:
@@ -210,7 +211,7 @@ class CollectiveManager(xo.StatelessActor):
             if generation is not None and (self._generation.get(rank) != generation
                                            or rank not in self._refs):
                 return False
-            ref = self._refs.pop(rank, None)
+            self._refs.pop(rank, None)
             address = self._addresses.pop(rank, "")
             self._behind.pop(rank, None)
             self._dropped.pop(rank, None)
@@ -218,7 +219,7 @@ class CollectiveManager(xo.StatelessActor):
                 # counted with the removal, so that liveness() never shows the rank gone
                 # and the count not yet raised (it answers while the directory is told)
                 self.ranks_dropped_unreachable += 1
-                self._dropped[rank] = (generation, address, ref, time.monotonic())
+                self._dropped[rank] = (generation, address, time.monotonic())
         if self._tracker is not None:
             dropped = await self._tracker.unregister_rank(rank)
             logger.info("xavier %s: rank %d unregistered (%s blocks dropped)", self._model_uid,
@@ -228,9 +229,10 @@ class CollectiveManager(xo.StatelessActor):
         return True
 
     async def __pre_destroy__(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        for task in (self._watch, self._probing):
+            if task is not None:
+                task.cancel()
+        self._watch = self._probing = None
         for task in list(self._asking.values()):
             task.cancel()
 
@@ -262,37 +264,49 @@ class CollectiveManager(xo.StatelessActor):
         async with self._lock:
             checked = [(rank, self._generation.get(rank, 0), ref)
                        for rank, ref in self._refs.items()]
-            dropped = []  # (those dropped long ago are dead: a recovery registers anew)
-            for rank, (generation, _, ref, at) in list(self._dropped.items()):
+            for rank, (_, _, at) in list(self._dropped.items()):
                 if time.monotonic() - at > self.READMIT_WINDOW_S:
-                    del self._dropped[rank]
-                else:
-                    dropped.append((rank, generation, ref))
-                    self._answered.setdefault((rank, generation), at)
-        current = {(rank, generation) for rank, generation, _ in checked + dropped}
+                    del self._dropped[rank]  # (dead: a recovery registers it anew)
+            if self._dropped and (self._probing is None or self._probing.done()):
+                self._probing = asyncio.create_task(self._probe_dropped(dict(self._dropped)))
+        current = {(rank, generation) for rank, generation, _ in checked}
         for stale in [key for key in self._answered if key not in current]:
             del self._answered[stale]  # unregistered or registered again meanwhile
             task = self._asking.pop(stale, None)
             if task is not None:
                 task.cancel()
-        for rank, generation, ref in checked + dropped:
+        for rank, generation, ref in checked:
             key = (rank, generation)
             if key not in self._asking:
                 self._asking[key] = asyncio.create_task(self._ask(key, ref))
         return checked
 
-    async def _readmit_answering(self) -> None:
-        """Take back, as new registrations, the dropped ranks that answered since (a stall
-        or a link back, not a death) and send the world to every rank; the blocks they
-        publish from now on are offered again (older ones are misses)."""
+    async def _probe_dropped(self, dropped: Dict[int, Tuple[int, str, float]]) -> None:
+        """Ask the dropped ranks for their world, on a thread's own event loop (xoscar's
+        connect to a dark host holds every call of the loop it runs on for ~8 s: never this
+        actor's); take back, as new registrations, those that answer with this launch's
+        world (not an actor of another launch at a reused address), and send the world to
+        every rank.  The blocks they publish from now on are offered again."""
+        timeout = self._interval + self._timeout
+
+        async def ask(rank: int, address: str) -> List[str]:
+            ref = await xo.actor_ref(address=address, uid=transfer_actor_uid(rank))
+            return list(await asyncio.wait_for(ref.world(), timeout))
+
+        async def ask_all() -> List[Any]:
+            return await _within(timeout, [ask(r, a) for r, (_, a, _) in dropped.items()])
+
+        worlds = await asyncio.to_thread(asyncio.run, ask_all())
         back = []
         async with self._lock:
-            for rank, (generation, address, ref, at) in list(self._dropped.items()):
-                answered = self._answered.get((rank, generation), 0.0)
-                if answered <= at or rank in self._refs:
+            ours = self.world()
+            for (rank, (generation, address, at)), theirs in zip(dropped.items(), worlds):
+                if (self._dropped.get(rank) != (generation, address, at) or rank in self._refs
+                        or not _same_launch(theirs, rank, address, ours)):
                     continue
-                del self._dropped[rank]  # (its old check's answer goes at the next round)
-                self._refs[rank], self._addresses[rank] = ref, address
+                del self._dropped[rank]
+                self._refs[rank] = xo.create_actor_ref(address, transfer_actor_uid(rank))
+                self._addresses[rank] = address
                 self._generation[rank] = self._generation.get(rank, 0) + 1  # (judged
                 self._answered[(rank, self._generation[rank])] = time.monotonic()  # anew)
                 self.ranks_readmitted += 1
@@ -324,7 +338,6 @@ class CollectiveManager(xo.StatelessActor):
         while their last update failed."""
         if self._heard_any < since:
             return  # nobody answered since: this side is cut off, the ranks may be fine
-        await self._readmit_answering()
         retry, dropped = [], 0
         try:
             for rank, generation, ref in checked:
@@ -420,30 +433,10 @@ async def _within(timeout: float, calls: List[Any]) -> List[Any]:
             else (task.exception() or task.result()) for task in tasks]
 
 
-async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:
-    """Destroy the directory and registry of ``model_uid`` that an earlier termination left
-    behind, when no model of that uid runs; returns how many were destroyed.
-
-    Xinference 3.5.0's ``terminate_model`` raises as soon as one replica cannot be
-    terminated (its worker died) and skips ``_cleanup_distributed_actors``: launching the
-    same uid again then fails with ``Actor 'vllm-block-tracker-actor-<uid>' already
-    exist``.  Called by the overlay's launch hook before upstream's launch."""
-    from .block_tracker import VLLMBlockTracker
-
-    running = getattr(supervisor, "_model_uid_to_replica_info", None)
-    if running is None or model_uid in running:
-        return 0
-    destroyed = 0
-    for mapping, uid in (
-            ("_block_tracker_mapping", f"{VLLMBlockTracker.default_uid()}-{model_uid}"),
-            ("_collective_manager_mapping", f"{CollectiveManager.default_uid()}-{model_uid}")):
-        getattr(supervisor, mapping, {}).pop(model_uid, None)
-        ref = xo.create_actor_ref(supervisor.address, uid)
-        if await xo.has_actor(ref):
-            await xo.destroy_actor(ref)
-            destroyed += 1
-    if destroyed:
-        logger.warning("xavier %s: destroyed %d actors an earlier termination left behind",
-                       model_uid, destroyed)
-    return destroyed
-
+def _same_launch(theirs: Any, rank: int, address: str, ours: List[str]) -> bool:
+    """Whether ``theirs`` (the world a dropped rank answered with) is this launch's: its own
+    address at its rank, and the address of at least one other rank registered now."""
+    if not (isinstance(theirs, list) and rank < len(theirs) and theirs[rank] == address):
+        return False
+    others = [r for r, a in enumerate(ours) if a and r != rank]
+    return not others or any(r < len(theirs) and theirs[r] == ours[r] for r in others)
