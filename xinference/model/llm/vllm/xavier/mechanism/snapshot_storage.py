@@ -212,7 +212,10 @@ class SnapshotStorage:
             t.shm_files.clear()
         self.generations.close()
         if shared:
-            remove_orphaned_shm_files()
+            try:
+                remove_orphaned_shm_files()
+            except OSError as exc:  # (a sweep never fails a close: its own files are gone)
+                logger.warning("rank %d: sweeping orphaned shm files: %r", self.rank, exc)
 
 
 def open_tier(kind: str, handles: Any, pin: bool = False
