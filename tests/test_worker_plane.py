@@ -29,6 +29,18 @@ def plane_of(rank=2, defers_block_frees=False, overlapped=True, **kw):
                            defers_block_frees=defers_block_frees, overlapped=overlapped)
 
 
+def refusing_describe(seen):
+    """A peer's descriptor call that every peer refuses (``seen(rank)`` is told first), but
+    the launch's coordinator, which holds no storage."""
+    def describe(rank, address):
+        if rank == 0:
+            return None
+        seen(rank)
+        raise ConnectionRefusedError("peer refused")
+
+    return describe
+
+
 def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(monkeypatch):
     """A dead peer costs one failed try, not one per step: the next after PEER_RETRY_S,
     doubling with each failure in a row; a world update that gives it a new address
@@ -36,14 +48,7 @@ def test_unmappable_peer_is_not_looked_up_again_until_retry_time_or_new_address(
     plane = plane_of()
     plane.peers.apply_world(["m", "127.0.0.1:1", "127.0.0.1:3"])
     tries = []
-
-    def failing_describe(rank, address):
-        if rank == 0:
-            return None  # (the launch's coordinator: no storage)
-        tries.append(rank)
-        raise ConnectionRefusedError("peer gone")
-
-    monkeypatch.setattr(plane.peers, "_describe", failing_describe)
+    monkeypatch.setattr(plane.peers, "_describe", refusing_describe(tries.append))
     clock = [100.0]
     monkeypatch.setattr(peers, "_monotonic", lambda: clock[0])
     assert plane.peers.ensure_mapped({1}) == {1}
@@ -71,14 +76,8 @@ def test_the_step_thread_never_describes_a_peer_of_another_address_host(monkeypa
     plane = plane_of()
     plane.peers.apply_world(["m", "10.77.0.2:1", "10.77.0.1:3"])
     described = []
-
-    def describe(rank, address):
-        if rank == 0:
-            return None  # (the launch's coordinator: no storage)
-        described.append((rank, threading.current_thread() is threading.main_thread()))
-        raise ConnectionRefusedError("not yet")
-
-    monkeypatch.setattr(plane.peers, "_describe", describe)
+    monkeypatch.setattr(plane.peers, "_describe", refusing_describe(lambda rank: described.append(
+        (rank, threading.current_thread() is threading.main_thread()))))
     monkeypatch.setattr(plane.peers, "_premap_failed", lambda rank, exc: None)
     assert plane.peers.ensure_mapped({1}) == {1}
     assert described == []  # not on the step's thread

@@ -165,4 +165,3 @@ async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:
         logger.warning("xavier %s: destroyed %d actors an earlier termination left behind",
                        model_uid, destroyed)
     return destroyed
-

@@ -331,8 +331,8 @@ class TransferActor(xo.StatelessActor):
     def _shard(self, tp_rank: int) -> RankShard:
         shard = self._shards.get(int(tp_rank))
         if shard is None:
-            raise EngineNotRegisteredError(f"rank {self.rank}: no storage of TP worker {tp_rank} "
-                                      "(engine not registered)")
+            raise EngineNotRegisteredError(f"rank {self.rank}: no storage of TP worker "
+                                           f"{tp_rank} (engine not registered)")
         return shard
 
     def storage_descriptor(self, tp_rank: int = 0) -> Dict[str, Any]:
