@@ -320,3 +320,33 @@ def test_a_lookup_made_to_explore_loads_its_hit_even_once_the_key_moved():
     assert cost.wait_key(0) == (0, 7)
     assert cost.decide(64, 0)  # loaded: measured again
     assert not cost.decide(64, 0)
+
+
+def test_lookups_that_find_no_hit_leave_a_stale_keys_exploration_to_the_next_hit():
+    """The C1 row of the H100 run (session 34): every first ask of a prompt is looked up
+    and finds nothing, then its follow-up on the other replica is a hit.  A stale key's
+    lookups are made without using its one exploration up, so the first follow-up hit
+    judged there is loaded and measures the wait again (before: the first lookup took the
+    exploration, and 16 of 16 follow-ups were declined on a wait learned 17 s earlier)."""
+    cost = LoadCost(lag=1, explore_every=1000, remeasure_after_s=10.0, max_interval_s=1.0)
+    now = served(cost)
+    cost.step(now + 0.01, 1)
+    waited(cost, 0.125, 0)  # a wait learned in another phase (the fill's tail)
+    key = cost.wait_key(0)
+    cost.step(now + 17.0, 1)
+    cost.step(now + 17.5, cost._tokens[-2])
+    assert cost.wait_key(0) == key
+    assert all(cost.worth_looking_up(8192, 0, lookup_pending=True) for _ in range(16))
+    assert [cost.decide(8192, 0) for _ in range(3)] == [True, False, False]
+
+
+def test_an_exploration_credit_waits_for_a_hit_through_later_declined_lookups():
+    """A lookup explored at the ``explore_every``-th decline finds no hit; the lookups
+    declined after it do not take the credit back: the next hit judged is loaded."""
+    cost = LoadCost(lag=1, explore_every=3)
+    now = served(cost)
+    cost.step(now + 0.01, 1)
+    waited(cost, 0.125, 0)
+    assert [cost.worth_looking_up(8192, 0, lookup_pending=True) for _ in range(4)] == [
+        False, False, True, False]
+    assert cost.decide(8192, 0) and not cost.decide(8192, 0)
