@@ -223,8 +223,17 @@ class LoadBatch:
         ]
 
 
+_EMPTY: Optional[LoadBatch] = None
+
+
 def empty_batch() -> LoadBatch:
-    return LoadBatch((), np.zeros(1, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
+    """The batch of a step with no loads: one shared instance (a batch is frozen and its
+    arrays read-only), so that the many steps without loads build and validate none
+    (~30 µs a step on the scheduler's critical path)."""
+    global _EMPTY
+    if _EMPTY is None:
+        _EMPTY = LoadBatch((), np.zeros(1, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
+    return _EMPTY
 
 
 def _as_int64(name: str, value: object, ndim: int) -> np.ndarray:
