@@ -330,6 +330,10 @@ NOSAVE_MODE = "batched-nosave"
 #: ... saving every one of them that no same-host peer holds (``xavier_save_victims`` all;
 #: the default saves only those shown to be shared)
 SAVEALL_MODE = "batched-saveall"
+#: ``batched`` on the default pair with the workers dropping every victim save
+#: (``XavierEngine.set_victim_saves``: the scheduler still names the victims, nothing is
+#: copied or registered): what saves cost, measured on the same warm engines as ``batched``
+DROPSAVES_MODE = "batched-dropsaves"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
@@ -470,13 +474,19 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       "plain" if mode in PLAIN_MODES else
                       mode if mode in PEER_MODES + tuple(VARIANT_PAIRS) else "xavier"]
             if mode not in PLAIN_MODES + PEER_MODES:
-                await _set_mode(r, "batched" if mode in VARIANT_PAIRS
+                await _set_mode(r, "batched" if mode in (*VARIANT_PAIRS, DROPSAVES_MODE)
                                 else mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
             n_groups = groups if work == "shared" else len(prompts)
-            res = await run_mode(r, prompts, n_groups, c, max_tokens,
-                                 xavier=not mode.startswith("none"),
-                                 sticky=mode == "local-hit")
+            if mode == DROPSAVES_MODE:
+                await asyncio.gather(*(x.set_victim_saves(False) for x in r.replicas))
+            try:
+                res = await run_mode(r, prompts, n_groups, c, max_tokens,
+                                     xavier=not mode.startswith("none"),
+                                     sticky=mode == "local-hit")
+            finally:
+                if mode == DROPSAVES_MODE:
+                    await asyncio.gather(*(x.set_victim_saves(True) for x in r.replicas))
             if mode in PEER_MODES:  # vLLM's connector: loaded tokens are the follow-ups'
                 res["external_hit_rate"] = res.pop("followup_cached_tokens") / sum(
                     len(p) for p in prompts)
@@ -511,7 +521,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         if unique:
             unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
-                for mode in unique_modes + ["batched"]:
+                for mode in unique_modes + ["batched"] + [m for m in modes
+                                                          if m == DROPSAVES_MODE]:
                     seed += 1
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,

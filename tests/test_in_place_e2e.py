@@ -154,6 +154,41 @@ def test_a_prefix_no_other_replica_held_is_not_saved_by_default(churn_pair: Worl
     assert leases_settled(lt, r) == 0
 
 
+def test_victim_saves_dropped_at_runtime_are_named_but_never_copied(churn_pair: World):
+    """``XavierEngine.set_victim_saves(False)`` (the benchmark's measure of what saves cost):
+    A, the last holder of a loaded prefix, hands it out with its saves dropped: the victims
+    are named (counted) but nothing is copied or registered, so B, asking later, recomputes
+    it, tokens equal.  Saves on again: the next test (file order, one worker) needs them."""
+    lt, r = churn_pair.pair
+    a, b = r.replicas
+    prefix = tokens(91, PREFIX)
+    asked = prefix + tokens(92, TAIL)
+    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
+    lt.run(b.reset_prefix_cache())
+    lt.run(b.generate([prefix + tokens(93, TAIL)]))
+    lt.run(b.flush())
+    assert lt.run(a.generate([prefix + tokens(94, TAIL)]))[0]["cached"] == PREFIX
+    lt.run(a.flush())
+    _until_mapped(lt, b, a, 12)
+    _churn(lt, b, 600)  # B hands its copy out first (A holds it: B saves none)
+    lt.run(b.flush())
+    lt.run(a.set_victim_saves(False))
+    try:
+        before_a = lt.run(a.counters())
+        _churn(lt, a, 700)
+        lt.run(a.flush())
+        ca = delta(before_a, lt.run(a.counters()))
+    finally:
+        lt.run(a.set_victim_saves(True))
+    assert ca["in_place_victims"] >= PREFIX // BLOCK  # named by A's scheduler ...
+    assert ca.get("export_exported", 0) == 0 == ca.get("export_published", 0)  # ... not copied
+    before = lt.run(b.counters())
+    out = lt.run(b.generate([asked]))[0]
+    cb = delta(before, lt.run(b.counters()))
+    assert out["cached"] == 0 and cb.get("blocks_written", 0) == 0 and out["ids"] == base
+    assert leases_settled(lt, r) == 0
+
+
 def test_a_loaded_prefix_is_saved_into_xaviers_tier_by_its_last_holder(churn_pair: World):
     """B computes a prefix, A loads it (A holds it, loaded: shown shared).  B hands its copy
     out first and saves none (A holds it then: counted); A hands its copy out last and saves

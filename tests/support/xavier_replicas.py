@@ -155,6 +155,10 @@ class ReplicaActor(xo.StatelessActor):
         if not self._xavier_config.get("plain"):
             await self.engine.set_batched_loads(batched)
 
+    async def set_victim_saves(self, enabled: bool) -> None:
+        if not self._xavier_config.get("plain"):
+            await self.engine.set_victim_saves(enabled)
+
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset of the local prefix cache; False when vLLM refused it (a request
         still holds blocks)."""

@@ -198,3 +198,10 @@ class XavierEngine(AsyncLLM):
         that both can be compared on the same warm engines."""
         await self.collective_rpc("xavier_set_batched_loads", args=(bool(batched),))
         self.xavier_options = dataclasses.replace(self.xavier_options, batched_loads=bool(batched))
+
+    async def set_victim_saves(self, enabled: bool) -> None:
+        """Let the workers copy (``True``, the default) or drop the victim saves the
+        scheduler names (``xavier_save_victims``) without a restart: the serving benchmark's
+        measure of what saves cost on the same warm engines (the scheduler still names and
+        forgets the victims; dropped ones are simply not in Xavier's tiers)."""
+        await self.collective_rpc("xavier_set_victim_saves", args=(bool(enabled),))

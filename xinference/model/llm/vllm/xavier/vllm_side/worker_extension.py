@@ -37,6 +37,14 @@ class XavierWorkerExtension:
         connector.plane.batched_loads = bool(batched)
         return True
 
+    def xavier_set_victim_saves(self, enabled: bool) -> bool:
+        """Copy or drop the step's victim saves (see ``XavierEngine.set_victim_saves``)."""
+        connector = _connector()
+        if connector is None or connector.plane is None:
+            return False
+        connector.plane.saves_dropped = not enabled
+        return True
+
     def xavier_device_memory(self) -> Dict[str, int]:
         """The worker's device memory as torch's allocator counts it, and vLLM's KV cache
         bytes (``device_memory.device_memory``): what a benchmark compares with a plain

@@ -116,7 +116,7 @@ class WorkerDataPlane:
         self.engine = GPUTransfer(self.rank, slab_config=slabs, counters=self.counters)
         self.engine.set_local_caches(caches, block_dims)
         self.writer: Optional[StorageWriter] = None
-        self.batched_loads = options.batched_loads
+        self.batched_loads, self.saves_dropped = options.batched_loads, False  # (benchmarks)
         #: loads and victim saves not ordered after the forward in flight (:meth:`load`):
         #: only where vLLM defers frees, and with vLLM's cache read in place (else the
         #: exports, on the loads' stream, wait for every forward anyway)
@@ -227,7 +227,7 @@ class WorkerDataPlane:
         """Copy the step's victims (published blocks vLLM hands out now) into Xavier's
         tier before the forward and the loads write them (the loads wait for the returned
         event); not behind the forward in flight, which writes none of them."""
-        if not rows or self.writer is None:
+        if not rows or self.writer is None or self.saves_dropped:
             return None
         result = self.writer.export(self.engine_views, rows, after_forward=not self.unordered)
         if self.hooks is not None:
