@@ -35,7 +35,7 @@
 #        1024-token system prompt; XAVIER_CHAT_USERS, XAVIER_CHAT_SHAPE) (not in `all`).
 # crossover: issue #34: C1 follow-up TTFT by prefix length (256-2048 tokens), sharing off
 #        and batched, every hit loaded (XAVIER_LOAD_POLICY=always) then the cost model's choice
-#        (cost); XAVIER_CROSSOVER_PREFIXES (not in `all`).
+#        (cost); XAVIER_CROSSOVER_PREFIXES, XAVIER_CROSSOVER_POLICIES (not in `all`).
 # peers: issue #35: serving_bench with vLLM's own tiered offloading (vllm-offload-fs) beside
 #        plain, local-hit and batched, 8K prefixes, C1/C8/C32, steady state (not in `all`).
 # Logs and JSON go to $OUT.
@@ -136,7 +136,7 @@ fi
 if only crossover; then
   # issue #34: where a C1 hit starts to pay, by prefix length: every hit loaded
   # (XAVIER_LOAD_POLICY=always, the measured crossover) and the cost model's choice (cost)
-  for policy in always cost; do
+  for policy in ${XAVIER_CROSSOVER_POLICIES:-always cost}; do
     XAVIER_LOAD_POLICY=$policy timeout 280 python3 benchmarks/serving_bench.py --device cuda \
       --shape qwen2.5-0.5b --prefix-tokens "${XAVIER_CROSSOVER_PREFIXES:-256,512,1024,2048}" \
       --concurrency 1 --groups 4 --max-tokens 16 --modes "${XAVIER_BENCH_MODES:-none,batched}" \
