@@ -152,6 +152,21 @@ class Cluster:
         except FileNotFoundError:
             return 0
 
+    def xavier_lines(self, last: int = 120) -> str:
+        """The last ``last`` Xavier log lines of each process log of the cluster: printed
+        when a test fails, so that CI's log (the cluster's own logs are gone with the run)
+        says what the replicas did."""
+        out = []
+        for name in ("supervisor", "worker-a", "worker-b"):
+            try:
+                with open(self.log(name), errors="replace") as f:
+                    lines = [x.rstrip() for x in f if "xavier" in x.lower()]
+            except FileNotFoundError:
+                continue
+            out.append(f"--- {name}: last {min(last, len(lines))} of {len(lines)} Xavier lines")
+            out.extend(x[:400] for x in lines[-last:])
+        return "\n".join(out)
+
     @staticmethod
     def wait(check: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -214,6 +229,9 @@ class Cluster:
             # these tests are about the channel: every hit is loaded (with the default cost
             # policy, one fetch that ran into its timeout keeps the next hits recomputed)
             body["envs"]["XAVIER_LOAD_POLICY"] = "always"
+            # Xavier's info lines in the workers' logs (peers mapped, reads kept out, world
+            # updates): what a failure prints (Cluster.xavier_lines)
+            body["envs"]["XAVIER_LOG_LEVEL"] = "INFO"
             # and about what crosses the hosts: Xinference's cycle sends each request of a
             # pair to the other host (routed by cache, a follow-up would stay where its
             # prefix is, #37)
@@ -424,6 +442,16 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
             rounds[-1]["then_waited_for_a_dropped_rank_s"] = round(time.monotonic() - t0, 1)
             rounds[-1]["liveness"] = cluster.liveness()
     record(f"{transport}: requests (s)", rounds)
+    try:
+        _crossed(cluster, world, before, after, transport, route)
+    except AssertionError:
+        print(cluster.xavier_lines())
+        raise
+
+
+def _crossed(cluster: Cluster, world: List[str], before: Dict[Any, Any],
+             after: Dict[Any, Any], transport: str, route: str) -> None:
+    """The checks of :func:`a_prefix_crosses_the_hosts` on the loader's counters."""
     loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
     source = 3 - loader
     assert host_of(world[loader], cluster) != host_of(world[source], cluster)
