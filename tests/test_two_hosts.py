@@ -388,6 +388,12 @@ def automatic_launch(cluster: Cluster):
         launch.terminate()
 
 
+#: what each pair did on each replica (recorded with the pair's times)
+PAIR_COUNTERS = ("lookup_calls", "queries", "requests_with_hits", "hit_blocks", "hits_declined",
+                 "rows_unreachable", "peers_kept_out", "peer_map_failures", "load_failures",
+                 "remote_fetches", "blocks_written", "in_place_registered")
+
+
 def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
                                transport: str, route: str) -> None:
     """Pairs of requests with a new prefix each until one pair crossed the hosts, then the
@@ -401,6 +407,7 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
     # two-core machine, see doc/multi-host.md)
     rounds: List[Dict[str, Any]] = []
     kept_out = map_failures = 0
+    after = before
     for round_, i0, i1 in PAIRS:
         listed = cluster.directory()["blocks"]
         first = cluster.complete(prompt(i0, round_))
@@ -409,7 +416,9 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
         rounds.append({"compute_s": round(first["s"], 3), "load_s": round(second["s"], 3)})
         assert first["text"] == baseline[round_, i0]
         assert second["text"] == baseline[round_, i1]
-        after = cluster.counters(world)
+        last, after = after, cluster.counters(world)
+        rounds[-1]["counters"] = {r: {k: delta(after, last, r, k) for k in PAIR_COUNTERS
+                                      if delta(after, last, r, k)} for r in (1, 2)}
         if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
             break
         now_kept_out = sum(delta(after, before, r, "peers_kept_out") for r in (1, 2))
