@@ -39,7 +39,7 @@ from xinference.model.llm.vllm.xavier.mechanism.host_index import (  # noqa: E40
 from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations  # noqa
 from xinference.model.llm.vllm.xavier.planning.block_names import block_name  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.in_place import InPlaceBook  # noqa: E402
-from xinference.model.llm.vllm.xavier.planning.load_batch import Tier  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, Tier  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide  # noqa: E402
@@ -111,7 +111,9 @@ def main() -> int:
         side.lookups.flush()
         side.match(rid, (n + 1) * BS, 0)
         out["track + match (host probe, lookup)"] = time.perf_counter() - t
-        base = (seq[0] * (n + 1)) % (NUM_BLOCKS - n - 1)
+        # two block ranges in turn: each life is handed the blocks the life before last
+        # published (vLLM hands its oldest cached blocks out first), so it has n victims
+        base = (seq[0] % 2) * (n + 1)
         ids = list(range(base, base + n + 1))
         t = time.perf_counter()
         book.handed_out(ids)  # the pool hands the request its blocks (victims: last life's)
@@ -124,7 +126,7 @@ def main() -> int:
         out["build_step (prefill: exports)"] = time.perf_counter() - t
         t = time.perf_counter()
         meta.in_place = book.publish(meta.exports)
-        book.loaded(meta.loads.table[:, 6].tolist() if len(meta.loads.table) else [])
+        book.loaded(meta.loads.table[:, DEST].tolist())
         saves = book.take_saves((), "shared", holders.holding)
         book.take_forgotten()
         out["in place: publish + saves + forgotten"] = time.perf_counter() - t

@@ -136,7 +136,8 @@ fi
 if only crossover; then
   # issue #34: where a C1 hit starts to pay, by prefix length: every hit loaded
   # (XAVIER_LOAD_POLICY=always, the measured crossover) and the cost model's choice (cost)
-  for policy in ${XAVIER_CROSSOVER_POLICIES:-always cost}; do
+  policies=${XAVIER_CROSSOVER_POLICIES:-always,cost}
+  for policy in ${policies//,/ }; do
     XAVIER_LOAD_POLICY=$policy timeout 280 python3 benchmarks/serving_bench.py --device cuda \
       --shape qwen2.5-0.5b --prefix-tokens "${XAVIER_CROSSOVER_PREFIXES:-256,512,1024,2048}" \
       --concurrency 1 --groups 4 --max-tokens 16 --modes "${XAVIER_BENCH_MODES:-none,batched}" \

@@ -396,6 +396,17 @@ PAIR_COUNTERS = ("lookup_calls", "queries", "requests_with_hits", "hit_blocks", 
 
 def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
                                transport: str, route: str) -> None:
+    """:func:`_pairs_until_one_crossed`; when it fails (an assertion, a wait that timed out),
+    the last Xavier lines of the cluster's logs are printed: CI keeps no other log."""
+    try:
+        _pairs_until_one_crossed(cluster, baseline, world, transport, route)
+    except Exception:
+        print(cluster.xavier_lines())
+        raise
+
+
+def _pairs_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
+                             transport: str, route: str) -> None:
     """Pairs of requests with a new prefix each until one pair crossed the hosts, then the
     loader's counters: the bytes went over ``route`` and no memory of the other host was
     mapped."""
@@ -451,16 +462,12 @@ def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world
             rounds[-1]["then_waited_for_a_dropped_rank_s"] = round(time.monotonic() - t0, 1)
             rounds[-1]["liveness"] = cluster.liveness()
     record(f"{transport}: requests (s)", rounds)
-    try:
-        _crossed(cluster, world, before, after, transport, route)
-    except AssertionError:
-        print(cluster.xavier_lines())
-        raise
+    _crossed(cluster, world, before, after, transport, route)
 
 
 def _crossed(cluster: Cluster, world: List[str], before: Dict[Any, Any],
              after: Dict[Any, Any], transport: str, route: str) -> None:
-    """The checks of :func:`a_prefix_crosses_the_hosts` on the loader's counters."""
+    """The checks of :func:`_pairs_until_one_crossed` on the loader's counters."""
     loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
     source = 3 - loader
     assert host_of(world[loader], cluster) != host_of(world[source], cluster)

@@ -204,4 +204,6 @@ class XavierEngine(AsyncLLM):
         scheduler names (``xavier_save_victims``) without a restart: the serving benchmark's
         measure of what saves cost on the same warm engines (the scheduler still names and
         forgets the victims; dropped ones are simply not in Xavier's tiers)."""
-        await self.collective_rpc("xavier_set_victim_saves", args=(bool(enabled),))
+        done = await self.collective_rpc("xavier_set_victim_saves", args=(bool(enabled),))
+        if not all(done or [False]):  # a worker without a data plane: nothing was switched
+            raise RuntimeError("xavier: set_victim_saves: a worker has no data plane")
