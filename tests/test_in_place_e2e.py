@@ -74,18 +74,27 @@ def _held_load_after_churn(world: World, asked: List[int], checks: bool, release
     return out["ids"], cb, ca
 
 
+def _published_prefix(lt: Any, holder: Any, baseline: Any, seed: int
+                      ) -> Tuple[List[int], List[int], List[int]]:
+    """``holder`` computes and publishes a fresh prefix (``tokens(seed)`` + a tail);
+    returns ``(prefix, asked, base)``: ``asked`` is the prefix + another tail and ``base``
+    its no-sharing tokens, computed by ``baseline`` with its cache reset afterwards."""
+    prefix = tokens(seed, PREFIX)
+    asked = prefix + tokens(seed + 1, TAIL)
+    base = lt.run(baseline.generate([asked], xavier=False))[0]["ids"]
+    lt.run(baseline.reset_prefix_cache())
+    lt.run(holder.generate([prefix + tokens(seed + 2, TAIL)]))
+    lt.run(holder.flush())
+    return prefix, asked, base
+
+
 @pytest.fixture
 def prefix_on_a(churn_pair: World) -> Tuple[World, List[int], List[int]]:
     """A published a 256-token prefix in place; ``asked`` (the prefix + another tail) and
     its no-sharing tokens, computed by B with its cache reset afterwards."""
     lt, r = churn_pair.pair
     a, b = r.replicas
-    prefix = tokens(61, PREFIX)
-    asked = prefix + tokens(62, TAIL)
-    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
-    lt.run(b.reset_prefix_cache())
-    lt.run(a.generate([prefix + tokens(63, TAIL)]))
-    lt.run(a.flush())
+    _, asked, base = _published_prefix(lt, a, b, 61)
     assert churn_pair.since_reset(0).get("in_place_registered", 0) >= PREFIX // BLOCK
     return churn_pair, asked, base
 
@@ -161,12 +170,7 @@ def test_victim_saves_dropped_at_runtime_are_named_but_never_copied(churn_pair: 
     it, tokens equal.  Saves on again: the next test (file order, one worker) needs them."""
     lt, r = churn_pair.pair
     a, b = r.replicas
-    prefix = tokens(91, PREFIX)
-    asked = prefix + tokens(92, TAIL)
-    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
-    lt.run(b.reset_prefix_cache())
-    lt.run(b.generate([prefix + tokens(93, TAIL)]))
-    lt.run(b.flush())
+    prefix, asked, base = _published_prefix(lt, b, b, 91)
     assert lt.run(a.generate([prefix + tokens(94, TAIL)]))[0]["cached"] == PREFIX
     lt.run(a.flush())
     _until_mapped(lt, b, a, 12)
@@ -198,12 +202,7 @@ def test_a_loaded_prefix_is_saved_into_xaviers_tier_by_its_last_holder(churn_pai
     load done."""
     lt, r = churn_pair.pair
     a, b = r.replicas
-    prefix = tokens(71, PREFIX)
-    asked = prefix + tokens(72, TAIL)
-    base = lt.run(b.generate([asked], xavier=False))[0]["ids"]
-    lt.run(b.reset_prefix_cache())
-    lt.run(b.generate([prefix + tokens(73, TAIL)]))
-    lt.run(b.flush())
+    prefix, asked, base = _published_prefix(lt, b, b, 71)
     out = lt.run(a.generate([prefix + tokens(74, TAIL)]))[0]
     assert out["cached"] == PREFIX  # A loaded it from B's vLLM cache
     lt.run(a.flush())

@@ -27,6 +27,7 @@ Pure module: numpy only, no torch, no actors.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -223,17 +224,12 @@ class LoadBatch:
         ]
 
 
-_EMPTY: Optional[LoadBatch] = None
-
-
+@functools.cache
 def empty_batch() -> LoadBatch:
     """The batch of a step with no loads: one shared instance (a batch is frozen and its
     arrays read-only), so that the many steps without loads build and validate none
     (~30 µs a step on the scheduler's critical path)."""
-    global _EMPTY
-    if _EMPTY is None:
-        _EMPTY = LoadBatch((), np.zeros(1, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
-    return _EMPTY
+    return LoadBatch((), np.zeros(1, np.int64), np.zeros((0, len(COLUMNS)), np.int64))
 
 
 def _as_int64(name: str, value: object, ndim: int) -> np.ndarray:
