@@ -391,7 +391,7 @@ def automatic_launch(cluster: Cluster):
 #: what each pair did on each replica (recorded with the pair's times)
 PAIR_COUNTERS = ("lookup_calls", "queries", "requests_with_hits", "hit_blocks", "hits_declined",
                  "rows_unreachable", "peers_kept_out", "peer_map_failures", "load_failures",
-                 "remote_fetches", "blocks_written", "in_place_registered")
+                 "remote_fetches", "blocks_written", "in_place_registered", "idle_wait_us")
 
 
 def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
@@ -476,12 +476,16 @@ def _crossed(cluster: Cluster, world: List[str], before: Dict[Any, Any],
         "useful_bytes", "load_launch_us", "load_background_us", "peers_mapped_ipc",
         f"peers_mapped_{route}", "rows_unreachable", "hits_declined", "peer_map_failures",
         "peers_kept_out",
-        "remote_fetch_overlaps", "remote_fetches_refused", "validation_failures")}
+        "remote_fetch_overlaps", "remote_fetches_refused", "validation_failures",
+        "idle_wait_us")}
     figures["served_bytes (source)"] = delta(after, before, source, "served_bytes")
     record(f"{transport}: loader counters", figures)
     assert figures["hit_blocks"] >= 2500 // 4 // 16
     assert figures["remote_fetches"] >= 1 and figures["remote_bytes"] > 0
     assert figures["served_bytes (source)"] == figures["remote_bytes"]
+    # while the read ran, the loader's vLLM had nothing else to run: its empty steps
+    # waited for the read instead of going round on the cores it needed
+    assert figures["idle_wait_us"] > 0
     # the channel that moved the bytes: mapped once (again after a dropped peer came back)
     readmitted = cluster.liveness()["readmitted"]
     assert 1 <= figures[f"peers_mapped_{route}"] <= 1 + readmitted, readmitted

@@ -542,3 +542,42 @@ def test_a_quick_load_is_reported_when_vllm_first_asks_and_a_stuck_one_costs_one
     assert plane.finished() == ({"stuck"}, set())
     assert plane.counters.snapshot()["loads_reported_at_once"] == 1  # it was late
     plane.close()
+
+
+def test_a_step_with_no_forward_waits_for_a_load_in_flight_instead_of_going_round_again(
+        monkeypatch):
+    """While a request waits for a read of another host and nothing else runs, vLLM's loop
+    runs empty steps back to back (only the connector is called); each waits (at most
+    ``IDLE_WAIT_S``) for the loads in flight, a slow one included, and ends as soon as
+    they are done, so that the loop leaves the host's cores to the transfer.  A step with
+    a forward does not wait for a slow load."""
+    import threading
+
+    from xinference.model.llm.vllm.xavier.vllm_side import worker_plane
+    from xinference.model.llm.vllm.xavier.vllm_side.worker_plane import _StepLoad
+
+    monkeypatch.setattr(worker_plane, "IDLE_WAIT_S", 0.3)
+    plane = plane_of()
+    plane.report_waits = True
+    remote = _Handle(None)
+    remote.quick = False  # checked on the completion thread (a read of another host)
+    plane._pending = [_StepLoad(("remote",), [remote])]
+    t0 = time.perf_counter()
+    assert plane.finished() == (set(), set())  # a step with a forward
+    assert time.perf_counter() - t0 < 0.1
+    t0 = time.perf_counter()
+    plane.wait_idle()  # an empty step, nothing done meanwhile: the whole budget
+    assert time.perf_counter() - t0 >= 0.3 * 0.9
+    assert plane.finished() == (set(), set())
+    threading.Timer(0.05, remote._done.set).start()
+    t0 = time.perf_counter()
+    plane.wait_idle()  # the read completes 50 ms in: the wait ends there
+    assert 0.04 <= time.perf_counter() - t0 < 0.25
+    assert plane.finished() == ({"remote"}, set())
+    waited = plane.counters.snapshot()["idle_wait_us"]
+    assert 0.3e6 * 0.9 + 0.04e6 <= waited < 0.6e6
+    t0 = time.perf_counter()
+    plane.wait_idle()  # nothing in flight: no wait
+    assert time.perf_counter() - t0 < 0.05
+    assert plane.counters.snapshot()["idle_wait_us"] == waited
+    plane.close()

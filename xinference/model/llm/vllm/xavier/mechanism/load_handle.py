@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -155,3 +156,13 @@ class LoadHandle:
             raise self._error
         assert self._result is not None
         return self._result
+
+
+def wait_until_reportable(handles: Iterable[Any], budget_s: float) -> int:
+    """Wait, at most ``budget_s`` in all, until each of ``handles`` (:class:`LoadHandle`)
+    can be reported; returns the microseconds waited."""
+    start = time.perf_counter()
+    deadline = start + budget_s
+    for h in handles:
+        h.wait_reportable(max(0.0, deadline - time.perf_counter()))
+    return int(1e6 * (time.perf_counter() - start))

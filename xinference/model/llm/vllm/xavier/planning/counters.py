@@ -44,8 +44,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "load_launch_cpu_us", "peer_map_us", "copy_warm_us",
     # loads of device memory reported to vLLM in the step that launched them (vLLM then
     # computes the request one step sooner), the host time their report waited for them,
-    # and those still not checked when the wait ran out (reported a step later)
-    "loads_reported_at_once", "report_wait_us", "report_wait_missed",
+    # and those still not checked when the wait ran out (reported a step later); the host
+    # time steps with no forward waited for loads in flight (instead of going round again)
+    "loads_reported_at_once", "report_wait_us", "report_wait_missed", "idle_wait_us",
     # scheduler side (they travel with the step's metadata to the worker)
     "queries", "queried_blocks", "hit_blocks", "hit_tokens", "requests_with_hits",
     "steps_with_loads", "lookup_calls", "lookups_deferred", "lookups_given_up",

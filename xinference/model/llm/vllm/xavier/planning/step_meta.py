@@ -109,6 +109,8 @@ class StepMeta:
     failed_dests: Tuple[int, ...] = ()
     in_place: Tuple[InPlaceRow, ...] = ()
     saves: Tuple[ExportRow, ...] = ()
+    #: vLLM scheduled no token this step: its forward is skipped and only the connector runs
+    idle: bool = False
 
     @property
     def has_loads(self) -> bool:
@@ -123,7 +125,7 @@ class StepMeta:
         if tp_size == 1:
             return self
         return StepMeta(self.loads.for_shard(tp_rank, tp_size), self.exports, self.stats,
-                        self.failed_dests, self.in_place, self.saves)
+                        self.failed_dests, self.in_place, self.saves, self.idle)
 
     def per_request(self, loads: Optional[LoadBatch] = None) -> List[LoadBatch]:
         """The step's loads as one batch per request (the per-request baseline: one load

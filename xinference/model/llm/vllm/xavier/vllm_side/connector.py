@@ -404,11 +404,13 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
 
         Each loaded request is reported exactly once, failed or not (its failed blocks
         come through :meth:`get_block_ids_with_load_errors` in the same pass); vLLM's
-        stream is first made to wait for their copies.  Nothing is ever sent
-        asynchronously, so the first element is always ``None``."""
+        stream is first made to wait for their copies.  In a step with no forward it waits
+        a few milliseconds for a load in flight to finish (vLLM would only go round again).
+        Nothing is ever sent asynchronously, so the first element is always ``None``."""
         if self.worker is None:
             return None, None
-        return self.worker.finished_loads()
+        step = self._step()
+        return self.worker.finished_loads(idle=step is not None and step.idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads reported finished whose bytes were not written; vLLM recomputes

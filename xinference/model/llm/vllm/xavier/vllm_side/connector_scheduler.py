@@ -372,6 +372,7 @@ class XavierConnectorScheduler:
             # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
             zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
             meta = self._in_place_step(meta, zeroed)
+        meta.idle = not scheduler_output.total_num_scheduled_tokens
         # the step's own building (its stats were taken above): counted in it too
         meta.stats.scheduler_us += int(1e6 * (time.perf_counter() - t1))
         return meta

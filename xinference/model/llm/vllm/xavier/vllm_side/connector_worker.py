@@ -144,10 +144,15 @@ class XavierConnectorWorker:
             if step.in_place:
                 self.plane.publish_in_place(step.in_place)
 
-    def finished_loads(self) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+    def finished_loads(self, idle: bool = False
+                       ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their
-        failed blocks are kept for :meth:`take_load_errors`.  The step's last call: its
-        hold is counted here (:mod:`..planning.step_hold`)."""
+        failed blocks are kept for :meth:`take_load_errors`.  ``idle``: the step had no
+        forward; the plane first waits a little for a load in flight (not counted in the
+        step's hold: no request waits on an empty step).  The step's last call: its hold
+        is counted here (:mod:`..planning.step_hold`)."""
+        if idle and self.plane is not None:
+            self.plane.wait_idle()
         with elapsed_us(self._hold.add):
             done, self._failed_requests = self._failed_requests, set()
             if self.plane is not None:

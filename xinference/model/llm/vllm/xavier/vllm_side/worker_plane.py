@@ -21,13 +21,12 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
 
 In a tensor-parallel replica every worker has its own plane for its shard of the KV heads
 (``tp_rank``): its own storage at the transfer actor, its shard's rows of each step
-(``StepMeta.for_shard``), shard ``tp_rank`` of every peer
-(:mod:`..planning.shards`).
+(``StepMeta.for_shard``), shard ``tp_rank`` of every peer (:mod:`..planning.shards`).
 
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
-live outside the package (``tests/support/worker_hooks.py``): the plane calls an observer
-of the :class:`PlaneHooks` shape only when ``XAVIER_TEST_HOOKS`` names one
-(``module:Class``) in the engine's environment; a production worker has none.
+live outside the package (``tests/support/worker_hooks.py``): the plane calls a
+:class:`PlaneHooks` observer only when ``XAVIER_TEST_HOOKS`` (``module:Class``) names
+one in the engine's environment; a production worker has none.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.in_place import InPlaceShare, SharedHostCaches
 from ..mechanism.kv_schema import KVLayout, layout_of
-from ..mechanism.load_handle import LoadHandle
+from ..mechanism.load_handle import LoadHandle, wait_until_reportable
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
@@ -67,6 +66,8 @@ CALL_TIMEOUT_S = 30.0
 #: longest vLLM's ask for finished loads waits for the step's quick loads (a load's copies
 #: into a 0.5B model's KV cache take ~0.15 ms for 512 blocks on an H200)
 REPORT_WAIT_S = 0.002
+#: longest a step with no forward waits for the loads in flight (:meth:`wait_idle`)
+IDLE_WAIT_S = 0.005
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
 
@@ -249,16 +250,14 @@ class WorkerDataPlane:
                 after = [] if saved is None else [saved]
             self._pending.append(self._load(step, after))
         finally:
-            cpu_us = int(1e6 * (time.thread_time() - cpu))
             wall_us = int(1e6 * (time.perf_counter() - wall))
             self.counters.add("load_launch_us", wall_us)
-            self.counters.add("load_launch_cpu_us", cpu_us)
+            self.counters.add("load_launch_cpu_us", int(1e6 * (time.thread_time() - cpu)))
             if wall_us > self.counters.get("load_launch_max_us"):
                 self.counters.set("load_launch_max_us", wall_us)
 
     def run_detached(self, step: StepMeta) -> Tuple[_StepLoad, Optional[str]]:
-        """Launch ``step``'s loads outside vLLM's bookkeeping (never reported through
-        :meth:`finished`): the test hooks' ``raw_load``."""
+        """The test hooks' ``raw_load``: ``step``'s loads, never reported to vLLM."""
         pending = self._load(step, [] if self.unordered else None)
         return pending, pending.error
 
@@ -345,20 +344,21 @@ class WorkerDataPlane:
             self.hooks.loaded_failed(failed)
         return done, failed
 
+    def wait_idle(self) -> None:
+        """A step with no forward: wait, at most ``IDLE_WAIT_S``, for the loads in flight
+        (vLLM would only run empty steps meanwhile, on the cores their transfer needs)."""
+        waiting = [h for p in self._pending if not p.reportable() for h in p.handles]
+        if waiting:
+            self.counters.add("idle_wait_us", wait_until_reportable(waiting, IDLE_WAIT_S))
+
     def _wait_quick(self) -> None:
         """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
         launched): one reported in this step's output is computed a step sooner."""
-        if not self.report_waits:
-            return
         waiting = [p for p in self._pending if p.quick() and not p.late and not p.reportable()]
-        if not waiting:
+        if not waiting or not self.report_waits:
             return
-        start = time.perf_counter()
-        deadline = start + REPORT_WAIT_S
-        for p in waiting:
-            for h in p.handles:
-                h.wait_reportable(max(0.0, deadline - time.perf_counter()))
-        self.counters.add("report_wait_us", int(1e6 * (time.perf_counter() - start)))
+        self.counters.add("report_wait_us", wait_until_reportable(
+            (h for p in waiting for h in p.handles), REPORT_WAIT_S))
         for p in waiting:
             if not p.reportable():
                 p.late = True
