@@ -326,3 +326,35 @@ def test_holders_say_which_victims_a_peer_holds_now_in_every_shard_or_held_once(
     finally:
         for e in (a0, a1, b0):
             e.close()
+
+
+def test_a_rank_dropped_and_taken_back_announces_its_index_with_its_next_registration():
+    """The registry's liveness check dropped a live rank (its host indexes went with it) and
+    took it back: the rank's next registration of blocks registers it in the directory
+    again and its announcement is accepted (made before the registration, it was refused
+    -- `rank: 1 is not registered` -- and the index stayed unknown to its peers until the
+    next announcement, ANNOUNCE_PERIOD_S later)."""
+    tracker = VLLMBlockTracker.__new__(VLLMBlockTracker)
+    VLLMBlockTracker.__init__(tracker)
+
+    class Direct:  # the worker's TrackerLink, without the bridge
+        def register(self, rank, entries, incarnation=0):
+            return tracker.register(rank, entries, incarnation)
+
+    e = Engine(rank=1)
+    now = [100.0]
+    link = HostIndexLink(Direct(), e.index,
+                         lambda: tracker.announce_index(1, 0, "h1", e.index.path),
+                         clock=lambda: now[0])
+    try:
+        held = names(2)
+        tracker.register_rank(1)
+        link.register(1, [(0, held[0], VLLM, 0, 0)], e.index.incarnation)
+        assert tracker.host_indexes("h1") == [(1, 0, e.index.path)]
+        tracker.unregister_rank(1)  # dropped as unreachable, then taken back
+        assert tracker.host_indexes("h1") == []
+        now[0] += hi.ANNOUNCE_PERIOD_S + 1
+        link.register(1, [(0, held[1], VLLM, 1, 0)], e.index.incarnation)
+        assert tracker.host_indexes("h1") == [(1, 0, e.index.path)]
+    finally:
+        e.close()

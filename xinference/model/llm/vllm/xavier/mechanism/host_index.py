@@ -286,9 +286,11 @@ class HostIndexLink:
     a registration of blocks of vLLM's own cache (``Tier.VLLM``, this engine's incarnation)
     is written into the index first, then passed on; everything else is passed on as is.
     Called by the publisher thread once the forward that computed the blocks completed.
-    ``announce`` tells the directory where the index is: before the first write, then at
-    most every :data:`ANNOUNCE_PERIOD_S` (a re-created directory learns it again).  A
-    failed write or announcement is logged and only costs peers a directory lookup."""
+    ``announce`` tells the directory where the index is: after the first registration
+    (the directory takes announcements of registered ranks only: a rank its liveness check
+    dropped and took back is registered again by that registration), then at most every
+    :data:`ANNOUNCE_PERIOD_S` (a re-created directory learns it again).  A failed write or
+    announcement is logged and only costs peers a directory lookup."""
 
     def __init__(self, link: DirectoryLink, index: HostIndex,
                  announce: Callable[[], None],
@@ -297,17 +299,24 @@ class HostIndexLink:
         self._announced_at: Optional[float] = None
 
     def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
+        written = False
         if incarnation == self._index.incarnation:
             rows = [(g, k, s, n) for g, k, t, s, n in entries if t == Tier.VLLM]
             try:
                 self._index.insert(rows)
-                now = self._clock()
-                if self._announced_at is None or now - self._announced_at > ANNOUNCE_PERIOD_S:
-                    self._announced_at = now
-                    self._announce()
+                written = True
             except Exception as exc:
                 logger.warning("rank %d: the host index (%d blocks): %r", rank, len(rows), exc)
-        return self._link.register(rank, entries, incarnation)
+        recorded = self._link.register(rank, entries, incarnation)
+        now = self._clock()
+        if written and (self._announced_at is None
+                        or now - self._announced_at > ANNOUNCE_PERIOD_S):
+            self._announced_at = now
+            try:
+                self._announce()
+            except Exception as exc:
+                logger.warning("rank %d: announcing the host index: %r", rank, exc)
+        return recorded
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._link.claim(rank, tier, group, slots)
