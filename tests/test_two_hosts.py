@@ -414,8 +414,8 @@ def _pairs_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str], world: 
     # round robin: the first request goes to one replica (which computes the prefix),
     # the second to the other (which loads it from the first one's host); a load that
     # fails is recomputed, so further pairs with new prefixes are tried until the
-    # channel has moved bytes once (the first NIXL connection may time out on a
-    # two-core machine, see doc/multi-host.md)
+    # channel has moved bytes once (on a two-core machine a first NIXL read stalled
+    # 10-25 s while the waiting replica's empty steps took the cores: doc/multi-host.md)
     rounds: List[Dict[str, Any]] = []
     kept_out = map_failures = 0
     after = before
