@@ -250,7 +250,7 @@ def _patch_supervisor(module: ModuleType) -> bool:
         cycle)."""
         from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
 
-        return supervisor_route_info(self, module, model_uid)
+        return await supervisor_route_info(self, module, model_uid)
 
     async def xavier_replica_model(self: Any, model_uid: str, replica_id: int,
                                    launch: Optional[str] = None, **_rpc: Any) -> Any:

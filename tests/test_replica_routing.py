@@ -297,3 +297,44 @@ def test_a_model_not_routed_is_asked_again_on_the_request_path_once_its_answer_i
     now[0] = 1.6
     routed = asyncio.run(routing.begin(api, Request({"model": "m", "prompt": PROMPT})))
     assert routed is not None and routed.replica in (0, 1)
+
+
+def test_a_replica_its_worker_reports_out_of_service_is_not_live():
+    """Xinference 3.5.0 keeps a replica whose process died in its replica list and its
+    round robin while the worker reloads it (and answers a request sent there with an
+    error): the supervisor's route info leaves out the replicas whose worker reports them
+    not serving (3.5.0's worker reports "stopping" through the reload; "loading", "error"
+    alike), takes them back once "ready", and lists every replica when the status guard
+    cannot be asked."""
+    from types import SimpleNamespace
+
+    from xinference.model.llm.vllm.xavier.replica_routing import supervisor_route_info
+
+    class Guard:
+        states: object = {}
+
+        async def get_replica_statuses(self, uid):
+            if isinstance(self.states, Exception):
+                raise self.states
+            return [SimpleNamespace(replica_id=r, model_state=s)
+                    for r, s in self.states.items()]
+
+    guard = Guard()
+    supervisor = SimpleNamespace(
+        _xavier_routing={"m": ("cache_aware", "launch-1")},
+        _model_uid_to_replica_info={"m": SimpleNamespace(active_replica_ids=[0, 1])},
+        _replica_model_uid_to_worker={"m-rep0": object(), "m-rep1": object()},
+        _status_guard_ref=guard)
+    module = SimpleNamespace(build_replica_model_uid=lambda uid, r: f"{uid}-rep{r}")
+
+    def live(states):
+        guard.states = states
+        return asyncio.run(supervisor_route_info(supervisor, module, "m"))
+
+    assert live({0: "ready", 1: "ready"}) == ("launch-1", [0, 1])
+    assert live({0: "ready", 1: "stopping"}) == ("launch-1", [0])
+    assert live({0: "ready", 1: "loading"}) == ("launch-1", [0])
+    assert live({0: "ready", 1: "ready"}) == ("launch-1", [0, 1])  # recovered
+    assert live({0: "error", 1: "stopping"}) is None  # none serves: Xinference's way
+    assert live({0: "ready", 1: ""}) == ("launch-1", [0, 1])  # a state never reported
+    assert live(ConnectionError("status guard gone")) == ("launch-1", [0, 1])

@@ -546,11 +546,12 @@ def test_a_quick_load_is_reported_when_vllm_first_asks_and_a_stuck_one_costs_one
 
 def test_a_step_with_no_forward_waits_for_a_load_in_flight_instead_of_going_round_again(
         monkeypatch):
-    """While a request waits for a read of another host and nothing else runs, vLLM's loop
-    runs empty steps back to back (only the connector is called); each waits (at most
-    ``IDLE_WAIT_S``) for the loads in flight, a slow one included, and ends as soon as
-    they are done, so that the loop leaves the host's cores to the transfer.  A step with
-    a forward does not wait for a slow load."""
+    """While requests wait for their loads and nothing else runs, vLLM runs one empty step
+    after another (only the connector is called); such a step (``idle``) waits, at most
+    ``IDLE_WAIT_S``, until one load in flight is done -- a slow read of another host
+    included -- so that the loop leaves the cores to the transfer.  It ends at the first
+    load done (a quick one is not held back by a slow one); a step with a forward does
+    not wait for a slow load."""
     import threading
 
     from xinference.model.llm.vllm.xavier.vllm_side import worker_plane
@@ -566,18 +567,21 @@ def test_a_step_with_no_forward_waits_for_a_load_in_flight_instead_of_going_roun
     assert plane.finished() == (set(), set())  # a step with a forward
     assert time.perf_counter() - t0 < 0.1
     t0 = time.perf_counter()
-    plane.wait_idle()  # an empty step, nothing done meanwhile: the whole budget
+    assert plane.finished(idle=True) == (set(), set())  # nothing done: the whole budget
     assert time.perf_counter() - t0 >= 0.3 * 0.9
-    assert plane.finished() == (set(), set())
+    # a quick load done 20 ms in, behind the slow one: the wait ends there, it is reported
+    plane._pending.append(_StepLoad(("local",), [_Handle(0.02)]))
+    t0 = time.perf_counter()
+    assert plane.finished(idle=True) == ({"local"}, set())
+    assert 0.015 <= time.perf_counter() - t0 < 0.2
     threading.Timer(0.05, remote._done.set).start()
     t0 = time.perf_counter()
-    plane.wait_idle()  # the read completes 50 ms in: the wait ends there
+    assert plane.finished(idle=True) == ({"remote"}, set())  # the read completes 50 ms in
     assert 0.04 <= time.perf_counter() - t0 < 0.25
-    assert plane.finished() == ({"remote"}, set())
     waited = plane.counters.snapshot()["idle_wait_us"]
-    assert 0.3e6 * 0.9 + 0.04e6 <= waited < 0.6e6
+    assert 0.3e6 * 0.9 + 0.015e6 + 0.04e6 <= waited < 0.7e6
     t0 = time.perf_counter()
-    plane.wait_idle()  # nothing in flight: no wait
+    assert plane.finished(idle=True) == (set(), set())  # nothing in flight: no wait
     assert time.perf_counter() - t0 < 0.05
     assert plane.counters.snapshot()["idle_wait_us"] == waited
     plane.close()

@@ -29,12 +29,17 @@ from concurrent import futures as concurrent_futures
 
 import pytest
 
+from xinference.model.llm.vllm.xavier import replica_routing
+
 from .support.xinference_server import (
     DEVICE,
     MODEL,
+    alive,
     cli_launch,
     launch_body,
     metrics_endpoint,
+    model_process,
+    replica_statuses,
     routed,
     scrape,
     wait_for_series,
@@ -150,6 +155,8 @@ def test_rest_launch_routes_by_cache_shares_prefixes_and_cleans_up(tiny_model_di
     hit_blocks = {int(labels["replica"]) + 1: value for labels, value in series}
     assert hit_blocks == {r: c[r].get("hit_blocks", 0) for r in (1, 2)}
 
+    the_warm_replica_dies_and_comes_back(server, int(warm), text, prefix)
+
     assert server.call("DELETE", f"/v1/models/{MODEL}") is None
     assert server.engines_gone() == []
     assert server.call("GET", "/v1/models")["data"] == []
@@ -209,6 +216,56 @@ def test_rest_launch_routes_by_cache_shares_prefixes_and_cleans_up(tiny_model_di
     assert re.search(r"xavier_cpu_budget: .*1024 bytes.* smaller than one KV block",
                      late.stderr), late.stderr[-600:]
     assert server.engines_gone() == []
+
+
+def the_warm_replica_dies_and_comes_back(server, victim, text, prefix):
+    """Replica recovery with routing on (#37): the process of replica ``victim`` (holding
+    ``prefix``) is killed.  Xinference's worker reloads it and keeps it in its replica list
+    and its round robin meanwhile (a request sent there gets an error); the router leaves
+    it out while its worker reports it out of service: every request of the gap, the
+    prefix's follow-up included, is served by the other replica; once it serves again,
+    new prefixes go to it too.  The killed replica's engine does not outlive it."""
+    other = 1 - victim
+    process = model_process(server, victim)
+    engines = [p for p in process.children(recursive=True)
+               if "EngineCore" in " ".join(p.cmdline())]
+    assert engines, "the replica's vLLM engine core"
+    process.kill()
+    wait_until(lambda: replica_statuses(server)[victim] != "READY", 60,
+               "Xinference marking the replica out of service")
+    time.sleep(replica_routing.INFO_TTL_S + 0.5)  # the router's view of it refreshed
+    start = routed(server)
+    asks = [prefix + "\n# during the reload\n" + text[20000:20100],  # its prefix's follow-up
+            text[21000:23500] + "\n# a new one\n", text[24000:26500] + "\n# another\n"]
+    for ask in asks:
+        assert completion(server, ask)["usage"]["completion_tokens"] > 0
+    during = routed(server, start)
+    statuses = replica_statuses(server)
+    print("routed while the replica reloads:", during, "statuses after them:", statuses)
+    assert statuses[victim] != "READY"  # the requests above all came during the gap
+    assert set(during) <= {(str(other), "affinity"), (str(other), "load")}, during
+    assert sum(during.values()) == len(asks)
+    wait_until(lambda: replica_statuses(server)[victim] == "READY", 300,
+               "the replica reloaded")
+    assert server.log_lines(f"Recreating model actor {MODEL}-rep{victim}")  # (the worker's)
+    assert server.log_lines(f"replicas out of service (their workers say so): [{victim}]")
+    time.sleep(replica_routing.INFO_TTL_S + 0.5)
+    start = routed(server)
+    for i in range(2):  # new prefixes: the least loaded replica, in turn
+        assert completion(server, text[27000 + 3000 * i:29500 + 3000 * i]
+                          + f"\n# after {i}\n")["usage"]["completion_tokens"] > 0
+    after = routed(server, start)
+    print("routed once it serves again:", after)
+    assert after == {(str(victim), "load"): 1, (str(other), "load"): 1}, after
+    assert alive(engines) == []  # the killed replica's engine core went with it
+
+
+def wait_until(ready, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.5)
 
 
 def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_dir,

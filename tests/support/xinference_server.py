@@ -11,7 +11,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+import psutil
 
 from .pools import free_port, gpus_from_env
 from .processes import engine_cores
@@ -252,3 +254,35 @@ def wait_for_series(endpoint, metric, count, timeout):
         time.sleep(1)
 
 
+def model_process(server: Server, replica: int) -> psutil.Process:
+    """The process of replica ``replica``'s model actor (Xinference titles it
+    ``Model: <uid>-rep<replica>``)."""
+    title = f"Model: {MODEL}-rep{replica}"
+    found = []
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith(title):
+                found.append(p)
+        except psutil.Error:
+            continue
+    assert len(found) == 1, (title, found)
+    return found[0]
+
+
+def replica_statuses(server: Server) -> Dict[int, str]:
+    """Xinference's status of each replica of :data:`MODEL` (``READY``, ``LOADING``,
+    ``TERMINATING``, ...), as ``GET /v1/models/<uid>/replicas`` answers it."""
+    return {int(r["replica_id"]): r["status"]
+            for r in server.call("GET", f"/v1/models/{MODEL}/replicas")}
+
+
+def alive(processes: List[psutil.Process]) -> List[psutil.Process]:
+    """Those of ``processes`` still running (zombies count as gone)."""
+    out = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out

@@ -34,7 +34,7 @@ import secrets
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from .planning.routing import ReplicaRouter, chunk_chain, prompt_text
 
@@ -84,10 +84,19 @@ def _launch_of(supervisor: Any, model_uid: str) -> Optional[str]:
     return launch if policy == "cache_aware" else None
 
 
-def supervisor_route_info(supervisor: Any, module: Any,
-                          model_uid: str) -> Optional[Tuple[str, List[int]]]:
-    """``(launch id, live replica ids)`` of ``model_uid`` (active, with a worker) when it
-    routes ``cache_aware``, else None."""
+#: what a replica's worker reports while it does not serve (Xinference's
+#: ``ReplicaStatus.model_state``; 3.5.0's worker reports a replica whose process died
+#: "stopping" until its reload is "ready")
+NOT_SERVING_STATES = frozenset({"registering", "loading", "error", "stopping", "stopped"})
+
+
+async def supervisor_route_info(supervisor: Any, module: Any,
+                                model_uid: str) -> Optional[Tuple[str, List[int]]]:
+    """``(launch id, live replica ids)`` of ``model_uid`` when it routes ``cache_aware``,
+    else None.  Live: active, with a worker, and not reported out of service by its worker
+    (:data:`NOT_SERVING_STATES`; Xinference keeps a replica whose process died in its
+    replica list and its round robin while the worker recovers it, and answers a request
+    sent there with an error)."""
     launch = _launch_of(supervisor, model_uid)
     info = supervisor._model_uid_to_replica_info.get(model_uid)
     if launch is None or info is None:
@@ -95,7 +104,26 @@ def supervisor_route_info(supervisor: Any, module: Any,
     workers = supervisor._replica_model_uid_to_worker
     live = [int(r) for r in info.active_replica_ids
             if workers.get(module.build_replica_model_uid(model_uid, r)) is not None]
+    out = await _replicas_out_of_service(supervisor, model_uid)
+    known = supervisor.__dict__.setdefault("_xavier_out_of_service", {})
+    if known.get(model_uid, set()) != out:  # (said once per change: asked every second)
+        known[model_uid] = out
+        logger.warning("xavier routing of %s: replicas out of service (their workers say "
+                       "so): %s", model_uid, sorted(out) or "none")
+    live = [r for r in live if r not in out]
     return (launch, live) if live else None
+
+
+async def _replicas_out_of_service(supervisor: Any, model_uid: str) -> Set[int]:
+    """Replica ids the status guard lists in a :data:`NOT_SERVING_STATES` state (none
+    when it cannot be asked: routing goes on as before)."""
+    try:
+        statuses = await supervisor._status_guard_ref.get_replica_statuses(model_uid)
+        return {int(s.replica_id) for s in statuses
+                if getattr(s, "model_state", "") in NOT_SERVING_STATES}
+    except Exception as exc:
+        logger.debug("xavier routing: replica states of %s: %r", model_uid, exc)
+        return set()
 
 
 async def supervisor_replica_model(supervisor: Any, module: Any, model_uid: str,

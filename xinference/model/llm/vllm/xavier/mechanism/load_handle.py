@@ -158,11 +158,24 @@ class LoadHandle:
         return self._result
 
 
-def wait_until_reportable(handles: Iterable[Any], budget_s: float) -> int:
-    """Wait, at most ``budget_s`` in all, until each of ``handles`` (:class:`LoadHandle`)
-    can be reported; returns the microseconds waited."""
+def wait_until_reportable(handles: Iterable[Any], deadline: float) -> int:
+    """Wait, until ``deadline`` (``time.perf_counter``) at most, until each of ``handles``
+    (:class:`LoadHandle`) can be reported; returns the microseconds waited."""
     start = time.perf_counter()
-    deadline = start + budget_s
     for h in handles:
         h.wait_reportable(max(0.0, deadline - time.perf_counter()))
     return int(1e6 * (time.perf_counter() - start))
+
+
+#: how often :func:`wait_for_any` looks at the handles it does not wait on
+ANY_POLL_S = 0.0005
+
+
+def wait_for_any(handles: Sequence[Any], deadline: float) -> int:
+    """Wait, until ``deadline`` at most, until one of ``handles`` can be reported (each is
+    looked at every :data:`ANY_POLL_S`); returns the microseconds waited."""
+    start = now = time.perf_counter()
+    while not any(h.reportable for h in handles) and now < deadline:
+        handles[0].wait_reportable(min(ANY_POLL_S, deadline - now))
+        now = time.perf_counter()
+    return int(1e6 * (now - start))

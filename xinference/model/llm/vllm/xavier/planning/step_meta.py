@@ -109,7 +109,9 @@ class StepMeta:
     failed_dests: Tuple[int, ...] = ()
     in_place: Tuple[InPlaceRow, ...] = ()
     saves: Tuple[ExportRow, ...] = ()
-    #: vLLM scheduled no token this step: its forward is skipped and only the connector runs
+    #: vLLM scheduled no token this step nor the one before (only the connector runs: the
+    #: worker may wait a little for loads in flight, :meth:`~..vllm_side.worker_plane.
+    #: WorkerDataPlane.finished`)
     idle: bool = False
 
     @property

@@ -147,18 +147,16 @@ class XavierConnectorWorker:
     def finished_loads(self, idle: bool = False
                        ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         """``(None, requests whose loads are done)``, vLLM's stream ordered after them; their
-        failed blocks are kept for :meth:`take_load_errors`.  ``idle``: the step had no
-        forward; the plane first waits a little for a load in flight (not counted in the
-        step's hold: no request waits on an empty step).  The step's last call: its hold
-        is counted here (:mod:`..planning.step_hold`)."""
-        if idle and self.plane is not None:
-            self.plane.wait_idle()
+        failed blocks are kept for :meth:`take_load_errors`.  ``idle``: no forward in this
+        step nor the one before (the plane may wait a little for a load in flight; counted
+        in the step's hold, since a request that arrives meanwhile waits for it too).  The
+        step's last call: its hold is counted here (:mod:`..planning.step_hold`)."""
         with elapsed_us(self._hold.add):
             done, self._failed_requests = self._failed_requests, set()
             if self.plane is not None:
                 stream = torch.cuda.current_stream(self._device) if (
                     self._device is not None and self._device.type == "cuda") else None
-                loaded, failed = self.plane.finished(stream)
+                loaded, failed = self.plane.finished(stream, idle)
                 self._load_errors.update(failed)
                 done |= loaded
         held = self._hold.take()

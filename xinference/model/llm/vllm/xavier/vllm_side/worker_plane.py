@@ -43,7 +43,7 @@ from ..mechanism import block_copy_triton
 from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.in_place import InPlaceShare, SharedHostCaches
 from ..mechanism.kv_schema import KVLayout, layout_of
-from ..mechanism.load_handle import LoadHandle, wait_until_reportable
+from ..mechanism.load_handle import LoadHandle, wait_for_any, wait_until_reportable
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
@@ -66,7 +66,7 @@ CALL_TIMEOUT_S = 30.0
 #: longest vLLM's ask for finished loads waits for the step's quick loads (a load's copies
 #: into a 0.5B model's KV cache take ~0.15 ms for 512 blocks on an H200)
 REPORT_WAIT_S = 0.002
-#: longest a step with no forward waits for the loads in flight (:meth:`wait_idle`)
+#: longest a step with no forward waits for a load in flight to finish (:meth:`finished`)
 IDLE_WAIT_S = 0.005
 GroupedLayers = Dict[int, List[Tuple[str, torch.Tensor]]]
 
@@ -318,15 +318,22 @@ class WorkerDataPlane:
         pending.error = why
         pending.failed.update(dests)
 
-    def finished(self, stream: Optional[torch.cuda.Stream] = None
+    def finished(self, stream: Optional[torch.cuda.Stream] = None, idle: bool = False
                  ) -> Tuple[Set[str], Set[int]]:
         """Requests whose loads vLLM may now treat as done, and the blocks among them that
-        were not written.  ``stream`` (vLLM's) is ordered after their copies first."""
+        were not written.  ``stream`` (vLLM's) is ordered after their copies first.  ``idle``
+        (no forward in this step nor the one before): first waits, at most ``IDLE_WAIT_S``,
+        until a load in flight is done (vLLM would run empty steps, on the cores it needs)."""
         done: Set[str] = set()
         failed: Set[int] = set()
         if self.hooks is not None and self.hooks.holding():
             return done, failed
-        self._wait_quick()
+        deadline = time.perf_counter() + (IDLE_WAIT_S if idle else REPORT_WAIT_S)
+        if idle:
+            waiting = [h for p in self._pending if not p.reportable() for h in p.handles]
+            if waiting:
+                self.counters.add("idle_wait_us", wait_for_any(waiting, deadline))
+        self._wait_quick(deadline)
         still: List[_StepLoad] = []
         for p in self._pending:
             if not p.reportable():
@@ -344,21 +351,14 @@ class WorkerDataPlane:
             self.hooks.loaded_failed(failed)
         return done, failed
 
-    def wait_idle(self) -> None:
-        """A step with no forward: wait, at most ``IDLE_WAIT_S``, for the loads in flight
-        (vLLM would only run empty steps meanwhile, on the cores their transfer needs)."""
-        waiting = [h for p in self._pending if not p.reportable() for h in p.handles]
-        if waiting:
-            self.counters.add("idle_wait_us", wait_until_reportable(waiting, IDLE_WAIT_S))
-
-    def _wait_quick(self) -> None:
-        """Wait, at most ``REPORT_WAIT_S`` in all, for quick loads not yet checked (just
+    def _wait_quick(self, deadline: float) -> None:
+        """Wait, until ``deadline`` at most, for quick loads not yet checked (just
         launched): one reported in this step's output is computed a step sooner."""
         waiting = [p for p in self._pending if p.quick() and not p.late and not p.reportable()]
         if not waiting or not self.report_waits:
             return
         self.counters.add("report_wait_us", wait_until_reportable(
-            (h for p in waiting for h in p.handles), REPORT_WAIT_S))
+            (h for p in waiting for h in p.handles), deadline))
         for p in waiting:
             if not p.reportable():
                 p.late = True
