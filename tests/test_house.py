@@ -102,6 +102,18 @@ def test_production_objects_carry_no_test_hooks():
         assert hooks & set(dir(production)) <= {"flush"}, production.__name__
 
 
+def test_every_module_logs_under_xinferences_logger():
+    """A module's logger is named by ``package_logger`` (``xinference.model.llm.vllm.xavier.*``,
+    whichever of its two names loaded it): under the installed name
+    (``_xinference_xavier_fork.*``) ``logging.getLogger(__name__)`` is outside Xinference's
+    ``xinference`` logger, whose handlers write its log, and its lines are lost (the
+    router's were, until session 35)."""
+    plain = [(p.relative_to(PKG), n) for p in modules()
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"logging\.getLogger\(__name__\)", line)]
+    assert plain == []
+
+
 def file_map() -> dict:
     """The folders' rows of doc/architecture.md's map: folder -> the row's text."""
     doc = (PKG.parents[4] / "doc" / "architecture.md").read_text()

@@ -239,6 +239,13 @@ def the_warm_replica_dies_and_comes_back(server, victim, text, prefix):
             text[21000:23500] + "\n# a new one\n", text[24000:26500] + "\n# another\n"]
     for ask in asks:
         assert completion(server, ask)["usage"]["completion_tokens"] > 0
+    # the negative control: Xinference's own cycle (what a request without Xavier's router
+    # gets) still hands out the reloading replica, which refuses
+    supervisor = server.call("GET", "/v1/address")
+    upstream = [server.actor_call(supervisor, "supervisor", "get_model", args=[MODEL])
+                for _ in range(2)]
+    print("Xinference's cycle during the reload:", upstream)
+    assert sum(a.startswith("REFUSED") and "stopping" in a for a in upstream) == 1, upstream
     during = routed(server, start)
     statuses = replica_statuses(server)
     print("routed while the replica reloads:", during, "statuses after them:", statuses)

@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import psutil
 
@@ -37,8 +37,12 @@ import xoscar as xo
 
 async def main():
     ref = await xo.actor_ref(sys.argv[1], sys.argv[2])
-    print("ANSWER " + json.dumps(await asyncio.wait_for(getattr(ref, sys.argv[3])(), 60)),
-          flush=True)
+    args = json.loads(sys.argv[4]) if len(sys.argv) > 4 else []
+    answer = await asyncio.wait_for(getattr(ref, sys.argv[3])(*args), 60)
+    try:
+        print("ANSWER " + json.dumps(answer), flush=True)
+    except TypeError:  # (an actor ref)
+        print("ANSWER " + json.dumps(repr(answer)), flush=True)
 
 try:
     asyncio.run(main())
@@ -101,15 +105,17 @@ class Server:
                     raise
                 time.sleep(2)
 
-    def actor_call(self, address: str, uid: str, method: str, key: Optional[str] = "") -> str:
-        """``method()`` of actor ``uid`` at ``address``, called from a process whose key is
-        ``key`` ("": the server's, None: none); the answer line: ``ANSWER <json>`` or
-        ``REFUSED <error>``."""
+    def actor_call(self, address: str, uid: str, method: str, key: Optional[str] = "",
+                   args: Sequence[Any] = ()) -> str:
+        """``method(*args)`` of actor ``uid`` at ``address``, called from a process whose key
+        is ``key`` ("": the server's, None: none); the answer line: ``ANSWER <json>`` (an
+        answer JSON cannot carry: its ``repr``) or ``REFUSED <error>``."""
         env = dict(os.environ)
         env.pop("XOSCAR_AUTH_KEY", None)
         if key is not None:
             env["XOSCAR_AUTH_KEY"] = key or self.auth_key
-        out = subprocess.run([sys.executable, "-c", ACTOR_CLIENT, address, uid, method],
+        out = subprocess.run([sys.executable, "-c", ACTOR_CLIENT, address, uid, method,
+                              json.dumps(list(args))],
                              env=env, capture_output=True, text=True, timeout=120)
         lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ANSWER", "REFUSED"))]
         assert lines, out.stderr[-2000:]

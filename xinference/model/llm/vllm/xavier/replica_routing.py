@@ -29,16 +29,16 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import logging
 import secrets
 import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
+from .planning.log_names import package_logger
 from .planning.routing import ReplicaRouter, chunk_chain, prompt_text
 
-logger = logging.getLogger(__name__)
+logger = package_logger(__name__)
 
 #: how long the live replicas of a model are taken from the last answer (s)
 INFO_TTL_S = 1.0
