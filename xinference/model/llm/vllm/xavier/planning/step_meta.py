@@ -110,8 +110,7 @@ class StepMeta:
     in_place: Tuple[InPlaceRow, ...] = ()
     saves: Tuple[ExportRow, ...] = ()
     #: vLLM scheduled no token this step nor the one before (only the connector runs: the
-    #: worker may wait a little for loads in flight, :meth:`~..vllm_side.worker_plane.
-    #: WorkerDataPlane.finished`)
+    #: worker may wait a little for a load in flight, ``WorkerDataPlane.finished``)
     idle: bool = False
 
     @property
@@ -137,3 +136,19 @@ class StepMeta:
         if batch.request_ids != self.loads.request_ids:
             raise ValueError("loads: not the step's requests")
         return batch.split()
+
+
+class EmptySteps:
+    """Which steps are :attr:`StepMeta.idle`: no token scheduled in them nor in the step
+    before.  The first empty step after a forward is not: under async scheduling the
+    forward's outputs are processed after the next step was launched, and must not wait
+    behind it."""
+
+    def __init__(self) -> None:
+        self._last_empty = False
+
+    def idle(self, scheduled_tokens: int) -> bool:
+        """The next step scheduled ``scheduled_tokens``: is it idle?"""
+        empty = scheduled_tokens == 0
+        idle, self._last_empty = empty and self._last_empty, empty
+        return idle

@@ -41,7 +41,7 @@ from ..planning.options import XavierOptions
 from ..planning.routes import host_id
 from ..planning.scheduler_side import SchedulerSide
 from ..planning.shards import Shards
-from ..planning.step_meta import StepMeta
+from ..planning.step_meta import EmptySteps, StepMeta
 from . import none_hash
 from .actor_bridge import ActorBridge, LazyActor
 from .pool_watch import watch_block_pool
@@ -98,8 +98,7 @@ class XavierConnectorScheduler:
         self._releaser = releaser = BatchingReleaser(
             directory_sender(self._directory, bridge.start), bridge.schedule)
         self._release_failures_counted = 0
-        #: the last step scheduled no token (see :attr:`~..planning.step_meta.StepMeta.idle`)
-        self._last_empty = False
+        self._empty_steps = EmptySteps()  # which steps are StepMeta.idle
         #: same-host peers' host indexes (``xavier_host_index``), as the directory announces
         #: them (asked every ``HOST_POLL_S``, never waited for)
         self._holders: Optional[HostHolders] = None
@@ -374,10 +373,7 @@ class XavierConnectorScheduler:
             # vLLM 0.27 zeroes some new blocks before the worker's first hook of the step
             zeroed = set(getattr(scheduler_output, "new_block_ids_to_zero", None) or ())
             meta = self._in_place_step(meta, zeroed)
-        # idle: this step and the one before scheduled no token (the one before's outputs,
-        # with async scheduling still to be processed, never wait behind this step)
-        empty = not scheduler_output.total_num_scheduled_tokens
-        meta.idle, self._last_empty = empty and self._last_empty, empty
+        meta.idle = self._empty_steps.idle(int(scheduler_output.total_num_scheduled_tokens))
         # the step's own building (its stats were taken above): counted in it too
         meta.stats.scheduler_us += int(1e6 * (time.perf_counter() - t1))
         return meta
