@@ -31,10 +31,10 @@ import pytest
 
 from xinference.model.llm.vllm.xavier import replica_routing
 
+from .support.processes import alive, engine_cores
 from .support.xinference_server import (
     DEVICE,
     MODEL,
-    alive,
     cli_launch,
     launch_body,
     metrics_endpoint,
@@ -227,8 +227,7 @@ def the_warm_replica_dies_and_comes_back(server, victim, text, prefix):
     new prefixes go to it too.  The killed replica's engine does not outlive it."""
     other = 1 - victim
     process = model_process(server, victim)
-    engines = [p for p in process.children(recursive=True)
-               if "EngineCore" in " ".join(p.cmdline())]
+    engines = engine_cores(process.pid)
     assert engines, "the replica's vLLM engine core"
     process.kill()
     wait_until(lambda: replica_statuses(server)[victim] != "READY", 60,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import psutil
 
@@ -14,14 +14,27 @@ def tokens(seed: int, n: int) -> List[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
+def processes_below(root: Optional[int], matches: Callable[[str], bool]
+                    ) -> List[psutil.Process]:
+    """Processes alive below ``root`` (default: this process) whose command line
+    ``matches``; zombies count as gone."""
+    return [p for p in alive(psutil.Process(root).children(recursive=True))
+            if _matches(p, matches)]
+
+
 def engine_cores(root: Optional[int] = None) -> List[psutil.Process]:
-    """vLLM engine-core processes alive below ``root`` (default: this process); zombies
-    count as gone."""
-    alive = []
-    for p in psutil.Process(root).children(recursive=True):
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and "EngineCore" in " ".join(p.cmdline()):
-                alive.append(p)
-        except psutil.Error:
-            continue
-    return alive
+    """vLLM engine-core processes alive below ``root`` (default: this process)."""
+    return processes_below(root, lambda cmdline: "EngineCore" in cmdline)
+
+
+def alive(processes: Iterable[psutil.Process]) -> List[psutil.Process]:
+    """Those of ``processes`` still running (zombies count as gone)."""
+    return [p for p in processes if _matches(p, lambda _: True)]
+
+
+def _matches(p: psutil.Process, matches: Callable[[str], bool]) -> bool:
+    try:
+        return (p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                and matches(" ".join(p.cmdline())))
+    except psutil.Error:
+        return False

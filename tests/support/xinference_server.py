@@ -11,12 +11,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import psutil
 
 from .pools import free_port, gpus_from_env
-from .processes import engine_cores
+from .processes import engine_cores, processes_below
 
 MODEL = "qwen2.5-instruct"
 DEVICE = os.environ.get("XAVIER_TEST_DEVICE", "cpu")
@@ -264,13 +264,7 @@ def model_process(server: Server, replica: int) -> psutil.Process:
     """The process of replica ``replica``'s model actor (Xinference titles it
     ``Model: <uid>-rep<replica>``)."""
     title = f"Model: {MODEL}-rep{replica}"
-    found = []
-    for p in psutil.Process(server.proc.pid).children(recursive=True):
-        try:
-            if " ".join(p.cmdline()).startswith(title):
-                found.append(p)
-        except psutil.Error:
-            continue
+    found = processes_below(server.proc.pid, lambda cmdline: cmdline.startswith(title))
     assert len(found) == 1, (title, found)
     return found[0]
 
@@ -280,15 +274,3 @@ def replica_statuses(server: Server) -> Dict[int, str]:
     ``TERMINATING``, ...), as ``GET /v1/models/<uid>/replicas`` answers it."""
     return {int(r["replica_id"]): r["status"]
             for r in server.call("GET", f"/v1/models/{MODEL}/replicas")}
-
-
-def alive(processes: List[psutil.Process]) -> List[psutil.Process]:
-    """Those of ``processes`` still running (zombies count as gone)."""
-    out = []
-    for p in processes:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out

@@ -366,12 +366,9 @@ class WorkerDataPlane:
 
     def wait_pending(self, timeout: float = 60.0) -> bool:
         """Wait until every launched load can be reported (tests, shutdown)."""
-        end = time.monotonic() + timeout
-        for p in self._pending:
-            for h in p.handles:
-                if not h.wait_reportable(max(0.0, end - time.monotonic())):
-                    return False
-        return True
+        wait_until_reportable([h for p in self._pending for h in p.handles],
+                              time.perf_counter() + timeout)
+        return all(p.reportable() for p in self._pending)
 
     # ---------------------------------------------------------------- exports
     def export(self, rows: Sequence[Tuple[int, int, int]]) -> None:
