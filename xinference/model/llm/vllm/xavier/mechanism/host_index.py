@@ -249,23 +249,31 @@ class HostIndex:
         held once and handed out since -- then likely saved into Xavier's tiers).  A file
         its owner closed holds nothing."""
         n = len(names)
+        block_out, gen_out = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        seen_out = np.zeros(n, bool)
         if int(self._shm.words[0]) != FORMAT:  # closed by its owner (its engine went)
-            return np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.zeros(n, bool)
+            return block_out, gen_out, seen_out
         bucket = _buckets_of(names[:, 0], np.full(n, group, np.int64), self._mask)
         held = self._table[bucket]  # a copy: what was there when read
-        seen = np.all(held[:, :, :3] == names[:, None, :], axis=2)
-        seen &= (held[:, :, _BLOCK] >> _U64(32)) == _U64(group)
-        seen &= _mix(held[:, :, :_CHECK], self._salt) == held[:, :, _CHECK]
-        seen &= held[:, :, _INCARNATION] == _U64(self.incarnation)
-        blocks = (held[:, :, _BLOCK] & _LOW32).astype(np.int64)
+        # the full checks only on the ways whose first name word matches (about one per
+        # name): the same answer as checking all WAYS, a fraction of the work
+        row, way = np.nonzero(held[:, :, 0] == names[:, 0:1])
+        entry = held[row, way]  # (k, ENTRY_WORDS), rows in order, ways ascending per row
+        seen = np.all(entry[:, 1:3] == names[row, 1:3], axis=1)
+        seen &= (entry[:, _BLOCK] >> _U64(32)) == _U64(group)
+        seen &= _mix(entry[:, :_CHECK], self._salt) == entry[:, _CHECK]
+        seen &= entry[:, _INCARNATION] == _U64(self.incarnation)
+        blocks = (entry[:, _BLOCK] & _LOW32).astype(np.int64)
         seen &= blocks < self.num_blocks
-        gens = held[:, :, _GENERATION].astype(np.int64)
+        gens = entry[:, _GENERATION].astype(np.int64)
         live = seen & (self._generations[np.where(seen, blocks, 0)] == gens)
-        way = np.argmax(live, axis=1)  # (a stale entry of the name never hides a live one)
-        rows = np.arange(n)
-        ok = live[rows, way]
-        return (np.where(ok, blocks[rows, way], -1), np.where(ok, gens[rows, way], -1),
-                seen.any(axis=1))
+        seen_out[row[seen]] = True
+        # the first live way of each name (a stale entry of the name never hides a live one)
+        live_at = np.flatnonzero(live)
+        names_live, first = np.unique(row[live_at], return_index=True)
+        block_out[names_live] = blocks[live_at[first]]
+        gen_out[names_live] = gens[live_at[first]]
+        return block_out, gen_out, seen_out
 
     def close(self) -> None:
         """Unmap; the owner first marks the file closed (a reader that still maps it finds

@@ -106,19 +106,22 @@ class InPlaceBook:
         for row in self._rows:
             row[ids] += 1
         self.bumped += len(ids)
-        loaded = self._loaded
-        for block in ids.tolist():
-            pub = self._published.pop(block, None)
-            if pub is None:
-                loaded.discard(block)
-                continue
-            group, name, _ = pub  # handed out for the first time since its publication
-            self._forgotten.setdefault(group, []).append((block, self.generation(block)))
-            self._victims.append((group, name, block))
-            if block in loaded:
-                loaded.discard(block)
-                self._loaded_victims.add(block)
-            self.reused += 1
+        pop, loaded = self._published.pop, self._loaded
+        handed = [(block, pub) for block in ids.tolist()
+                  if (pub := pop(block, None)) is not None]
+        if loaded:  # (blocks a load wrote: shown shared until handed out again)
+            victims_loaded = loaded.intersection(b for b, _ in handed)
+            loaded.difference_update(ids.tolist())
+            self._loaded_victims.update(victims_loaded)
+        if not handed:
+            return
+        now = self._rows[0][np.fromiter((b for b, _ in handed), np.int64, len(handed))]
+        forgotten = self._forgotten
+        for (block, (group, _, _)), gen in zip(handed, now.tolist()):
+            # handed out for the first time since its publication
+            forgotten.setdefault(group, []).append((block, gen))
+        self._victims.extend((group, name, block) for block, (group, name, _) in handed)
+        self.reused += len(handed)
 
     def loaded(self, block_ids: Sequence[int]) -> None:
         """This step's loads write ``block_ids`` (their destinations, handed out already;
@@ -143,12 +146,13 @@ class InPlaceBook:
     def publish(self, blocks: Sequence[ExportRow]) -> Tuple[InPlaceRow, ...]:
         """The step's newly full blocks ``(group, name, block)``: published in place at their
         generation now (the worker registers them once the step's forward completed)."""
-        out: List[InPlaceRow] = []
-        for group, name, block in blocks:
-            gen = self.generation(block)
-            self._published[int(block)] = (int(group), int(name), gen)
-            out.append((int(group), int(name), int(block), gen))
-        return tuple(out)
+        if not blocks:
+            return ()
+        ids = np.fromiter((int(b) for _, _, b in blocks), np.int64, len(blocks))
+        out = tuple((int(group), int(name), int(block), gen) for (group, name, block), gen
+                    in zip(blocks, self._rows[0][ids].tolist()))
+        self._published.update((block, (group, name, gen)) for group, name, block, gen in out)
+        return out
 
     def take_victims(self, zeroed: Collection[int] = ()) -> Tuple[ExportRow, ...]:
         """Published blocks handed out since the last call: to be saved into Xavier's tier
@@ -182,7 +186,9 @@ class InPlaceBook:
         keep = ~holding.now
         never_shared = 0
         if policy == "shared":
-            shared = holding.ever | np.fromiter((v[2] in loaded for v in victims), bool, n)
+            shared = holding.ever
+            if loaded:
+                shared = shared | np.fromiter((v[2] in loaded for v in victims), bool, n)
             never_shared = int(np.count_nonzero(keep & ~shared))
             keep &= shared
         rows = tuple(v for v, k in zip(victims, keep.tolist()) if k)
