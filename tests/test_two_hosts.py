@@ -20,8 +20,11 @@ directory's liveness check drops the dark rank within two intervals plus the tim
 dark host's worker is then killed (SIGKILL, its engine too) and the route removed.  With
 the host's worker back, the model launched again (with NIXL forced) shares across the
 hosts again.  (Xinference 3.5.0 neither relaunches a replica on a returning worker nor adds
-replicas to Xavier models, so "back" means a new launch.)  Five engine starts in all: the
-baseline, one launch with the automatic transport for the first two tests, the relaunch.
+replicas to Xavier models, so "back" means a new launch.)  Routed by cache (#37, the
+default with Xavier; the launches above route round robin so that pairs cross): a burst's
+request spills to the other host's replica, which loads the prefix across the hosts.  Seven
+engine starts in all: the baseline, one launch with the automatic transport for the first
+two tests, the NIXL relaunch, the routed launch.
 
 The deployment is authenticated (issue #36): supervisor and workers, and so every sub pool
 and vLLM engine they start, sign their xoscar frames with ``XOSCAR_AUTH_KEY`` (a fresh key
@@ -36,6 +39,7 @@ measured figures are printed and, with ``XAVIER_TEST_LOG_DIR``, written as JSON.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import secrets
@@ -57,6 +61,7 @@ from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
 from xinference.model.llm.vllm.xavier.vllm_side import peers, remote_reads
 
 from .support.netns import SimulatedHosts, simulated_hosts
+from .support.xinference_server import ROUTED, parse_metric
 from .support.xoscar_keys import signing_with
 
 REQUIRED = os.environ.get("XAVIER_TEST_REQUIRE_NETNS") == "1"  # CI: fail, never skip
@@ -91,9 +96,14 @@ def prompt(i: int, round_: int = 0) -> str:
 PAIRS = [(0, 0, 1), (1, 2, 3), (2, 4, 5), (3, 6, 7), (7, 8, 9)]
 #: the rounds of the dark-host test (a prefix of its own each; up to three are computed)
 DARK_ROUNDS = (4, 5, 6)
+#: the rounds of the routing test (a prefix of its own each): a first request, then a
+#: burst of BURST follow-ups at once, round after round until one crossed the hosts (a
+#: first cross-host load finds the peer not set up yet: its rows fail, it is recomputed)
+BURST_ROUNDS, BURST = (8, 9, 10, 11), 4
 #: every prompt these tests send: (round, request)
 PROMPTS = ([(r, i) for r, i0, i1 in PAIRS for i in (i0, i1)]
-           + [(r, i) for r in DARK_ROUNDS for i in range(3)])
+           + [(r, i) for r in DARK_ROUNDS for i in range(3)]
+           + [(r, i) for r in BURST_ROUNDS for i in range(BURST + 1)])
 
 
 class Cluster:
@@ -214,7 +224,8 @@ class Cluster:
         return self.hosts.run_in(0, run, 120)
 
     # ----------------------------------------------------------------- a model
-    def launch(self, xavier: bool, transport: Optional[str] = None) -> float:
+    def launch(self, xavier: bool, transport: Optional[str] = None,
+               routing: str = "round_robin") -> float:
         body = {"model_engine": "vllm", "model_name": MODEL, "model_size_in_billions": "0_5",
                 "model_type": "LLM", "model_format": "pytorch",
                 "model_path": self.model_dir,
@@ -234,8 +245,8 @@ class Cluster:
             body["envs"]["XAVIER_LOG_LEVEL"] = "INFO"
             # and about what crosses the hosts: Xinference's cycle sends each request of a
             # pair to the other host (routed by cache, a follow-up would stay where its
-            # prefix is, #37)
-            body["xavier_routing"] = "round_robin"
+            # prefix is, #37), but for the routing test's launch
+            body["xavier_routing"] = routing
         if transport:
             body["vllm_transfer_backend_type"] = transport
         t0 = time.monotonic()
@@ -278,6 +289,21 @@ class Cluster:
                 if time.monotonic() - t0 > timeout:
                     raise
                 time.sleep(2)
+
+    def routed(self, since: Optional[Dict[Any, int]] = None) -> Dict[Any, int]:
+        """``{(replica, reason): requests}`` Xavier's router counted on the API's
+        ``/metrics`` (host A), less ``since`` (an earlier answer)."""
+        def scrape() -> str:
+            req = urllib.request.Request(self.base + "/metrics",
+                                         headers={"Authorization": f"Bearer {self.token}"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.read().decode()
+
+        now = {(labels["replica"], labels["reason"]): int(value) for labels, value
+               in parse_metric(self.hosts.run_in(0, scrape, 60), ROUTED)
+               if labels.get("model") == MODEL}
+        since = since or {}
+        return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
 
     def world(self) -> List[str]:
         return self.actor_call(self.supervisor_address,
@@ -350,13 +376,15 @@ def baseline(cluster: Cluster) -> Dict[Any, str]:
         cluster.terminate()
 
 
-def launched_across_hosts(cluster: Cluster, transport: str) -> List[str]:
-    seconds = cluster.launch(xavier=True, transport=transport)
+def launched_across_hosts(cluster: Cluster, transport: str,
+                          routing: str = "round_robin") -> List[str]:
+    seconds = cluster.launch(xavier=True, transport=transport, routing=routing)
     world = cluster.world()
     assert len(world) == 3 and all(world), world
     hosts = sorted(host_of(world[r], cluster) for r in (1, 2))
     assert hosts == ["A", "B"], world  # Xinference put one replica on each host
-    record(f"{transport}: launch_s", round(seconds, 1))
+    record(f"{transport}{'' if routing == 'round_robin' else ', ' + routing}: launch_s",
+           round(seconds, 1))
     return world
 
 
@@ -678,5 +706,51 @@ def test_with_the_host_back_a_nixl_launch_shares_across_the_hosts_again(cluster,
     world = launched_across_hosts(cluster, "nixl")
     try:
         a_prefix_crosses_the_hosts(cluster, baseline, world, "nixl", "nixl")
+    finally:
+        cluster.terminate()
+
+
+def test_routed_by_cache_a_burst_spills_to_the_other_host_which_loads_the_prefix(
+        cluster, baseline, automatic_launch):
+    """Routing by cache (#37; ``cache_aware``, the default with Xavier) across the hosts:
+    a prefix's follow-ups go to the replica that computed it, and a burst of four at once
+    spills the fourth to the replica on the other host (the warm one holds more than 1.5x
+    the other's requests in flight + 2), which loads the prefix across the hosts instead of
+    recomputing it.  Texts equal a launch without Xavier.  (A launch of its own: the
+    launches above route round robin to make requests cross.)"""
+    automatic_launch.terminate()
+    for host in (0, 1):
+        if cluster.workers[host].poll() is not None:
+            cluster.start_worker(host)
+    world = launched_across_hosts(cluster, "xavier", routing="cache_aware")
+    try:
+        before = after = cluster.counters(world)
+        bursts: List[Dict[str, Any]] = []
+        for round_ in BURST_ROUNDS:
+            start, listed = cluster.routed(), cluster.directory()["blocks"]
+            assert cluster.complete(prompt(0, round_))["text"] == baseline[round_, 0]
+            cluster.wait_published(listed + 2500 // 4 // 16)
+            first = cluster.routed(start)
+            with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+                texts = list(pool.map(lambda text: cluster.complete(text)["text"],
+                                      [prompt(i, round_) for i in range(1, BURST + 1)]))
+            assert texts == [baseline[round_, i] for i in range(1, BURST + 1)]
+            burst = cluster.routed(start)
+            for key, n in first.items():
+                burst[key] -= n
+            bursts.append({f"{replica} {reason}": n for (replica, reason), n in burst.items()
+                           if n})
+            # the follow-ups went where the prefix was sent by affinity, but for those that
+            # spilled by load (the fourth, unless one before it was done already) to the
+            # other replica; none fell back to round robin
+            warm = {replica for replica, _ in first}
+            assert len(warm) == 1 and sum(burst.values()) == BURST, (first, bursts[-1])
+            assert all((r in warm) == (reason == "affinity") and reason != "fallback"
+                       for (r, reason), n in burst.items() if n), bursts[-1]
+            after = cluster.counters(world)
+            if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
+                break
+        record("routed: bursts (replica reason: requests)", bursts)
+        _crossed(cluster, world, before, after, "routed", "sockets")
     finally:
         cluster.terminate()

@@ -225,7 +225,11 @@ def metrics_endpoint(home):
 def scrape(endpoint, metric):
     """``[(labels, value)]`` of ``metric`` in a Prometheus text scrape of ``endpoint``."""
     with urllib.request.urlopen(endpoint, timeout=30) as r:
-        text = r.read().decode()
+        return parse_metric(r.read().decode(), metric)
+
+
+def parse_metric(text, metric):
+    """``[(labels, value)]`` of ``metric`` in the Prometheus text ``text``."""
     out = []
     for line in text.splitlines():
         if line.startswith(metric + "{"):
