@@ -334,10 +334,18 @@ SAVEALL_MODE = "batched-saveall"
 #: (``XavierEngine.set_victim_saves``: the scheduler still names the victims, nothing is
 #: copied or registered): what saves cost, measured on the same warm engines as ``batched``
 DROPSAVES_MODE = "batched-dropsaves"
+#: ... moving the CPU tier's bytes with the copy engine only (``XAVIER_UVA=0``: demotions
+#: gather on the GPU, then one transfer into page-locked memory and a host scatter; the
+#: default writes the mapped CPU tier from the fused kernel's thread blocks)
+UVA0_MODE = "batched-uva0"
+#: ... with vLLM's engine processes at Python's GIL switch interval of 100 µs (default 500)
+GIL100_MODE = "batched-gil100"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
-                                            SAVEALL_MODE: {"XAVIER_SAVE_VICTIMS": "all"}}
+                                            SAVEALL_MODE: {"XAVIER_SAVE_VICTIMS": "all"},
+                                            UVA0_MODE: {"XAVIER_UVA": "0"},
+                                            GIL100_MODE: {"XAVIER_SWITCH_INTERVAL_US": "100"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
