@@ -37,7 +37,8 @@ sampled requests produced the same tokens): a fast wrong peer cannot win.  The p
 own figure is the noise floor (vLLM's batch-dependent arithmetic).
 
 ``--chat 32,96`` adds rows of a multi-turn chat (issue #34) for ``plain``, ``local-hit``,
-``none`` and ``batched`` (those asked for): that many users of one assistant, a system
+``none``, ``batched`` and ``vllm-offload-fs`` (those asked for; the peer's ``ext hit`` is
+not counted: what it loaded is in the cached share): that many users of one assistant, a system
 prompt all share (``--chat-shape TURNS,SYSTEM,MESSAGE``, default 4 turns, 1024 and 768
 tokens), each user in a closed loop whose next prompt is its whole history (earlier
 messages and the engine's answers) plus a new message, every request routed round robin
@@ -536,14 +537,19 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                                                         max(prefixes) + 64, vocab), c,
                                   max(prefixes), "unique")
         for users in chat_users:  # issue #34's chat rows
-            for mode in [m for m in modes if m in ("plain", "local-hit", "none", "batched")]:
+            for mode in [m for m in modes
+                         if m in ("plain", "local-hit", "none", "batched", *PEER_MODES)]:
                 seed += 1
                 chat = chat_workload(seed, users, turns, system, message, vocab)
-                r = pairs["plain" if mode in PLAIN_MODES else "xavier"]
-                if mode not in PLAIN_MODES:
+                r = pairs["plain" if mode in PLAIN_MODES else
+                          mode if mode in PEER_MODES else "xavier"]
+                if mode not in PLAIN_MODES + PEER_MODES:
                     await _set_mode(r, mode)
                 res, sent = await run_chat(r, chat, max_tokens, xavier=mode != "none",
                                            sticky=mode == "local-hit")
+                if mode in PEER_MODES:  # vLLM's connector counts no Xavier hits: what it
+                    # loaded is inside the cached share (local prefix hits included)
+                    res["external_hit_rate"] = float("nan")
                 res.update(mode=mode, concurrency=users, prefix_tokens=system,
                            workload="chat")
                 checks.append((res, sent, users))

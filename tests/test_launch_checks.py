@@ -45,6 +45,8 @@ def test_the_cli_spelling_and_the_strict_switch():
     normalize_launch({"enable_xavier": True, "tensor_parallel_size": 2}, 2, None)
     normalize_launch({"enable_xavier": True, "tensor-parallel-size": "4"}, 2, None)
     normalize_launch({"pipeline_parallel_size": 4}, 2, None)
+    normalize_launch({"enable_xavier": True, "data_parallel_size": 1}, 2, None)
+    normalize_launch({"data_parallel_size": 2}, 2, None)
     # vLLM's cryptographic prefix hashes name shared blocks; xxhash without Xavier: vLLM's
     for algo in ("sha256", "sha256_cbor"):
         normalize_launch({"enable_xavier": True, "prefix_caching_hash_algo": algo}, 2, None)
@@ -67,6 +69,12 @@ def test_the_cli_spelling_and_the_strict_switch():
      ".* got pipeline_parallel_size=2"),
     ({"enable_xavier": True, "pipeline-parallel-size": "2"}, 2, None,
      "^pipeline_parallel_size: .* got pipeline_parallel_size='2'"),
+    ({"enable_xavier": True, "data_parallel_size": 2}, 2, None,
+     "^data_parallel_size: Xavier does not share the KV of data-parallel replicas "
+     r"\(tensor parallelism is supported\), got data_parallel_size=2; launch with "
+     "data_parallel_size=1 or without enable_xavier"),
+    ({"enable_xavier": True, "data-parallel-size": "4"}, 2, None,
+     "^data_parallel_size: .* got data_parallel_size='4'"),
     ({"enable_xavier": True, "prefix_caching_hash_algo": "xxhash"}, 2, None,
      "^prefix_caching_hash_algo: .* must be collision resistant .* got 'xxhash'"),
     ({"enable_xavier": True, "prefix-caching-hash-algo": "xxhash_cbor"}, 2, None,

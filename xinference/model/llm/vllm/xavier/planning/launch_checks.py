@@ -5,12 +5,13 @@ Xavier on) and passes unknown keys, such as the CLI spelling ``enable-xavier``, 
 which fails only after the engines started.  The overlay wraps the supervisor's
 ``launch_builtin_model`` to run :func:`normalize_launch` on its keyword arguments first:
 Xavier's own keys in either spelling, ``enable_xavier`` as a strict switch, and, when it is
-on, the replica count, vLLM's pipeline parallel size (1 only: tensor parallelism is shared
-shard by shard, pipeline stages are not), vLLM's prefix hash (a cryptographic one: block
-names cross replicas), ``xavier_routing`` (how the API picks a replica: ``cache_aware`` by
-default, ``round_robin``; the overlay keeps it in the supervisor, the model never sees it)
-and the ``XAVIER_*`` launch envs, each failing at once with a message that starts with the
-option's name.  Nothing else of the launch is touched.
+on, the replica count, vLLM's pipeline and data parallel sizes (1 only: tensor parallelism
+is shared shard by shard, pipeline stages and data-parallel engines are not), vLLM's prefix
+hash (a cryptographic one: block names cross replicas), ``xavier_routing`` (how the API
+picks a replica: ``cache_aware`` by default, ``round_robin``; the overlay keeps it in the
+supervisor, the model never sees it) and the ``XAVIER_*`` launch envs, each failing at
+once with a message that starts with the option's name.  Nothing else of the launch is
+touched.
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def prefix_hash_problem(algo: Any) -> Optional[str]:
             f"({' or '.join(COLLISION_RESISTANT_HASHES)}), got {str(algo)!r}")
 
 
-#: vLLM's parallelism options Xavier cannot share (``tensor_parallel_size`` is shared: each
-#: TP worker stores and loads its own shard of the KV heads, :mod:`.shards`)
-UNSHARED_PARALLEL_KEYS = ("pipeline_parallel_size",)
+#: vLLM's parallelism options Xavier cannot share, and what they make of a replica
+#: (``tensor_parallel_size`` is shared: each TP worker stores and loads its own shard of the
+#: KV heads, :mod:`.shards`; a data-parallel replica runs several engines, each with its own
+#: scheduler and KV cache, where Xavier knows one engine per replica rank)
+UNSHARED_PARALLEL_KEYS = {"pipeline_parallel_size": "pipeline-parallel",
+                          "data_parallel_size": "data-parallel"}
 
 
 def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
@@ -87,14 +91,14 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
     if replicas < 2:
         raise ValueError(f"enable_xavier: shares prefixes between replicas and needs "
                          f"replica >= 2, got replica={replica!r}")
-    for key in UNSHARED_PARALLEL_KEYS:
+    for key, kind in UNSHARED_PARALLEL_KEYS.items():
         value = kwargs.get(key, kwargs.get(key.replace("_", "-")))
         try:
             degree = int(value) if value is not None else 1
         except (TypeError, ValueError):
             degree = 1  # not Xavier's option: vLLM checks it
         if degree > 1:
-            raise ValueError(f"{key}: Xavier does not share the KV of pipeline-parallel "
+            raise ValueError(f"{key}: Xavier does not share the KV of {kind} "
                              f"replicas (tensor parallelism is supported), got {key}="
                              f"{value!r}; launch with {key}=1 or without enable_xavier")
     kwargs["xavier_routing"] = parse_routing(kwargs.get("xavier_routing", "cache_aware"))
