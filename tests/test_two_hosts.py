@@ -99,7 +99,7 @@ DARK_ROUNDS = (4, 5, 6)
 #: the rounds of the routing test (a prefix of its own each): a first request, then a
 #: burst of BURST follow-ups at once, round after round until one crossed the hosts (a
 #: first cross-host load finds the peer not set up yet: its rows fail, it is recomputed)
-BURST_ROUNDS, BURST = (8, 9, 10, 11), 4
+BURST_ROUNDS, BURST = (8, 9, 10, 11, 12), 4
 #: every prompt these tests send: (round, request)
 PROMPTS = ([(r, i) for r, i0, i1 in PAIRS for i in (i0, i1)]
            + [(r, i) for r in DARK_ROUNDS for i in range(3)]
@@ -496,7 +496,9 @@ def _pairs_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str], world: 
 def _crossed(cluster: Cluster, world: List[str], before: Dict[Any, Any],
              after: Dict[Any, Any], transport: str, route: str) -> None:
     """The checks of :func:`_pairs_until_one_crossed` on the loader's counters."""
-    loader = max((1, 2), key=lambda r: delta(after, before, r, "hit_blocks"))
+    # (the rank that fetched: with routing by cache, spills may have gone both ways)
+    loader = max((1, 2), key=lambda r: (delta(after, before, r, "remote_fetches"),
+                                        delta(after, before, r, "hit_blocks")))
     source = 3 - loader
     assert host_of(world[loader], cluster) != host_of(world[source], cluster)
     figures = {k: delta(after, before, loader, k) for k in (
@@ -724,33 +726,51 @@ def test_routed_by_cache_a_burst_spills_to_the_other_host_which_loads_the_prefix
             cluster.start_worker(host)
     world = launched_across_hosts(cluster, "xavier", routing="cache_aware")
     try:
-        before = after = cluster.counters(world)
-        bursts: List[Dict[str, Any]] = []
-        for round_ in BURST_ROUNDS:
-            start, listed = cluster.routed(), cluster.directory()["blocks"]
-            assert cluster.complete(prompt(0, round_))["text"] == baseline[round_, 0]
-            cluster.wait_published(listed + 2500 // 4 // 16)
-            first = cluster.routed(start)
-            with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
-                texts = list(pool.map(lambda text: cluster.complete(text)["text"],
-                                      [prompt(i, round_) for i in range(1, BURST + 1)]))
-            assert texts == [baseline[round_, i] for i in range(1, BURST + 1)]
-            burst = cluster.routed(start)
-            for key, n in first.items():
-                burst[key] -= n
-            bursts.append({f"{replica} {reason}": n for (replica, reason), n in burst.items()
-                           if n})
-            # the follow-ups went where the prefix was sent by affinity, but for those that
-            # spilled by load (the fourth, unless one before it was done already) to the
-            # other replica; none fell back to round robin
-            warm = {replica for replica, _ in first}
-            assert len(warm) == 1 and sum(burst.values()) == BURST, (first, bursts[-1])
-            assert all((r in warm) == (reason == "affinity") and reason != "fallback"
-                       for (r, reason), n in burst.items() if n), bursts[-1]
-            after = cluster.counters(world)
-            if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
-                break
-        record("routed: bursts (replica reason: requests)", bursts)
-        _crossed(cluster, world, before, after, "routed", "sockets")
+        _bursts_until_one_crossed(cluster, baseline, world)
+    except Exception:
+        print(cluster.xavier_lines())  # (CI keeps no other log)
+        raise
     finally:
         cluster.terminate()
+
+
+def _bursts_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str],
+                              world: List[str]) -> None:
+    """A new prefix's first request, then a burst of its follow-ups, round after round
+    until a spilled one loaded the prefix across the hosts (which replica a round's first
+    request goes to alternates, so the spills go both ways; a first spill each way finds
+    its peer not set up yet: recomputed)."""
+    before = after = cluster.counters(world)
+    bursts: List[Dict[str, Any]] = []
+    map_failures = 0
+    for round_ in BURST_ROUNDS:
+        start, listed = cluster.routed(), cluster.directory()["blocks"]
+        assert cluster.complete(prompt(0, round_))["text"] == baseline[round_, 0]
+        cluster.wait_published(listed + 2500 // 4 // 16)
+        first = cluster.routed(start)
+        with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+            texts = list(pool.map(lambda text: cluster.complete(text)["text"],
+                                  [prompt(i, round_) for i in range(1, BURST + 1)]))
+        assert texts == [baseline[round_, i] for i in range(1, BURST + 1)]
+        burst = cluster.routed(start)
+        for key, n in first.items():
+            burst[key] -= n
+        bursts.append({f"{replica} {reason}": n for (replica, reason), n in burst.items()
+                       if n})
+        # the follow-ups went where the prefix was sent by affinity, but for those that
+        # spilled by load (the fourth, unless one before it was done already) to the
+        # other replica; none fell back to round robin
+        warm = {replica for replica, _ in first}
+        assert len(warm) == 1 and sum(burst.values()) == BURST, (first, bursts[-1])
+        assert all((r in warm) == (reason == "affinity") and reason != "fallback"
+                   for (r, reason), n in burst.items() if n), bursts[-1]
+        after = cluster.counters(world)
+        if sum(delta(after, before, r, "remote_fetches") for r in (1, 2)) > 0:
+            break
+        now_map_failures = sum(delta(after, before, r, "peer_map_failures") for r in (1, 2))
+        if now_map_failures > map_failures:  # (as the pairs above: vllm_side/peers.py)
+            map_failures = now_map_failures
+            time.sleep(min(peers.PEER_RETRY_MAX_S,
+                           peers.PEER_RETRY_S * 2 ** (map_failures - 1)) + 0.5)
+    record("routed: bursts (replica reason: requests)", bursts)
+    _crossed(cluster, world, before, after, "routed", "sockets")
