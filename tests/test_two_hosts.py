@@ -61,7 +61,7 @@ from xinference.model.llm.vllm.xavier.planning.options import transfer_actor_uid
 from xinference.model.llm.vllm.xavier.vllm_side import peers, remote_reads
 
 from .support.netns import SimulatedHosts, simulated_hosts
-from .support.xinference_server import ROUTED, parse_metric
+from .support.xinference_server import ROUTED, parse_metric, routed_in
 from .support.xoscar_keys import signing_with
 
 REQUIRED = os.environ.get("XAVIER_TEST_REQUIRE_NETNS") == "1"  # CI: fail, never skip
@@ -299,11 +299,7 @@ class Cluster:
             with urllib.request.urlopen(req, timeout=30) as r:
                 return r.read().decode()
 
-        now = {(labels["replica"], labels["reason"]): int(value) for labels, value
-               in parse_metric(self.hosts.run_in(0, scrape, 60), ROUTED)
-               if labels.get("model") == MODEL}
-        since = since or {}
-        return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
+        return routed_in(parse_metric(self.hosts.run_in(0, scrape, 60), ROUTED), since)
 
     def world(self) -> List[str]:
         return self.actor_call(self.supervisor_address,
@@ -422,6 +418,12 @@ PAIR_COUNTERS = ("lookup_calls", "queries", "requests_with_hits", "hit_blocks", 
                  "remote_fetches", "blocks_written", "in_place_registered", "idle_wait_us")
 
 
+def peer_retry_wait(failures: int) -> float:
+    """How long a peer that could not be mapped ``failures`` times in a row is not asked for
+    again (vllm_side/peers.py), and a little more: its rows are unreachable meanwhile."""
+    return min(peers.PEER_RETRY_MAX_S, peers.PEER_RETRY_S * 2 ** (failures - 1)) + 0.5
+
+
 def a_prefix_crosses_the_hosts(cluster: Cluster, baseline: Dict[Any, str], world: List[str],
                                transport: str, route: str) -> None:
     """:func:`_pairs_until_one_crossed`; when it fails (an assertion, a wait that timed out),
@@ -475,8 +477,7 @@ def _pairs_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str], world: 
             # not asked for again for a while either (vllm_side/peers.py): its rows are
             # unreachable meanwhile, recomputed
             map_failures = now_map_failures
-            wait = min(peers.PEER_RETRY_MAX_S,
-                       peers.PEER_RETRY_S * 2 ** (map_failures - 1)) + 0.5
+            wait = peer_retry_wait(map_failures)
             rounds[-1]["then_waited_s"] = max(wait, rounds[-1].get("then_waited_s", 0))
             time.sleep(wait)
         if cluster.world() != world:
@@ -770,7 +771,6 @@ def _bursts_until_one_crossed(cluster: Cluster, baseline: Dict[Any, str],
         now_map_failures = sum(delta(after, before, r, "peer_map_failures") for r in (1, 2))
         if now_map_failures > map_failures:  # (as the pairs above: vllm_side/peers.py)
             map_failures = now_map_failures
-            time.sleep(min(peers.PEER_RETRY_MAX_S,
-                           peers.PEER_RETRY_S * 2 ** (map_failures - 1)) + 0.5)
+            time.sleep(peer_retry_wait(map_failures))
     record("routed: bursts (replica reason: requests)", bursts)
     _crossed(cluster, world, before, after, "routed", "sockets")

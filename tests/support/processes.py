@@ -19,7 +19,7 @@ def processes_below(root: Optional[int], matches: Callable[[str], bool]
     """Processes alive below ``root`` (default: this process) whose command line
     ``matches``; zombies count as gone."""
     return [p for p in alive(psutil.Process(root).children(recursive=True))
-            if _matches(p, matches)]
+            if _cmdline_matches(p, matches)]
 
 
 def engine_cores(root: Optional[int] = None) -> List[psutil.Process]:
@@ -29,12 +29,18 @@ def engine_cores(root: Optional[int] = None) -> List[psutil.Process]:
 
 def alive(processes: Iterable[psutil.Process]) -> List[psutil.Process]:
     """Those of ``processes`` still running (zombies count as gone)."""
-    return [p for p in processes if _matches(p, lambda _: True)]
+    out = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
 
 
-def _matches(p: psutil.Process, matches: Callable[[str], bool]) -> bool:
+def _cmdline_matches(p: psutil.Process, matches: Callable[[str], bool]) -> bool:
     try:
-        return (p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-                and matches(" ".join(p.cmdline())))
+        return matches(" ".join(p.cmdline()))
     except psutil.Error:
         return False

@@ -247,9 +247,13 @@ def routed(server, since=None):
     """``{(replica, reason): requests}`` of :data:`MODEL` from the API's ``/metrics``
     (Xavier's router), less ``since`` (an earlier answer: the API's counters live as long as
     the server)."""
+    return routed_in(scrape(server.base + "/metrics", ROUTED), since)
+
+
+def routed_in(samples, since=None):
+    """:func:`routed` from ``samples`` of :data:`ROUTED` (as :func:`parse_metric` gives)."""
     now = {(labels["replica"], labels["reason"]): int(value)
-           for labels, value in scrape(server.base + "/metrics", ROUTED)
-           if labels.get("model") == MODEL}
+           for labels, value in samples if labels.get("model") == MODEL}
     since = since or {}
     return {k: v - since.get(k, 0) for k, v in now.items() if v - since.get(k, 0)}
 

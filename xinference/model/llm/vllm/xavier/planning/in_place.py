@@ -106,12 +106,11 @@ class InPlaceBook:
         for row in self._rows:
             row[ids] += 1
         self.bumped += len(ids)
-        pop, loaded = self._published.pop, self._loaded
-        handed = [(block, pub) for block in ids.tolist()
-                  if (pub := pop(block, None)) is not None]
+        pop, loaded, blocks = self._published.pop, self._loaded, ids.tolist()
+        handed = [(block, pub) for block in blocks if (pub := pop(block, None)) is not None]
         if loaded:  # (blocks a load wrote: shown shared until handed out again)
             victims_loaded = loaded.intersection(b for b, _ in handed)
-            loaded.difference_update(ids.tolist())
+            loaded.difference_update(blocks)
             self._loaded_victims.update(victims_loaded)
         if not handed:
             return
