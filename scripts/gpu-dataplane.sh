@@ -38,6 +38,8 @@
 #        (cost); XAVIER_CROSSOVER_PREFIXES, XAVIER_CROSSOVER_POLICIES (not in `all`).
 # peers: issue #35: serving_bench with vLLM's own tiered offloading (vllm-offload-fs) beside
 #        plain, local-hit and batched, 8K prefixes, C1/C8/C32, steady state (not in `all`).
+# room:  what a room-thread demotion (UVA kernel vs copy engine) costs a decode step beside it
+#        (benchmarks/room_interference.py; not in `all`).
 # Logs and JSON go to $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/xavier-gpu-out}
@@ -108,8 +110,15 @@ if has fp8 || has models; then
     failed_block or concurrent" 2>&1 | tee "$out/e2e-fp8-cuda.log"
   rc=$((rc | PIPESTATUS[0]))
 fi
+if only room; then
+  # session 36's open question: what a demotion by the room thread (UVA kernel vs copy engine)
+  # costs a decode step running beside it
+  timeout 150 python3 benchmarks/room_interference.py --blocks 128,256,512 --reps 30 2>&1 \
+    | tee "$out/room_interference.log"
+  rc=$((rc | PIPESTATUS[0]))
+fi
 if has bench; then
-  timeout 570 "${prof[@]}" python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+  timeout "${XAVIER_BENCH_TIMEOUT:-570}" "${prof[@]}" python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \
     ${XAVIER_BENCH_UNIQUE---unique} ${XAVIER_BENCH_ARGS:-} --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \
