@@ -118,7 +118,7 @@ if only room; then
   rc=$((rc | PIPESTATUS[0]))
 fi
 if has bench; then
-  timeout "${XAVIER_BENCH_TIMEOUT:-570}" "${prof[@]}" python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
+  timeout "${BENCH_TIMEOUT:-570}" "${prof[@]}" python3 benchmarks/serving_bench.py --device cuda --shape qwen2.5-0.5b \
     --prefix-tokens 8192 --concurrency 1,8,32 --groups 32 --max-tokens 32 --steady-state \
     --modes "${XAVIER_BENCH_MODES:-plain,local-hit,none,per_request,batched}" \
     ${XAVIER_BENCH_UNIQUE---unique} ${XAVIER_BENCH_ARGS:-} --out "$out/serving_bench-cuda-qwen2.5-0.5b-steady.json" 2>&1 \

@@ -52,6 +52,7 @@ from ..planning.launch_checks import prefix_hash_problem
 from ..planning.log_names import PUBLIC_PACKAGE, package_logger
 from ..planning.options import XavierOptions
 from ..planning.step_meta import StepMeta
+from . import step_trace
 from .actor_bridge import ActorBridge
 from .connector_scheduler import XavierConnectorScheduler
 from .connector_stats import XavierKVConnectorStats
@@ -226,6 +227,7 @@ class XavierConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size, vllm_defers_block_frees(vllm_config), overlapped)
         logger.info("xavier: connector (%s) for rank %d, block size %d, tensor parallel %d",
                     role.name, self.options.rank, self.block_size, tp_size)
+        step_trace.install(self, self.options.rank, role.name)  # XAVIER_STEP_TRACE only
 
     def _disable(self, reason: str) -> None:
         self.disabled = reason

@@ -1,0 +1,142 @@
+"""Split each cross-replica hit's wait, step by step, from an ``XAVIER_STEP_TRACE`` folder.
+
+    python scripts/step_trace_report.py TRACE_FOLDER [--json OUT.json]
+
+Reads the ``trace-<pid>.jsonl`` files that the engines wrote (one line per connector call,
+:mod:`xinference.model.llm.vllm.xavier.vllm_side.step_trace`) and, for every request that
+was allocated blocks to load (``update_state_after_alloc`` with external tokens), the
+moments of its path through vLLM's asynchronous load:
+
+    new        vLLM added the request (on_new_request)
+    answered   the first get_num_new_matched_tokens that gave an answer
+    allocated  update_state_after_alloc with the hit's tokens
+    sent       the end of the next build_connector_meta (the step that carries the load)
+    launched   the end of the worker's start_load_kv of that step (the load is queued)
+    reported   the end of the get_finished that names the request
+    seen       update_connector_output naming it (the scheduler learns it)
+    scheduled  the end of the build_connector_meta whose step computes its first tokens
+    forward    the end of that step's start_load_kv (its forward starts right after)
+
+Printed: the median and the p90 of each interval over the hits, the number of steps between
+``allocated`` and ``scheduled``, and one hit's timeline with every step in between."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+from typing import Any, Dict, List, Optional
+
+POINTS = ("new", "answered", "allocated", "sent", "launched", "reported", "seen", "scheduled",
+          "forward")
+
+
+def read(folder: str) -> Dict[int, List[Dict[str, Any]]]:
+    """Replica rank -> the lines of its processes (scheduler and workers), by start time."""
+    out: Dict[int, List[Dict[str, Any]]] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "trace-*.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            for x in f:
+                if x.strip():
+                    line = json.loads(x)
+                    out.setdefault(int(line["rank"]), []).append(line)
+    return {rank: sorted(lines, key=lambda x: x["t0"]) for rank, lines in out.items()}
+
+
+def _first(lines: List[Dict[str, Any]], start: int, pred: Any) -> Optional[int]:
+    for i in range(start, len(lines)):
+        if pred(lines[i]):
+            return i
+    return None
+
+
+def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Each loaded request's moments (ns) and the steps between its allocation and its
+    first forward."""
+    out = []
+    for i, x in enumerate(lines):
+        if x["m"] != "update_state_after_alloc" or not x.get("ext"):
+            continue
+        rid = x["req"]
+        t: Dict[str, Optional[int]] = dict.fromkeys(POINTS)
+        t["allocated"] = x["t1"]
+        new = _first(lines, 0, lambda y, rid=rid: y["m"] == "on_new_request"
+                     and y.get("req") == rid)
+        t["new"] = lines[new]["t0"] if new is not None else None
+        ans = _first(lines, 0, lambda y, rid=rid: y["m"] == "get_num_new_matched_tokens"
+                     and y.get("req") == rid and y.get("ext") is not None)
+        t["answered"] = lines[ans]["t1"] if ans is not None else None
+        sent = _first(lines, i, lambda y: y["m"] == "build_connector_meta")
+        if sent is None:
+            continue
+        t["sent"] = lines[sent]["t1"]
+        launch = _first(lines, sent, lambda y: y["m"] == "start_load_kv")
+        t["launched"] = lines[launch]["t1"] if launch is not None else None
+        rep = _first(lines, sent, lambda y, rid=rid: y["m"] == "get_finished"
+                     and rid in y.get("done", ()))
+        t["reported"] = lines[rep]["t1"] if rep is not None else None
+        seen = _first(lines, sent, lambda y, rid=rid: y["m"] == "update_connector_output"
+                      and rid in y.get("done", ()))
+        t["seen"] = lines[seen]["t0"] if seen is not None else None
+        sched = _first(lines, sent + 1, lambda y, rid=rid: y["m"] == "build_connector_meta"
+                       and int(y.get("reqs", {}).get(rid, 0)) > 0)
+        steps = []
+        if sched is not None:
+            t["scheduled"] = lines[sched]["t1"]
+            fwd = _first(lines, sched, lambda y: y["m"] == "start_load_kv")
+            t["forward"] = lines[fwd]["t1"] if fwd is not None else None
+            steps = [{"at_ms": (y["t1"] - x["t1"]) / 1e6, "tokens": y.get("tokens", 0)}
+                     for y in lines[sent:sched + 1] if y["m"] == "build_connector_meta"]
+        out.append({"req": rid, "t": t, "steps": steps})
+    return out
+
+
+def report(folder: str) -> Dict[str, Any]:
+    every = [h for lines in read(folder).values() for h in hits(lines)]
+    spans: Dict[str, List[float]] = {}
+    for h in every:
+        t = h["t"]
+        for a, b in zip(POINTS, POINTS[1:]):
+            if t[a] is not None and t[b] is not None:
+                spans.setdefault(f"{a} -> {b}", []).append((t[b] - t[a]) / 1e6)
+        if t["allocated"] is not None and t["scheduled"] is not None:
+            spans.setdefault("allocated -> scheduled (hit_load_wait)", []).append(
+                (t["scheduled"] - t["allocated"]) / 1e6)
+        spans.setdefault("steps allocated -> scheduled", []).append(float(len(h["steps"]) - 1))
+    table = {k: {"median": statistics.median(v),
+                 "p90": sorted(v)[min(len(v) - 1, int(0.9 * len(v)))], "n": len(v)}
+             for k, v in spans.items()}
+    return {"hits": len(every), "intervals_ms": table,
+            "example": every[len(every) // 2] if every else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    r = report(a.folder)
+    print(f"{r['hits']} loaded requests in {a.folder}")
+    print(f"{'interval':42s} {'median ms':>10s} {'p90 ms':>8s} {'n':>4s}")
+    for k, v in r["intervals_ms"].items():
+        print(f"{k:42s} {v['median']:10.2f} {v['p90']:8.2f} {v['n']:4d}")
+    ex = r["example"]
+    if ex is not None:
+        base = ex["t"]["allocated"]
+        print(f"one hit ({ex['req']}), ms after its allocation:")
+        for p in POINTS:
+            if ex["t"][p] is not None:
+                print(f"  {p:10s} {(ex['t'][p] - base) / 1e6:8.2f}")
+        print("  steps built between: " + ", ".join(
+            f"{s['at_ms']:.2f} ms ({s['tokens']} tok)" for s in ex["steps"]))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Where a hit's time goes, step by step: a trace of every call vLLM makes into the connector.
+
+Off unless ``XAVIER_STEP_TRACE`` names a folder.  Then each engine process appends one JSON
+line per connector call to ``<folder>/trace-<pid>.jsonl``: the method, its start and end on
+the monotonic clock (ns; one clock for every process of the host), and what identifies the
+step or the request (ids, scheduled tokens per request, the loads reported done).  A
+diagnostic for a benchmark run, not for production: a line costs a write system call (a
+few µs) on vLLM's step thread.  ``scripts/step_trace_report.py`` reads the files back and
+splits each hit's wait from the lookup to its first forward.
+
+Installed on the connector instance (:func:`install`): vLLM calls the instance's methods,
+so wrapping them there leaves the class and every other engine untouched."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, Optional
+
+ENV_STEP_TRACE = "XAVIER_STEP_TRACE"
+#: at most this many requests of a step are named in its line
+MAX_NAMED = 64
+
+
+def _rid(request: Any) -> str:
+    return str(getattr(request, "request_id", "?"))
+
+
+def _scheduled(scheduler_output: Any) -> Dict[str, Any]:
+    tokens = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
+    named = dict(list(tokens.items())[:MAX_NAMED])
+    return {"tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+            "reqs": named}
+
+
+def _recving(connector_output: Any) -> Dict[str, Any]:
+    done = getattr(connector_output, "finished_recving", None) or ()
+    return {"done": sorted(str(r) for r in done)[:MAX_NAMED]}
+
+
+def _finished(result: Any) -> Dict[str, Any]:
+    done = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+    return {"done": sorted(str(r) for r in (done or ()))[:MAX_NAMED]}
+
+
+#: method -> what its line records: (arguments, result) -> fields
+FIELDS: Dict[str, Callable[[tuple, Any], Dict[str, Any]]] = {
+    "on_new_request": lambda a, r: {"req": _rid(a[0])},
+    "get_num_new_matched_tokens": lambda a, r: {"req": _rid(a[0]), "local": int(a[1]),
+                                                "ext": None if r[0] is None else int(r[0])},
+    "update_state_after_alloc": lambda a, r: {"req": _rid(a[0]), "ext": int(a[2])},
+    "build_connector_meta": lambda a, r: _scheduled(a[0]),
+    "update_connector_output": lambda a, r: _recving(a[0]),
+    "request_finished": lambda a, r: {"req": _rid(a[0])},
+    "start_load_kv": lambda a, r: {},
+    "wait_for_save": lambda a, r: {},
+    "get_finished": lambda a, r: _finished(r),
+}
+
+
+class StepTrace:
+    """One process's trace file (line-buffered: a line survives a killed process)."""
+
+    def __init__(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self._file = open(os.path.join(folder, f"trace-{os.getpid()}.jsonl"), "a",
+                          buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def line(self, rank: int, role: str, method: str, t0: int, t1: int,
+             fields: Dict[str, Any]) -> None:
+        text = json.dumps({"rank": rank, "role": role, "m": method, "t0": t0, "t1": t1,
+                           **fields},
+                          separators=(",", ":"))
+        with self._lock:
+            self._file.write(text + "\n")
+
+
+_TRACE: Optional[StepTrace] = None
+
+
+def _trace() -> Optional[StepTrace]:
+    global _TRACE
+    folder = os.environ.get(ENV_STEP_TRACE)
+    if folder and _TRACE is None:
+        _TRACE = StepTrace(folder)
+    return _TRACE
+
+
+def install(connector: Any, rank: int, role: str) -> bool:
+    """Wrap ``connector``'s methods in :data:`FIELDS` so that each call leaves a line (with
+    the replica's ``rank``: its scheduler and workers may be different processes), when
+    ``XAVIER_STEP_TRACE`` is set; returns whether it was."""
+    trace = _trace()
+    if trace is None:
+        return False
+    for method, fields in FIELDS.items():
+        bound = getattr(connector, method, None)
+        if bound is not None:
+            setattr(connector, method, _wrapped(trace, rank, role, method, bound, fields))
+    return True
+
+
+def _wrapped(trace: StepTrace, rank: int, role: str, method: str, bound: Callable[..., Any],
+             fields: Callable[[tuple, Any], Dict[str, Any]]) -> Callable[..., Any]:
+    @functools.wraps(bound)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.monotonic_ns()
+        result = bound(*args, **kwargs)
+        t1 = time.monotonic_ns()
+        try:
+            extra = fields(args, result)
+        except Exception as e:  # a trace never fails vLLM's call
+            extra = {"trace_error": repr(e)}
+        trace.line(rank, role, method, t0, t1, extra)
+        return result
+
+    return call
