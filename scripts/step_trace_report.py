@@ -18,7 +18,8 @@ moments of its path through vLLM's asynchronous load:
     forward    the end of that step's start_load_kv (its forward starts right after)
 
 Printed: the median and the p90 of each interval over the hits, the number of steps between
-``allocated`` and ``scheduled``, and one hit's timeline with every step in between."""
+``allocated`` and ``scheduled``, each connector call's own time, and one hit's timeline with
+every step in between."""
 
 from __future__ import annotations
 
@@ -94,6 +95,12 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def _summary(v: List[float]) -> Dict[str, float]:
+    s = sorted(v)
+    return {"median": statistics.median(s), "p90": s[min(len(s) - 1, int(0.9 * len(s)))],
+            "max": s[-1], "n": len(s)}
+
+
 def report(folder: str) -> Dict[str, Any]:
     every = [h for lines in read(folder).values() for h in hits(lines)]
     spans: Dict[str, List[float]] = {}
@@ -106,10 +113,13 @@ def report(folder: str) -> Dict[str, Any]:
             spans.setdefault("allocated -> scheduled (hit_load_wait)", []).append(
                 (t["scheduled"] - t["allocated"]) / 1e6)
         spans.setdefault("steps allocated -> scheduled", []).append(float(len(h["steps"]) - 1))
-    table = {k: {"median": statistics.median(v),
-                 "p90": sorted(v)[min(len(v) - 1, int(0.9 * len(v)))], "n": len(v)}
-             for k, v in spans.items()}
+    table = {k: _summary(v) for k, v in spans.items()}
+    calls: Dict[str, List[float]] = {}
+    for lines in read(folder).values():
+        for y in lines:
+            calls.setdefault(y["m"], []).append((y["t1"] - y["t0"]) / 1e6)
     return {"hits": len(every), "intervals_ms": table,
+            "call_ms": {k: _summary(v) for k, v in sorted(calls.items())},
             "example": every[len(every) // 2] if every else None}
 
 
@@ -123,6 +133,10 @@ def main() -> int:
     print(f"{'interval':42s} {'median ms':>10s} {'p90 ms':>8s} {'n':>4s}")
     for k, v in r["intervals_ms"].items():
         print(f"{k:42s} {v['median']:10.2f} {v['p90']:8.2f} {v['n']:4d}")
+    print(f"{'connector call (its own time)':42s} {'median ms':>10s} {'p90 ms':>8s} "
+          f"{'max ms':>8s} {'n':>6s}")
+    for k, v in r["call_ms"].items():
+        print(f"{k:42s} {v['median']:10.3f} {v['p90']:8.3f} {v['max']:8.2f} {v['n']:6d}")
     ex = r["example"]
     if ex is not None:
         base = ex["t"]["allocated"]
