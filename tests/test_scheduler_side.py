@@ -317,7 +317,7 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     the batch invalid): the step carries the requests with no rows, their destinations as
     failed (the worker reports them: vLLM recomputes); nothing is read, so nothing is
     leased; counted."""
-    from xinference.model.llm.vllm.xavier.planning import scheduler_side
+    from xinference.model.llm.vllm.xavier.planning import step_loads
     from xinference.model.llm.vllm.xavier.planning.load_batch import LoadBatchError
 
     w = World(held_keys=keys_of(3, 1000))
@@ -328,7 +328,7 @@ def test_loads_that_are_not_a_valid_batch_become_failed_destinations(monkeypatch
     def invalid(request_ids, tables):
         raise LoadBatchError("dest: made invalid by the test")
 
-    monkeypatch.setattr(scheduler_side.LoadBatch, "from_tables", invalid)
+    monkeypatch.setattr(step_loads.LoadBatch, "from_tables", invalid)
     meta = w.side.build_step([("a", 3 * BS, 5)], {})
     assert meta.loads.request_ids == ("a",) and meta.loads.num_rows == 0
     assert meta.failed_dests == (1, 2, 3)
@@ -584,6 +584,41 @@ def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_allocations_key
     now[0] += 1.5
     w.side.build_step([("next", 0, 1)], {})
     assert cost.fit.samples == samples  # the idle 1.5 s is no step (only the idle mark says)
+
+
+def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_engines():
+    """H100, session 37: a steady-state fill (a burst of requests on an idle engine) had its
+    hits allocated beside nothing (key ``(0, 0)``) but waiting ~100 ms behind the burst's
+    prefills; kept at ``(0, 0)`` those waits declined the lone C1 hits that followed (which
+    wait ~12 ms loaded: 12 of 16 follow-ups recomputed their 8K prefix).  The wait is kept
+    under the busiest step it waited through, so a lone request on the idle engine finds no
+    wait at its key and loads (then learns its own).  Control: the key at allocation is
+    ``(0, 0)``, as before."""
+    cost = measured_cost(wait_s=0.0)
+    cost._wait_s.clear()  # steps measured (prefill 8 µs a token), no hit's wait yet
+    w = World(held_keys=keys_of(100), cost=cost, decline=True)
+    now = [100.0]
+    w.side._clock = lambda: now[0]
+    w.side.finished("nobody")  # the engine is idle: nothing in flight
+    burst = [f"b{i}" for i in range(4)]
+    for rid in burst:
+        w.side.track(rid, lambda: keys_of(101), 101 * BS)
+        assert w.side.match(rid, 101 * BS, 0) == 100 * BS
+        w.side.allocated(rid, [list(range(101))], [[False] * 101], 100 * BS)
+        assert w.side._tracked[rid].wait_key == (0, 0)  # beside nothing, at allocation
+    misses = [(f"m{i}", 0, 2048) for i in range(4)]  # the burst's recomputes
+    for _ in range(2):  # the load's step and the one already scheduled, both long
+        w.side.build_step(misses, {})
+        now[0] += 0.05
+    w.side.loads_finished(burst)
+    w.side.build_step([(rid, 100 * BS, 16) for rid in burst], {})
+    assert cost.wait_samples_at((0, 0)) == []
+    assert cost.wait_samples_at((3, 7)) == [pytest.approx(0.1)] * 4
+    for rid in burst + ["m0", "m1", "m2", "m3"]:
+        w.side.finished(rid)
+    w.side.track("lone", lambda: keys_of(101), 101 * BS)  # 1600 tokens: ~13 ms to recompute
+    assert cost.wait_key(0) == (0, 0) and cost.expected_wait_s(0) is None
+    assert w.side.match("lone", 101 * BS, 0) == 100 * BS  # loaded, not declined
 
 
 class HostWorld(World):

@@ -24,7 +24,8 @@ while it serves:
   forward computed nothing, during which the engine had no request (:meth:`LoadCost.idle`)
   or longer than ``max_interval_s`` is not a step's and is skipped.  The model decides with
   the slope plus two standard errors: a noisy fit (a loaded host) declines less, never more.
-* **the wait**: per hit, blocks allocated -> first forward, kept per :data:`WaitKey` as
+* **the wait**: per hit, blocks allocated -> first forward, kept per :data:`WaitKey` (the
+  busiest seen from its allocation to its first forward, :meth:`LoadCost.widened`) as
   the lowest of its last ``wait_samples`` (4) samples, known from the second on (a single
   sample may hold a one-time cost -- the first load from a peer maps its memory: 320 ms on
   an H100, session 32 -- and the low side errs towards loading, as the recompute side
@@ -227,6 +228,16 @@ class LoadCost:
         """The key of a hit allocated now with ``others`` requests running beside it: their
         load level and the busy level of the latest step built (the one in flight)."""
         return level_of(others), busy_level_of(self._tokens[-1] if self._tokens else 0)
+
+    def widened(self, key: WaitKey, others: int, tokens: int) -> WaitKey:
+        """``key`` of a hit still waiting for its first forward once vLLM built a step that
+        schedules ``tokens`` tokens for ``others`` requests besides it: the busiest load the
+        hit waited through.  A wait is kept under that load, not only the one at its
+        allocation: the hits of a burst on an idle engine are allocated beside nothing
+        (key ``(0, 0)``) but wait behind the burst's prefills (H100, session 37: their
+        88-112 ms at ``(0, 0)`` declined the lone C1 hits that followed, which waited
+        ~12 ms when loaded)."""
+        return max(key[0], level_of(others)), max(key[1], busy_level_of(tokens))
 
     def hit_waited(self, seconds: float, at: WaitKey,
                    lookup_s: Optional[float] = 0.0) -> None:

@@ -44,25 +44,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-import numpy as np
-
 from .block_directory import QueryResult
 from .directory_types import LOCATION_COLUMNS
-from .load_batch import COLUMNS, DEST, LoadBatch, LoadBatchError
 from .load_cost import LoadCost, WaitKey
-from .log_names import package_logger
 from .lookups import DirectoryLookups, State
 from .shards import Shards
 from .step_leases import ReleaseFn, StepLeases, TakeLeasesFn
-from .step_loads import StepLoad, hit_rows, name_clashes
+from .step_loads import StepLoad, hit_rows, step_batch
 from .step_meta import ExportRow, StepMeta, StepStats
-
-logger = package_logger(__name__)
 
 #: the longest prefix of these block names that one same-host peer holds (its host index,
 #: :mod:`~..mechanism.host_index`), as the directory would answer it, and whether the block
 #: after it was held there once (Xavier's tiers may hold it now); None: no hit
 HostFind = Callable[[Sequence[int]], Optional[Tuple[QueryResult, bool]]]
+
 
 @dataclass
 class _Hit:
@@ -121,6 +116,7 @@ class SchedulerSide:
         self.cost = cost  # a hit against its recompute (``decline``: one that does not pay
         self._decline = decline and cost is not None  # is not loaded; else only counted)
         self._running: Set[str] = set()  # the live requests the last step scheduled
+        self._waiting: Set[str] = set()  # hits allocated, not yet at their first forward
         #: the longest prefix same-host peers hold, from their host indexes (no round trip)
         self._on_host = on_host
         self._publish_loaded = publish_loaded  # (a loader holds what it loaded, too)
@@ -305,6 +301,7 @@ class SchedulerSide:
             tracked.loaded = True
             tracked.loaded_span = (hit.first_block, hit.first_block + n)
             tracked.allocated_at = self._clock()
+            self._waiting.add(request_id)
             if self.cost is not None:
                 tracked.wait_key = self.cost.wait_key(self._others(request_id))
         self._step_loads.append(load)
@@ -348,6 +345,7 @@ class SchedulerSide:
                     self.cost.hit_waited(now - tracked.allocated_at, tracked.wait_key,
                                          tracked.lookup_s)
                 tracked.allocated_at = None
+                self._waiting.discard(rid)
             if tracked is None or not tracked.sharing or not tracked.block_ids:
                 continue
             keys = tracked.keys()
@@ -357,6 +355,7 @@ class SchedulerSide:
                     if not tracked.null[g][i]:
                         exports.append((g, int(keys[i]), int(ids[i])))
         self._measure_step(now, scheduled)
+        self._widen_waits(scheduled)
         self.lookups.flush()  # lookups of requests vLLM did not reach this step: on their way
         self.lookups.new_step()
         for name, value in self.lookups.take_stats().items():
@@ -373,6 +372,17 @@ class SchedulerSide:
             for name, value in self.cost.figures().items():
                 setattr(self._stats, name, value)
 
+    def _widen_waits(self, scheduled: Sequence[Tuple[str, int, int]]) -> None:
+        """Hits still waiting for their first forward waited through this step too: their
+        wait is kept under the busiest load they saw (:meth:`~.load_cost.LoadCost.widened`)."""
+        if self.cost is None or not self._waiting:
+            return
+        tokens = sum(n for _, _, n in scheduled)
+        for rid in self._waiting:
+            tracked = self._tracked[rid]
+            if tracked.wait_key is not None:
+                tracked.wait_key = self.cost.widened(tracked.wait_key, self._others(rid), tokens)
+
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""
         self._stats.scheduler_us += us
@@ -380,32 +390,10 @@ class SchedulerSide:
     def _take_loads(self) -> StepMeta:
         loads, self._step_loads = self._step_loads, []
         stats, self._stats = self._stats, StepStats()
-        if not loads:
-            return StepMeta(stats=stats)
-        stats.steps_with_loads = 1
-        ids = tuple(x.request_id for x in loads)
-        clashed = name_clashes(loads)
-        failed = tuple(int(d) for i in sorted(clashed) for d in loads[i].rows[:, DEST])
-        if clashed:
-            stats.identity_clashes += len(clashed)
-            logger.warning("xavier: rank %d: %d requests' loads dropped (recomputed): two "
-                           "block names with equal low 63 bits in one step", self.rank,
-                           len(clashed))
-        empty = np.zeros((0, len(COLUMNS)), np.int64)
-        tables = [empty if i in clashed else x.rows for i, x in enumerate(loads)]
-        try:
-            batch = LoadBatch.from_tables(ids, tables)
-        except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
-            logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
-                         "vLLM recomputes them", self.rank, exc)
-            stats.rejected_metadata += 1
-            dests = tuple(int(d) for x in loads for d in x.rows[:, DEST])
-            return StepMeta(LoadBatch(ids, np.zeros(len(ids) + 1, np.int64), empty), (),
-                            stats, dests)
-        # the reads this step really makes (a dropped request reads nothing)
-        stats.leases_asked += self.leases.take([x for i, x in enumerate(loads)
-                                                if i not in clashed])
-        return StepMeta(batch, (), stats, failed)
+        meta, reads = step_batch(loads, stats, self.rank)
+        if reads:  # the reads this step really makes (a dropped request reads nothing)
+            stats.leases_asked += self.leases.take(reads)
+        return meta
 
     # ----------------------------------------------------------------- finish
     def loads_finished(self, request_ids: Iterable[str]) -> None:
@@ -420,6 +408,7 @@ class SchedulerSide:
         self._drop_hit(request_id)
         self.lookups.drop(request_id)
         self._tracked.pop(request_id, None)
+        self._waiting.discard(request_id)
         self._running.discard(request_id)
         if not self._tracked and self.cost is not None:
             self.cost.idle()  # vLLM builds no step until a request arrives

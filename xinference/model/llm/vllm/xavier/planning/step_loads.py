@@ -1,19 +1,37 @@
 """One step's loads as the scheduler half builds them (pure, numpy): each request's
 load-table rows made array by array from its hit (:func:`hit_rows`), and the requests to
 drop because two of the step's rows share a ``(group, key)`` under different block names
-(:func:`name_clashes`).  No Python object per block: a step of 4,096 block loads is built
-in about 1 ms on the CPU machine (it took 10 ms row by row, on vLLM's scheduling loop)."""
+(:func:`name_clashes`), and the step's batch made of them (:func:`step_batch`).  No Python
+object per block: a step of 4,096 block loads is built in about 1 ms on the CPU machine (it
+took 10 ms row by row, on vLLM's scheduling loop)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 import numpy as np
 
 from .block_names import row_key
 from .directory_types import LOCATION_COLUMNS
-from .load_batch import COLUMNS, DEST, GEN, GROUP, INC, KEY, RANK, SLOT, TIER, Tier
+from .load_batch import (
+    COLUMNS,
+    DEST,
+    GEN,
+    GROUP,
+    INC,
+    KEY,
+    RANK,
+    SLOT,
+    TIER,
+    LoadBatch,
+    LoadBatchError,
+    Tier,
+)
+from .log_names import package_logger
+from .step_meta import StepMeta, StepStats
+
+logger = package_logger(__name__)
 
 
 @dataclass
@@ -102,3 +120,35 @@ def name_clashes(loads: Sequence[StepLoad]) -> Set[int]:
             seen.update(mine)
         start += len(x.rows)
     return clashed
+
+
+def step_batch(loads: List[StepLoad], stats: StepStats, rank: int
+               ) -> Tuple[StepMeta, List[StepLoad]]:
+    """ONE step's :class:`~.step_meta.StepMeta` from its requests' loads (``stats`` goes
+    with it, counted here), and the loads whose reads are made (to lease).  Requests whose
+    names clash (:func:`name_clashes`) are dropped: their destinations are reported failed
+    and vLLM recomputes them.  A batch that is not valid (a defect) reads nothing: every
+    destination fails."""
+    if not loads:
+        return StepMeta(stats=stats), []
+    stats.steps_with_loads = 1
+    ids = tuple(x.request_id for x in loads)
+    clashed = name_clashes(loads)
+    failed = tuple(int(d) for i in sorted(clashed) for d in loads[i].rows[:, DEST])
+    if clashed:
+        stats.identity_clashes += len(clashed)
+        logger.warning("xavier: rank %d: %d requests' loads dropped (recomputed): two "
+                       "block names with equal low 63 bits in one step", rank, len(clashed))
+    empty = np.zeros((0, len(COLUMNS)), np.int64)
+    tables = [empty if i in clashed else x.rows for i, x in enumerate(loads)]
+    try:
+        batch = LoadBatch.from_tables(ids, tables)
+    except LoadBatchError as exc:  # a defect: the blocks are recomputed, never served
+        logger.error("xavier: rank %d: the step's loads are not a valid batch (%s): "
+                     "vLLM recomputes them", rank, exc)
+        stats.rejected_metadata += 1
+        dests = tuple(int(d) for x in loads for d in x.rows[:, DEST])
+        return StepMeta(LoadBatch(ids, np.zeros(len(ids) + 1, np.int64), empty), (),
+                        stats, dests), []
+    return StepMeta(batch, (), stats, failed), [x for i, x in enumerate(loads)
+                                                 if i not in clashed]

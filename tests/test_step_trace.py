@@ -1,0 +1,129 @@
+"""The step trace (vllm_side/step_trace.py, ``XAVIER_STEP_TRACE``) and its report
+(scripts/step_trace_report.py): a line per connector call, and each hit's wait split at the
+moments of vLLM's asynchronous load.  The connector here is a stand-in with the methods'
+signatures (the trace wraps whatever instance vLLM holds; a real engine's trace was read
+back by the report on CPU and on an H100, doc/benchmarks.md "Session 37")."""
+
+import importlib.util
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.vllm_side import step_trace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location(
+        "step_trace_report", os.path.join(ROOT, "scripts", "step_trace_report.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["step_trace_report"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class Stand:
+    """The connector methods the trace wraps, answering as Xavier's would."""
+
+    def __init__(self):
+        self.done = set()
+
+    def on_new_request(self, request):
+        return None
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 32, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        return None
+
+    def build_connector_meta(self, scheduler_output):
+        return "meta"
+
+    def update_connector_output(self, connector_output):
+        return None
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def start_load_kv(self, forward_context, **kwargs):
+        return None
+
+    def wait_for_save(self):
+        return None
+
+    def get_finished(self, finished_req_ids):
+        done, self.done = self.done, set()
+        return None, (done or None)
+
+
+@pytest.fixture
+def traced(tmp_path, monkeypatch):
+    monkeypatch.setenv(step_trace.ENV_STEP_TRACE, str(tmp_path))
+    monkeypatch.setattr(step_trace, "_TRACE", None)
+    yield tmp_path
+    step_trace._TRACE = None
+
+
+def test_off_without_the_setting(monkeypatch):
+    monkeypatch.delenv(step_trace.ENV_STEP_TRACE, raising=False)
+    monkeypatch.setattr(step_trace, "_TRACE", None)
+    c = Stand()
+    assert not step_trace.install(c, 1, "SCHEDULER")
+    assert "build_connector_meta" not in vars(c)  # the class's methods, untouched
+
+
+def test_a_hits_path_is_read_back_and_split_at_each_moment(traced):
+    """One hit through a scheduler and a worker of rank 2 (as two processes would write
+    them): every call leaves a line with its answer, and the report finds the hit's moments
+    in order, the steps between its allocation and its first forward, and each call's time."""
+    sched, worker = Stand(), Stand()
+    assert step_trace.install(sched, 2, "SCHEDULER") and step_trace.install(worker, 2, "WORKER")
+    req = SimpleNamespace(request_id="r-1")
+    sched.on_new_request(req)
+    assert sched.get_num_new_matched_tokens(req, 0) == (32, True)  # answers pass through
+    sched.update_state_after_alloc(req, None, 32)
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={},
+                                               total_num_scheduled_tokens=0))
+    worker.start_load_kv(None)
+    worker.done = {"r-1"}
+    assert worker.get_finished(set()) == (None, {"r-1"})
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"x": 5},
+                                               total_num_scheduled_tokens=5))
+    sched.update_connector_output(SimpleNamespace(finished_recving={"r-1"}))
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r-1": 16, "x": 1},
+                                               total_num_scheduled_tokens=17))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    sched.request_finished(req, [])
+    lines = [json.loads(x) for p in traced.iterdir() for x in p.read_text().splitlines()]
+    assert {x["rank"] for x in lines} == {2}
+    assert [x["m"] for x in sorted(lines, key=lambda x: x["t0"])][:4] == [
+        "on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc",
+        "build_connector_meta"]
+    r = load_report().report(str(traced))
+    assert r["hits"] == 1
+    t = r["example"]["t"]
+    moments = [t[p] for p in ("new", "answered", "allocated", "sent", "launched", "reported",
+                              "seen", "scheduled", "forward")]
+    assert None not in moments and moments == sorted(moments)
+    assert [s["tokens"] for s in r["example"]["steps"]] == [0, 5, 17]
+    assert r["intervals_ms"]["steps allocated -> scheduled"]["median"] == 2.0
+    assert r["call_ms"]["build_connector_meta"]["n"] == 3
+
+
+def test_a_field_that_cannot_be_read_never_fails_vllms_call(traced):
+    class Odd(Stand):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return None  # not a pair: the trace cannot read its answer
+
+    c = Odd()
+    step_trace.install(c, 1, "SCHEDULER")
+    assert c.build_connector_meta(object()) == "meta"  # no scheduled tokens to read
+    assert c.get_num_new_matched_tokens(object(), 0) is None  # passed through
+    lines = [json.loads(x) for p in traced.iterdir() for x in p.read_text().splitlines()]
+    assert lines[0]["tokens"] == 0 and "TypeError" in lines[1]["trace_error"]
