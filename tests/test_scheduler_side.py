@@ -586,13 +586,17 @@ def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_allocations_key
     assert cost.fit.samples == samples  # the idle 1.5 s is no step (only the idle mark says)
 
 
-def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_engines():
-    """H100, session 37: a steady-state fill (a burst of requests on an idle engine) had its
-    hits allocated beside nothing (key ``(0, 0)``) but waiting ~100 ms behind the burst's
-    prefills; kept at ``(0, 0)`` those waits declined the lone C1 hits that followed (which
-    wait ~12 ms loaded: 12 of 16 follow-ups recomputed their 8K prefix).  The wait is kept
-    under the busiest step it waited through, so a lone request on the idle engine finds no
-    wait at its key and loads (then learns its own).  Control: the key at allocation is
+@pytest.mark.parametrize("recomputes", [False, True])
+def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_engines(
+        recomputes):
+    """H100, session 37: a burst on an idle engine (a steady-state fill) had 16 hits of 512
+    blocks allocated one by one in one long schedule, all beside nothing running (key
+    ``(0, 0)``), waiting 88-151 ms through steps that scheduled nothing else; kept at
+    ``(0, 0)`` those waits declined the lone C1 hits that followed (which waited 11-28 ms
+    loaded): 12 of 16 follow-ups recomputed their 8K prefix.  A wait is kept under the
+    busiest step it waited through, counting the hits waiting beside it (and, with
+    ``recomputes``, the burst's misses prefilling beside them), so a lone request on the
+    idle engine finds no wait at its key and loads.  Control: the key at allocation is
     ``(0, 0)``, as before."""
     cost = measured_cost(wait_s=0.0)
     cost._wait_s.clear()  # steps measured (prefill 8 µs a token), no hit's wait yet
@@ -606,15 +610,16 @@ def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_e
         assert w.side.match(rid, 101 * BS, 0) == 100 * BS
         w.side.allocated(rid, [list(range(101))], [[False] * 101], 100 * BS)
         assert w.side._tracked[rid].wait_key == (0, 0)  # beside nothing, at allocation
-    misses = [(f"m{i}", 0, 2048) for i in range(4)]  # the burst's recomputes
-    for _ in range(2):  # the load's step and the one already scheduled, both long
+    misses = [(f"m{i}", 0, 2048) for i in range(4)] if recomputes else []
+    for _ in range(2):  # the load's step and the one already scheduled
         w.side.build_step(misses, {})
         now[0] += 0.05
     w.side.loads_finished(burst)
     w.side.build_step([(rid, 100 * BS, 16) for rid in burst], {})
+    # 3 hits beside each (level 2); with the misses 7 requests and 8K tokens a step
+    assert cost.wait_samples_at((3, 7) if recomputes else (2, 0)) == [pytest.approx(0.1)] * 4
     assert cost.wait_samples_at((0, 0)) == []
-    assert cost.wait_samples_at((3, 7)) == [pytest.approx(0.1)] * 4
-    for rid in burst + ["m0", "m1", "m2", "m3"]:
+    for rid in burst + [m for m, _, _ in misses]:
         w.side.finished(rid)
     w.side.track("lone", lambda: keys_of(101), 101 * BS)  # 1600 tokens: ~13 ms to recompute
     assert cost.wait_key(0) == (0, 0) and cost.expected_wait_s(0) is None

@@ -234,9 +234,10 @@ class LoadCost:
         schedules ``tokens`` tokens for ``others`` requests besides it: the busiest load the
         hit waited through.  A wait is kept under that load, not only the one at its
         allocation: the hits of a burst on an idle engine are allocated beside nothing
-        (key ``(0, 0)``) but wait behind the burst's prefills (H100, session 37: their
-        88-112 ms at ``(0, 0)`` declined the lone C1 hits that followed, which waited
-        ~12 ms when loaded)."""
+        running (key ``(0, 0)``) but wait beside each other, behind one long schedule
+        that allocates them all (H100, session 37: 16 hits of 512 blocks, 2.3 ms of
+        scheduling each; their 88-151 ms kept at ``(0, 0)`` declined the lone C1 hits that
+        followed, which waited 11-28 ms when loaded)."""
         return max(key[0], level_of(others)), max(key[1], busy_level_of(tokens))
 
     def hit_waited(self, seconds: float, at: WaitKey,

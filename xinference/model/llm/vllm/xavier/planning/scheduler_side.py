@@ -373,15 +373,18 @@ class SchedulerSide:
                 setattr(self._stats, name, value)
 
     def _widen_waits(self, scheduled: Sequence[Tuple[str, int, int]]) -> None:
-        """Hits still waiting for their first forward waited through this step too: their
-        wait is kept under the busiest load they saw (:meth:`~.load_cost.LoadCost.widened`)."""
+        """Hits still waiting for their first forward waited through this step too, beside
+        the requests it runs and the other hits waiting: their wait is kept under the
+        busiest load they saw (:meth:`~.load_cost.LoadCost.widened`; a burst's 16 hits,
+        allocated one by one in one long schedule, wait beside each other)."""
         if self.cost is None or not self._waiting:
             return
         tokens = sum(n for _, _, n in scheduled)
+        others = len(self._running - self._waiting) + len(self._waiting) - 1
         for rid in self._waiting:
             tracked = self._tracked[rid]
             if tracked.wait_key is not None:
-                tracked.wait_key = self.cost.widened(tracked.wait_key, self._others(rid), tokens)
+                tracked.wait_key = self.cost.widened(tracked.wait_key, others, tokens)
 
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""
