@@ -10,6 +10,8 @@ ways to move the bytes:
 * ``uva``: the fused gather-scatter kernel writes the CPU tier's slots in place through
   their CUDA view (what the room thread does when the CPU tier is mapped, the default):
   its thread blocks sit on the SMs for as long as PCIe takes;
+* ``uva, N programs``: the same kernel from N thread blocks that loop over the rows
+  (``gather_scatter(programs=N)``), leaving the other SMs to the engine;
 * ``dma``: a device gather into a staging buffer, then one copy-engine transfer into
   page-locked host memory (``gather_to_pinned``; what ``XAVIER_UVA=0`` does; the scatter
   into the tier's rows is then host work, not timed here).
@@ -17,7 +19,8 @@ ways to move the bytes:
 A "decode step" here is a CUDA graph of one token through a Qwen2.5-0.5B-shaped stack of
 GEMVs (24 layers: qkv, o, gate/up, down; bf16), replayed on its own stream.  Printed
 (median of ``--reps``, ms): the step alone, the step while a demotion of ``--blocks``
-blocks (24 layers, 192 KiB each) starts beside it, and the demotion's own time.
+blocks (24 layers, 192 KiB each) starts beside it, and the demotion's own time; each
+kernel's last demotion is checked bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import functools
 import os
 import statistics
 import sys
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -90,6 +93,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", default="128,256")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--programs", default="8,16,32",
+                    help="the narrow kernel's thread blocks (the room thread's demotions)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("room_interference: needs CUDA")
@@ -109,8 +114,8 @@ def main() -> int:
     step = decode_graph(dev, engine)
     copier = FusedCopier(dev)
 
-    def demote_uva(src: List[int], dst: List[int]) -> None:
-        copier.copy(("gpu", 0), gpu_tier, ("cpu", 0), views[0], src, dst)
+    def demote_uva(src: List[int], dst: List[int], programs: Optional[int] = None) -> None:
+        copier.copy(("gpu", 0), gpu_tier, ("cpu", 0), views[0], src, dst, programs=programs)
 
     def demote_dma(src: List[int], dst: List[int]) -> None:
         gather_to_pinned(gpu_tier, src, dev)
@@ -127,7 +132,11 @@ def main() -> int:
     base = statistics.median(alone)
     print(f"{'step alone':28s} {base:8.3f} {1.0:7.2f}")
     for n in [int(x) for x in a.blocks.split(",")]:
-        for name, demote in (("uva", demote_uva), ("dma", demote_dma)):
+        cases: List[Tuple[str, Callable[[List[int], List[int]], None]]] = [
+            ("uva", demote_uva), ("dma", demote_dma)]
+        cases += [(f"uva, {p} programs", functools.partial(demote_uva, programs=p))
+                  for p in [int(x) for x in a.programs.split(",") if x]]
+        for name, demote in cases:
             steps, moves = [], []
             for rep in range(a.reps + 3):
                 src = [(rep * n + i) % gpu_slots for i in range(n)]
@@ -140,6 +149,13 @@ def main() -> int:
                 if rep >= 3:
                     steps.append(s.elapsed_time(e))
                     moves.append(ms.elapsed_time(me))
+            if name.startswith("uva"):  # the last demotion's rows, bit for bit
+                torch.cuda.synchronize(dev)
+                exact = all(torch.equal(c[torch.tensor(dst)], g[torch.tensor(src)].cpu())
+                            for c, g in zip(cpu_tier, gpu_tier))
+                if not exact:
+                    print(f"{name}: WRONG BYTES")
+                    return 1
             st, mv = statistics.median(steps), statistics.median(moves)
             gbs = n * shape.block_bytes() / (mv * 1e-3) / 1e9
             print(f"{f'{name}, {n} blocks beside':28s} {st:8.3f} {st / base:7.2f} "

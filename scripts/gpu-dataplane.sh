@@ -113,7 +113,7 @@ fi
 if only room; then
   # session 36's open question: what a demotion by the room thread (UVA kernel vs copy engine)
   # costs a decode step running beside it
-  timeout 150 python3 benchmarks/room_interference.py --blocks 128,256,512 --reps 30 2>&1 \
+  timeout 150 python3 benchmarks/room_interference.py --blocks 128,512 --reps 30 --programs 4,8,16,32 2>&1 \
     | tee "$out/room_interference.log"
   rc=$((rc | PIPESTATUS[0]))
 fi

@@ -20,7 +20,8 @@ layouts, and :func:`warm` compiles every pair of a worker when it attaches.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +54,26 @@ try:  # pragma: no cover - exercised on the GPU machine
         mask = offs < row_words
         v = tl.load(sp + s * src_row_stride + offs, mask=mask)
         tl.store(dp + d * dst_row_stride + offs, v, mask=mask)
+
+    @functools.partial(triton.jit, do_not_specialize=["n_rows"])
+    def _gather_scatter_narrow(src_ptrs, dst_ptrs, src_idx, dst_idx, n_rows, n_layers,
+                               row_words, src_row_stride, dst_row_stride, BLOCK: tl.constexpr,
+                               CHUNKS: tl.constexpr):
+        # the same copy from a fixed number of programs, each looping over (row, layer)
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        for i in range(pid, n_rows * n_layers, programs):
+            w = i // n_layers
+            layer = i % n_layers
+            s = tl.load(src_idx + w)
+            d = tl.load(dst_idx + w)
+            sp = tl.load(src_ptrs + layer).to(tl.pointer_type(tl.int64))
+            dp = tl.load(dst_ptrs + layer).to(tl.pointer_type(tl.int64))
+            for c in tl.static_range(CHUNKS):
+                offs = c * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < row_words
+                v = tl.load(sp + s * src_row_stride + offs, mask=mask)
+                tl.store(dp + d * dst_row_stride + offs, v, mask=mask)
 
     AVAILABLE = torch.cuda.is_available()
 except Exception:  # no triton, or no driver
@@ -90,10 +111,10 @@ def _launch_shape(row_words: int) -> Tuple[int, int]:
 
 
 def warm(view_sets: Sequence[Sequence[torch.Tensor]], num_warps: int = 4) -> int:
-    """Compile the kernel for every ordered pair of ``view_sets`` it supports (a worker's
-    engine layers and each storage tier's), so that no step compiles it; returns the
-    variants compiled.  Peers' storages have the layout of this rank's (the KV schema
-    check), so their loads use these variants too.  A failure is logged: the kernel
+    """Compile the kernel (both launch forms) for every ordered pair of ``view_sets`` it
+    supports (a worker's engine layers and each storage tier's), so that no step compiles
+    it; returns the variants compiled.  Peers' storages have the layout of this rank's (the
+    KV schema check), so their loads use these variants too.  A failure is logged: the kernel
     then compiles on first use, as without this."""
     seen = set()
     for src in view_sets:
@@ -113,6 +134,9 @@ def warm(view_sets: Sequence[Sequence[torch.Tensor]], num_warps: int = 4) -> int
                 _gather_scatter.warmup(table, table, idx, idx, row_words, key[1], key[2],
                                        BLOCK=block, num_warps=num_warps,
                                        grid=(1, len(dst), chunks))
+                _gather_scatter_narrow.warmup(table, table, idx, idx, 2, len(dst), row_words,
+                                              key[1], key[2], BLOCK=block, CHUNKS=chunks,
+                                              num_warps=num_warps, grid=(1,))
             except Exception as exc:  # pragma: no cover - depends on the Triton version
                 logger.info("xavier: warming the copy kernel failed (it compiles on first "
                             "use): %r", exc)
@@ -122,12 +146,24 @@ def warm(view_sets: Sequence[Sequence[torch.Tensor]], num_warps: int = 4) -> int
 
 def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: int,
                    row_words: int, src_row_stride: int, dst_row_stride: int,
-                   src_idx: torch.Tensor, dst_idx: torch.Tensor, num_warps: int = 4) -> None:
-    """Launch on the current stream: for every layer and i, dst[dst_idx[i]] = src[src_idx[i]]."""
+                   src_idx: torch.Tensor, dst_idx: torch.Tensor, num_warps: int = 4,
+                   programs: Optional[int] = None) -> None:
+    """Launch on the current stream: for every layer and i, dst[dst_idx[i]] = src[src_idx[i]].
+
+    ``programs``: at most that many thread blocks, each looping over rows (a background
+    copy that leaves the other SMs to the engine's kernels: a write into page-locked host
+    memory keeps its thread blocks resident for as long as PCIe takes, and a decode step
+    launched beside a full-grid 512-block demotion waited for it, 3.2x its time on an
+    H100, ``benchmarks/room_interference.py``); None: one per (row, layer, chunk)."""
     n = int(dst_idx.shape[0])
     if n == 0:
         return
     block, chunks = _launch_shape(row_words)
+    if programs is not None:
+        _gather_scatter_narrow[(max(1, min(programs, n * n_layers)),)](
+            src_table, dst_table, src_idx, dst_idx, n, n_layers, row_words, src_row_stride,
+            dst_row_stride, BLOCK=block, CHUNKS=chunks, num_warps=num_warps)
+        return
     grid = (n, n_layers, chunks)
     _gather_scatter[grid](src_table, dst_table, src_idx, dst_idx, row_words,
                           src_row_stride, dst_row_stride, BLOCK=block, num_warps=num_warps)
@@ -136,7 +172,8 @@ def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: i
 class FusedCopier:
     """Copies between block views of one CUDA device for callers on several streams (the
     storage writer's export and room threads): row ``dst_slots[i]`` of every layer of
-    ``dst`` receives row ``src_slots[i]`` of ``src``, on the current stream.  The fused
+    ``dst`` receives row ``src_slots[i]`` of ``src``, on the current stream (from at most
+    ``programs`` thread blocks when given: :func:`gather_scatter`).  The fused
     kernel where it applies, with pointer tables built once per key on whichever stream
     first needed them, each use ordered after the table's upload; the torch gather
     otherwise."""
@@ -147,7 +184,8 @@ class FusedCopier:
 
     def copy(self, src_key: Tuple[object, int], src: List[torch.Tensor],
              dst_key: Tuple[object, int], dst: List[torch.Tensor],
-             src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+             src_slots: Sequence[int], dst_slots: Sequence[int],
+             programs: Optional[int] = None) -> None:
         src_idx, dst_idx = indices_on(src_slots, self.device), indices_on(dst_slots, self.device)
         if not supports(src, dst):
             copy_rows_device(src, dst, src_idx, dst_idx)
@@ -163,7 +201,7 @@ class FusedCopier:
             stream.wait_event(entry[1])
             tables.append(entry[0])
         gather_scatter(tables[0], tables[1], len(dst), int(dst[0].shape[1]), src[0].stride(0),
-                       dst[0].stride(0), src_idx, dst_idx)
+                       dst[0].stride(0), src_idx, dst_idx, programs=programs)
 
     def clear(self) -> None:
         self._tables.clear()
