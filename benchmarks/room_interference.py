@@ -110,12 +110,16 @@ def main() -> int:
     if views is None:
         print("room_interference: no CUDA view of the CPU tier (vLLM's op missing?)")
         return 1
+    def rows(layers: List[torch.Tensor]) -> List[torch.Tensor]:  # block views, as Xavier's
+        return [t.view(t.shape[0], -1).view(torch.int64) for t in layers]
+
+    gpu_rows, cpu_rows, cuda_rows = rows(gpu_tier), rows(cpu_tier), rows(list(views[0]))
     engine, room = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
     step = decode_graph(dev, engine)
     copier = FusedCopier(dev)
 
     def demote_uva(src: List[int], dst: List[int], programs: Optional[int] = None) -> None:
-        copier.copy(("gpu", 0), gpu_tier, ("cpu", 0), views[0], src, dst, programs=programs)
+        copier.copy(("gpu", 0), gpu_rows, ("cpu", 0), cuda_rows, src, dst, programs=programs)
 
     def demote_dma(src: List[int], dst: List[int]) -> None:
         gather_to_pinned(gpu_tier, src, dev)
@@ -152,7 +156,7 @@ def main() -> int:
             if name.startswith("uva"):  # the last demotion's rows, bit for bit
                 torch.cuda.synchronize(dev)
                 exact = all(torch.equal(c[torch.tensor(dst)], g[torch.tensor(src)].cpu())
-                            for c, g in zip(cpu_tier, gpu_tier))
+                            for c, g in zip(cpu_rows, gpu_rows))
                 if not exact:
                     print(f"{name}: WRONG BYTES")
                     return 1
