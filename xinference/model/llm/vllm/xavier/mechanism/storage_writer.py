@@ -25,11 +25,10 @@ victims from the directory (a slot under lease is refused and kept), so that the
 export finds free slots.  Victims whose publication is still pending are never taken (a
 claim must not overtake the registration it would undo).
 
-A CPU tier on a CPU engine is written by the step thread directly (no stream).  The
-page-locked CPU tier of a CUDA engine is written in place through CUDA views (:mod:`.uva`):
-demotions and exports into it are gathers on a stream.  Without views (``XAVIER_UVA=0``)
-they are a device gather and a copy into page-locked rows, scattered on the host after.
-"""
+A CPU engine's CPU tier is written by the step thread directly.  A CUDA engine's page-locked
+CPU tier is written in place through CUDA views (:mod:`.uva`) by gathers on a stream (a
+demotion from :data:`ROOM_COPY_PROGRAMS` thread blocks); without views (``XAVIER_UVA=0``) by
+a device gather and a copy into page-locked rows, scattered on the host after."""
 
 from __future__ import annotations
 
@@ -66,6 +65,9 @@ logger = package_logger(__name__)
 
 #: blocks the room thread demotes and claims per round (per group)
 ROOM_CHUNK_BLOCKS = 512
+#: thread blocks of a demotion into the CPU tier's CUDA view (all: a decode step beside it
+#: 3.8x slower; 4: 1.2x, 85 % of the bandwidth; H100, benchmarks/room_interference.py)
+ROOM_COPY_PROGRAMS = 4
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
 
@@ -122,25 +124,22 @@ class StorageWriter:
             t: {g.group: SlotAllocator(self._slots[t], None if generations is None
                                        else generations.row(int(t), g.group))
                 for g in layout.groups} for t in tiers}
-        #: device copies of exports (step thread) and demotions (room thread)
-        self._copier = block_copy_triton.FusedCopier(device)
+        self._copier = block_copy_triton.FusedCopier(device)  # exports and demotions
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
         #: victims' copies: a stream of their own, not behind the exports that wait for
         #: the forward in flight (high priority: a load may wait for them)
-        self._save_stream: Optional[torch.cuda.Stream] = None if stream is None else (
-            torch.cuda.Stream(device=device, priority=-1))
+        self._save_stream = None if stream is None else torch.cuda.Stream(device, priority=-1)
         self._last_save_event: Optional[torch.cuda.Event] = None
         self._room_target = min(room_blocks, self._slots[self._order[0]] // 4)
         self._wake = threading.Event()
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # the room thread is not in a round (set: idle)
         self._idle.set()
         self._unpublished = 0
         self._closed = False
-        self._room_stream: Optional[torch.cuda.Stream] = None
-        if device.type == "cuda":
-            self._room_stream = torch.cuda.Stream(device=device)
+        self._room_stream: Optional[torch.cuda.Stream] = (
+            torch.cuda.Stream(device=device) if device.type == "cuda" else None)
         self._publisher = Publisher(rank, directory, self.incarnation, self.sink,
                                     self._published)
         self._room: Optional[threading.Thread] = None
@@ -402,7 +401,8 @@ class StorageWriter:
                     self._room_stream.wait_event(last)
             if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
                 self._copier.copy((src_tier, group), src, (dst_tier, group), dst,
-                                     src_slots, dst_slots)
+                                     src_slots, dst_slots, programs=ROOM_COPY_PROGRAMS
+                                     if dst_tier == Tier.CPU else None)
                 staged = None
             else:
                 staged = gather_to_pinned(src, src_slots, self.device)
