@@ -159,6 +159,7 @@ class SchedulerSide:
             # a recompute's, not a hit's wait (one dark peer's 30 s timeout, learned, made
             # the cost model decline every hit of its level for the next 31)
             tracked.allocated_at = None
+            self._waiting.discard(request_id)
         if (tracked is None or not tracked.sharing or not tracked.loads or not ready
                 or tracked.loaded or tracked.declined):
             self._drop_hit(request_id)
@@ -382,8 +383,8 @@ class SchedulerSide:
         tokens = sum(n for _, _, n in scheduled)
         others = len(self._running - self._waiting) + len(self._waiting) - 1
         for rid in self._waiting:
-            tracked = self._tracked[rid]
-            if tracked.wait_key is not None:
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.wait_key is not None:
                 tracked.wait_key = self.cost.widened(tracked.wait_key, others, tokens)
 
     def add_time(self, us: int) -> None:
