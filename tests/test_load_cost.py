@@ -350,3 +350,15 @@ def test_an_exploration_credit_waits_for_a_hit_through_later_declined_lookups():
     assert [cost.worth_looking_up(8192, 0, lookup_pending=True) for _ in range(4)] == [
         False, False, True, False]
     assert cost.decide(8192, 0) and not cost.decide(8192, 0)
+
+
+def test_a_waiting_hits_key_widens_to_the_busiest_load_it_waited_through():
+    """:meth:`LoadCost.widened`: the load level and the busy level only grow (a quiet step
+    after a busy one does not narrow the key back), each by the step just built."""
+    cost = LoadCost(lag=1)
+    key = (0, 0)
+    key = cost.widened(key, 3, 0)  # three other hits waiting beside it, nothing scheduled
+    assert key == (level_of(3), 0) == (2, 0)
+    key = cost.widened(key, 0, 8192)  # a long prefill chunk in the step
+    assert key == (2, busy_level_of(8192)) == (2, 7)
+    assert cost.widened(key, 1, 1) == (2, 7)  # a quiet step later: still the busiest
