@@ -150,11 +150,11 @@ def gather_scatter(src_table: torch.Tensor, dst_table: torch.Tensor, n_layers: i
                    programs: Optional[int] = None) -> None:
     """Launch on the current stream: for every layer and i, dst[dst_idx[i]] = src[src_idx[i]].
 
-    ``programs``: at most that many thread blocks, each looping over rows (a background
-    copy that leaves the other SMs to the engine's kernels: a write into page-locked host
-    memory keeps its thread blocks resident for as long as PCIe takes, and a decode step
-    launched beside a full-grid 512-block demotion waited for it, 3.2x its time on an
-    H100, ``benchmarks/room_interference.py``); None: one per (row, layer, chunk)."""
+    ``programs``: at most that many thread blocks, each looping over rows, for a background
+    copy into page-locked host memory: beside a full-grid 512-block one a decode step took
+    3.8x its time on an H100 (the writes in flight stall its memory traffic: 16 blocks
+    still cost 3.2x), beside 4 blocks 1.2x at 85 % of the bandwidth
+    (``benchmarks/room_interference.py``); None: one per (row, layer, chunk)."""
     n = int(dst_idx.shape[0])
     if n == 0:
         return
