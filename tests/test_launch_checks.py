@@ -64,6 +64,9 @@ def test_the_cli_spelling_and_the_strict_switch():
      "^xavier_switch_interval_us: expected whole microseconds"),
     ({"enable_xavier": "true"}, 2, {"XAVIER_LOAD_POLICY": "never"},
      "^xavier_load_policy: expected one of cost, always, got 'never'"),
+    ({"enable_xavier": "true"}, 2, {"XAVIER_ROOM_COPY_PROGRAMS": "-1"},
+     r"^XAVIER_ROOM_COPY_PROGRAMS: expected a whole number >= 0 \(0: the full grid\), "
+     "got '-1'"),
     ({"enable_xavier": True, "pipeline_parallel_size": 2}, 2, None,
      "^pipeline_parallel_size: Xavier does not share the KV of pipeline-parallel replicas "
      ".* got pipeline_parallel_size=2"),

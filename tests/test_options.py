@@ -166,3 +166,16 @@ def test_every_xavier_variable_the_tooling_sets_is_a_known_name():
     unknown = {n for n in used if n not in KNOWN_ENV + TOOLING_ENV
                and not n.startswith("XAVIER_TEST_")}
     assert not unknown, unknown
+
+
+def test_the_room_threads_demotion_blocks_default_and_diagnostic_setting():
+    from xinference.model.llm.vllm.xavier.planning.options import (
+        ROOM_COPY_PROGRAMS,
+        room_copy_programs,
+    )
+
+    assert room_copy_programs({}) == ROOM_COPY_PROGRAMS == 4
+    assert room_copy_programs({"XAVIER_ROOM_COPY_PROGRAMS": " 16 "}) == 16
+    assert room_copy_programs({"XAVIER_ROOM_COPY_PROGRAMS": "0"}) is None  # the full grid
+    with pytest.raises(ValueError, match="^XAVIER_ROOM_COPY_PROGRAMS: .* got 'four'"):
+        room_copy_programs({"XAVIER_ROOM_COPY_PROGRAMS": "four"})

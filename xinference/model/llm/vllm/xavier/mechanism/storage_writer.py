@@ -27,11 +27,13 @@ claim must not overtake the registration it would undo).
 
 A CPU engine's CPU tier is written by the step thread directly.  A CUDA engine's page-locked
 CPU tier is written in place through CUDA views (:mod:`.uva`) by gathers on a stream (a
-demotion from :data:`ROOM_COPY_PROGRAMS` thread blocks); without views (``XAVIER_UVA=0``) by
-a device gather and a copy into page-locked rows, scattered on the host after."""
+demotion from few thread blocks: :func:`~..planning.options.room_copy_programs`); without
+views (``XAVIER_UVA=0``) by a device gather and a copy into page-locked rows, scattered on
+the host after."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ from ..planning.counters import Counters, CounterSink, elapsed_us
 from ..planning.directory_link import DirectoryLink, Entry, ExportRow
 from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
+from ..planning.options import room_copy_programs
 from ..planning.slot_allocator import (
     SlotAllocator,
     place_new,
@@ -65,9 +68,6 @@ logger = package_logger(__name__)
 
 #: blocks the room thread demotes and claims per round (per group)
 ROOM_CHUNK_BLOCKS = 512
-#: thread blocks of a demotion into the CPU tier's CUDA view (all: a decode step beside it
-#: 3.8x slower; 4: 1.2x, 85 % of the bandwidth; H100, benchmarks/room_interference.py)
-ROOM_COPY_PROGRAMS = 4
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
 
@@ -125,6 +125,7 @@ class StorageWriter:
                                        else generations.row(int(t), g.group))
                 for g in layout.groups} for t in tiers}
         self._copier = block_copy_triton.FusedCopier(device)  # exports and demotions
+        self._room_programs = room_copy_programs(os.environ)
         self._lock = threading.Lock()
         self._pending: Set[Tuple[int, int]] = set()  # (group, key) exported, not yet published
         self._last_event: Optional[torch.cuda.Event] = None
@@ -292,8 +293,7 @@ class StorageWriter:
         slots freed.  Runs on the room thread (tests may call it directly)."""
         target = self._room_target if free_blocks is None else free_blocks
         top = self._order[0]
-        freed = 0
-        t0 = time.perf_counter()
+        freed, t0 = 0, time.perf_counter()
         for group in self._alloc[top]:
             refused_rounds = 0
             while not self._closed:
@@ -401,7 +401,7 @@ class StorageWriter:
                     self._room_stream.wait_event(last)
             if dst[0].device.type == "cuda":  # a GPU tier, or a host tier seen through CUDA
                 self._copier.copy((src_tier, group), src, (dst_tier, group), dst,
-                                     src_slots, dst_slots, programs=ROOM_COPY_PROGRAMS
+                                     src_slots, dst_slots, programs=self._room_programs
                                      if dst_tier == Tier.CPU else None)
                 staged = None
             else:

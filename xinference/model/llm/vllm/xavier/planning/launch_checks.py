@@ -34,6 +34,7 @@ from .options import (
     parse_save_victims,
     parse_switch,
     parse_switch_interval,
+    room_copy_programs,
 )
 from .routing import parse_routing
 
@@ -118,6 +119,7 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
         parse_load_policy(env[ENV_LOAD_POLICY])
     if ENV_SAVE_VICTIMS in env:
         parse_save_victims(env[ENV_SAVE_VICTIMS])
+    room_copy_programs(env)
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
                          (ENV_HOST_INDEX, "xavier_host_index")):
         if name in env:

@@ -30,6 +30,11 @@ ENV_IN_PLACE = "XAVIER_IN_PLACE"
 ENV_SAVE_VICTIMS = "XAVIER_SAVE_VICTIMS"
 ENV_LOAD_POLICY = "XAVIER_LOAD_POLICY"
 ENV_HOST_INDEX = "XAVIER_HOST_INDEX"
+ENV_ROOM_COPY_PROGRAMS = "XAVIER_ROOM_COPY_PROGRAMS"
+#: thread blocks of the room thread's demotions into a CUDA engine's CPU tier (through its
+#: CUDA view): a full-grid copy into page-locked memory made a decode step beside it 3.8x
+#: slower, 4 blocks 1.2x at 85 % of the bandwidth (H100, benchmarks/room_interference.py)
+ROOM_COPY_PROGRAMS = 4
 #: ``xavier_load_policy``: ``cost`` loads a hit only when its measured wait is no longer than
 #: the recompute it saves (:mod:`.load_cost`); ``always`` loads every hit (the model still
 #: measures and counts the hits that do not pay)
@@ -45,7 +50,8 @@ DEFAULT_SWITCH_INTERVAL_US = 500
 #: every ``XAVIER_*`` environment variable a deployment may set (read by the package)
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
              ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, ENV_HOST_INDEX, "XAVIER_LOG_LEVEL",
-             "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS", "XAVIER_STEP_TRACE")
+             "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS", "XAVIER_STEP_TRACE",
+             ENV_ROOM_COPY_PROGRAMS)
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
                "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
@@ -206,6 +212,19 @@ def parse_save_victims(value: Any) -> str:
     except ValueError:
         raise ValueError(f"xavier_save_victims: expected one of {', '.join(SAVE_POLICIES)} "
                          f"(or true = all, false = off), got {value!r}") from None
+
+
+def room_copy_programs(environ: Mapping[str, str]) -> Optional[int]:
+    """The room thread's demotion thread blocks: :data:`ROOM_COPY_PROGRAMS`, or
+    ``XAVIER_ROOM_COPY_PROGRAMS`` (a diagnostic: another count; ``0`` the full grid, as
+    before session 37, returned as None); anything else raises ``ValueError`` naming it."""
+    value = str(environ.get(ENV_ROOM_COPY_PROGRAMS, "")).strip()
+    if not value:
+        return ROOM_COPY_PROGRAMS
+    if not value.isdigit():
+        raise ValueError(f"{ENV_ROOM_COPY_PROGRAMS}: expected a whole number >= 0 (0: the "
+                         f"full grid), got {value!r}")
+    return int(value) or None
 
 
 def parse_switch(option: str, value: Any) -> bool:
