@@ -1,6 +1,6 @@
 """Split each cross-replica hit's wait, step by step, from an ``XAVIER_STEP_TRACE`` folder.
 
-    python scripts/step_trace_report.py TRACE_FOLDER [--json OUT.json]
+    python scripts/step_trace_report.py TRACE_FOLDER [--last N] [--json OUT.json]
 
 Reads the ``trace-<pid>.jsonl`` files that the engines wrote (one line per connector call,
 :mod:`xinference.model.llm.vllm.xavier.vllm_side.step_trace`) and, for every request that
@@ -36,15 +36,31 @@ POINTS = ("new", "answered", "allocated", "sent", "launched", "reported", "seen"
 
 
 def read(folder: str) -> Dict[int, List[Dict[str, Any]]]:
-    """Replica rank -> the lines of its processes (scheduler and workers), by start time."""
+    """Replica rank -> the lines of its processes (scheduler and workers, each line with the
+    ``pid`` of its file), by start time."""
     out: Dict[int, List[Dict[str, Any]]] = {}
     for path in sorted(glob.glob(os.path.join(folder, "trace-*.jsonl"))):
+        pid = int(os.path.basename(path)[len("trace-"):-len(".jsonl")])
         with open(path, encoding="utf-8") as f:
             for x in f:
                 if x.strip():
                     line = json.loads(x)
+                    line["pid"] = pid
                     out.setdefault(int(line["rank"]), []).append(line)
     return {rank: sorted(lines, key=lambda x: x["t0"]) for rank, lines in out.items()}
+
+
+def worker_calls(lines: List[Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """Index of a ``build_connector_meta`` line -> the ``start_load_kv`` line of the same
+    step: vLLM's n-th step built is the n-th a worker starts (every step reaches the
+    workers, with or without a forward); the first worker process's (tensor-parallel rank
+    0 is not known from the trace: any one worker's timing stands for the step)."""
+    workers = sorted({x["pid"] for x in lines if x["role"] == "WORKER"})
+    if not workers:
+        return {}
+    starts = [x for x in lines if x["pid"] == workers[0] and x["m"] == "start_load_kv"]
+    metas = [i for i, x in enumerate(lines) if x["m"] == "build_connector_meta"]
+    return {i: starts[n] for n, i in enumerate(metas) if n < len(starts)}
 
 
 def _first(lines: List[Dict[str, Any]], start: int, pred: Any) -> Optional[int]:
@@ -58,6 +74,7 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Each loaded request's moments (ns) and the steps between its allocation and its
     first forward."""
     out = []
+    step_start = worker_calls(lines)
     for i, x in enumerate(lines):
         if x["m"] != "update_state_after_alloc" or not x.get("ext"):
             continue
@@ -74,8 +91,7 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if sent is None:
             continue
         t["sent"] = lines[sent]["t1"]
-        launch = _first(lines, sent, lambda y: y["m"] == "start_load_kv")
-        t["launched"] = lines[launch]["t1"] if launch is not None else None
+        t["launched"] = step_start[sent]["t1"] if sent in step_start else None
         rep = _first(lines, sent, lambda y, rid=rid: y["m"] == "get_finished"
                      and rid in y.get("done", ()))
         t["reported"] = lines[rep]["t1"] if rep is not None else None
@@ -87,8 +103,7 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         steps = []
         if sched is not None:
             t["scheduled"] = lines[sched]["t1"]
-            fwd = _first(lines, sched, lambda y: y["m"] == "start_load_kv")
-            t["forward"] = lines[fwd]["t1"] if fwd is not None else None
+            t["forward"] = step_start[sched]["t1"] if sched in step_start else None
             steps = [{"at_ms": (y["t1"] - x["t1"]) / 1e6, "tokens": y.get("tokens", 0)}
                      for y in lines[sent:sched + 1] if y["m"] == "build_connector_meta"]
         out.append({"req": rid, "t": t, "steps": steps})
@@ -101,8 +116,9 @@ def _summary(v: List[float]) -> Dict[str, float]:
             "max": s[-1], "n": len(s)}
 
 
-def report(folder: str) -> Dict[str, Any]:
-    every = [h for lines in read(folder).values() for h in hits(lines)]
+def report(folder: str, last: int = 0) -> Dict[str, Any]:
+    """The intervals over every hit, or over each replica's ``last`` hits."""
+    every = [h for lines in read(folder).values() for h in hits(lines)[-last:]]
     spans: Dict[str, List[float]] = {}
     for h in every:
         t = h["t"]
@@ -112,7 +128,9 @@ def report(folder: str) -> Dict[str, Any]:
         if t["allocated"] is not None and t["scheduled"] is not None:
             spans.setdefault("allocated -> scheduled (hit_load_wait)", []).append(
                 (t["scheduled"] - t["allocated"]) / 1e6)
-        spans.setdefault("steps allocated -> scheduled", []).append(float(len(h["steps"]) - 1))
+        if h["steps"]:  # (a hit never scheduled: aborted, or the trace ended first)
+            spans.setdefault("steps allocated -> scheduled", []).append(
+                float(len(h["steps"]) - 1))
     table = {k: _summary(v) for k, v in spans.items()}
     calls: Dict[str, List[float]] = {}
     for lines in read(folder).values():
@@ -127,8 +145,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--last", type=int, default=0,
+                    help="only each replica's last N hits (e.g. the run's last C1 row)")
     a = ap.parse_args()
-    r = report(a.folder)
+    r = report(a.folder, a.last)
     print(f"{r['hits']} loaded requests in {a.folder}")
     print(f"{'interval':42s} {'median ms':>10s} {'p90 ms':>8s} {'n':>4s}")
     for k, v in r["intervals_ms"].items():

@@ -12,7 +12,7 @@ import pytest
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.directory_types import Location, QueryResult
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
-from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost
+from xinference.model.llm.vllm.xavier.planning.load_cost import LoadCost, level_of
 from xinference.model.llm.vllm.xavier.planning.lookups import DirectoryLookups
 from xinference.model.llm.vllm.xavier.planning.scheduler_side import SchedulerSide
 
@@ -551,11 +551,12 @@ def test_loading_every_hit_still_counts_those_that_do_not_pay():
     assert (stats.hits_not_paying, stats.hits_declined, stats.requests_with_hits) == (1, 0, 1)
 
 
-def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_allocations_key():
+def test_the_model_is_fed_by_the_steps_and_each_hits_wait_at_its_key():
     """The side's steps feed the fit (their scheduled tokens, on its clock) and a hit's
-    allocation-to-first-forward wait at the key of its allocation (load level and the step in
-    flight: "busy" ran beside it, its latest step of 101 tokens in flight); the estimates go
-    out with the step's figures; the last request's end marks the engine idle."""
+    allocation-to-first-forward wait at its key (load level and the step in flight at its
+    allocation: "busy" ran beside it, its latest step of 101 tokens in flight; the quieter
+    steps it then waited through leave the key as it was); the estimates go out with the
+    step's figures; the last request's end marks the engine idle."""
     cost = LoadCost(lag=0, min_steps=4, min_token_spread=1)
     w = World(held_keys=keys_of(8), cost=cost)
     now = [0.0]
@@ -596,8 +597,9 @@ def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_e
     loaded): 12 of 16 follow-ups recomputed their 8K prefix.  A wait is kept under the
     busiest step it waited through, counting the hits waiting beside it (and, with
     ``recomputes``, the burst's misses prefilling beside them), so a lone request on the
-    idle engine finds no wait at its key and loads.  Control: the key at allocation is
-    ``(0, 0)``, as before."""
+    idle engine finds no wait at its key and loads.  At allocation each hit's key already
+    counts the hits allocated before it in the schedule (nothing runs: the first is
+    ``(0, 0)``, as a lone request's)."""
     cost = measured_cost(wait_s=0.0)
     cost._wait_s.clear()  # steps measured (prefill 8 µs a token), no hit's wait yet
     w = World(held_keys=keys_of(100), cost=cost, decline=True)
@@ -605,11 +607,11 @@ def test_a_bursts_hits_are_kept_under_the_load_they_waited_through_not_an_idle_e
     w.side._clock = lambda: now[0]
     w.side.finished("nobody")  # the engine is idle: nothing in flight
     burst = [f"b{i}" for i in range(4)]
-    for rid in burst:
+    for i, rid in enumerate(burst):
         w.side.track(rid, lambda: keys_of(101), 101 * BS)
         assert w.side.match(rid, 101 * BS, 0) == 100 * BS
         w.side.allocated(rid, [list(range(101))], [[False] * 101], 100 * BS)
-        assert w.side._tracked[rid].wait_key == (0, 0)  # beside nothing, at allocation
+        assert w.side._tracked[rid].wait_key == (level_of(i), 0)  # beside the hits before
     misses = [(f"m{i}", 0, 2048) for i in range(4)] if recomputes else []
     for _ in range(2):  # the load's step and the one already scheduled
         w.side.build_step(misses, {})

@@ -94,6 +94,8 @@ def test_a_hits_path_is_read_back_and_split_at_each_moment(traced):
     assert worker.get_finished(set()) == (None, {"r-1"})
     sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"x": 5},
                                                total_num_scheduled_tokens=5))
+    worker.start_load_kv(None)  # (every step reaches the worker)
+    worker.get_finished(set())
     sched.update_connector_output(SimpleNamespace(finished_recving={"r-1"}))
     sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r-1": 16, "x": 1},
                                                total_num_scheduled_tokens=17))
@@ -114,6 +116,7 @@ def test_a_hits_path_is_read_back_and_split_at_each_moment(traced):
     assert [s["tokens"] for s in r["example"]["steps"]] == [0, 5, 17]
     assert r["intervals_ms"]["steps allocated -> scheduled"]["median"] == 2.0
     assert r["call_ms"]["build_connector_meta"]["n"] == 3
+    assert load_report().report(str(traced), last=1)["hits"] == 1
 
 
 def test_a_field_that_cannot_be_read_never_fails_vllms_call(traced):
@@ -127,3 +130,23 @@ def test_a_field_that_cannot_be_read_never_fails_vllms_call(traced):
     assert c.get_num_new_matched_tokens(object(), 0) is None  # passed through
     lines = [json.loads(x) for p in traced.iterdir() for x in p.read_text().splitlines()]
     assert lines[0]["tokens"] == 0 and "TypeError" in lines[1]["trace_error"]
+
+
+def test_a_trace_that_cannot_be_written_never_fails_the_engine(tmp_path, monkeypatch):
+    """A folder that cannot be made: the engine serves untraced; a line that cannot be
+    written (a full disk): vLLM's call still returns its answer."""
+    monkeypatch.setattr(step_trace, "_TRACE", None)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(step_trace.ENV_STEP_TRACE, str(blocker / "trace"))
+    assert not step_trace.install(Stand(), 1, "SCHEDULER")
+    monkeypatch.setenv(step_trace.ENV_STEP_TRACE, str(tmp_path / "trace"))
+    c = Stand()
+    assert step_trace.install(c, 1, "SCHEDULER")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(step_trace.StepTrace, "line", full)
+    assert c.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (32, True)
+    step_trace._TRACE = None

@@ -20,7 +20,6 @@ layouts, and :func:`warm` compiles every pair of a worker when it attaches.
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -55,7 +54,13 @@ try:  # pragma: no cover - exercised on the GPU machine
         v = tl.load(sp + s * src_row_stride + offs, mask=mask)
         tl.store(dp + d * dst_row_stride + offs, v, mask=mask)
 
-    @functools.partial(triton.jit, do_not_specialize=["n_rows"])
+    def _jit_sizes(fn):  # type: ignore[no-untyped-def]
+        try:  # one variant whatever the sizes (they vary per round)
+            return triton.jit(fn, do_not_specialize=["n_rows", "n_layers"])
+        except TypeError:  # pragma: no cover - a Triton without the option
+            return triton.jit(fn)
+
+    @_jit_sizes
     def _gather_scatter_narrow(src_ptrs, dst_ptrs, src_idx, dst_idx, n_rows, n_layers,
                                row_words, src_row_stride, dst_row_stride, BLOCK: tl.constexpr,
                                CHUNKS: tl.constexpr):
@@ -134,13 +139,16 @@ def warm(view_sets: Sequence[Sequence[torch.Tensor]], num_warps: int = 4) -> int
                 _gather_scatter.warmup(table, table, idx, idx, row_words, key[1], key[2],
                                        BLOCK=block, num_warps=num_warps,
                                        grid=(1, len(dst), chunks))
-                _gather_scatter_narrow.warmup(table, table, idx, idx, 2, len(dst), row_words,
-                                              key[1], key[2], BLOCK=block, CHUNKS=chunks,
-                                              num_warps=num_warps, grid=(1,))
             except Exception as exc:  # pragma: no cover - depends on the Triton version
                 logger.info("xavier: warming the copy kernel failed (it compiles on first "
                             "use): %r", exc)
                 return 0
+            try:  # (the room thread's demotions: compiled there on first use otherwise)
+                _gather_scatter_narrow.warmup(table, table, idx, idx, 2, len(dst), row_words,
+                                              key[1], key[2], BLOCK=block, CHUNKS=chunks,
+                                              num_warps=num_warps, grid=(1,))
+            except Exception as exc:  # pragma: no cover - depends on the Triton version
+                logger.info("xavier: warming the narrow copy kernel failed: %r", exc)
     return len(seen)
 
 

@@ -11,7 +11,8 @@ request those steps carry waits for them too.  So a hit of ``n`` tokens is loade
     expected wait  <=  (1 + others) x n x (prefill time per token)
                        [+ one step's fixed time per token budget the n tokens fill]
 
-``others``: the live requests the last step scheduled besides this one.  With nothing else
+``others``: the live requests the last step scheduled and the hits waiting for their loads,
+besides this one (the scheduler side counts them).  With nothing else
 running this is "a user never waits longer for a hit than for its recompute"; under load a
 recompute delays everyone, so a load is worth more.  Both sides are measured on this engine
 while it serves:
@@ -31,10 +32,14 @@ while it serves:
   an H100, session 32 -- and the low side errs towards loading, as the recompute side
   does): the load level (``others`` in powers of two: 0, 1,
   2-3, 4-7, ...) and the tokens of the step in flight when the blocks were allocated (in
-  powers of two from 32: the steps a hit waits behind), so that neither a wait seen at 32
-  concurrent requests nor one seen alone behind the tail of a C32 burst's long steps
-  decides for a lone request on an idle engine (CPU machine, session 31: the second taught
-  a 70 ms wait that declined every later C1 hit).
+  powers of two from 32: the steps a hit waits behind), each widened to the busiest step
+  built while it waited, so that neither a wait seen at 32 concurrent requests, nor one
+  seen alone behind the tail of a C32 burst's long steps, nor one of a burst's hits
+  allocated in one schedule decides for a lone request on an idle engine (CPU machine,
+  session 31: the second taught a 70 ms wait that declined every later C1 hit; H100,
+  session 37: the third declined 13 of 32).  A decision reads the key of the moment (the
+  step in flight, the requests running and waiting), so a wait that grew busier than its
+  start is kept where a later hit of that load looks, and the low side, again, loads.
 
 Until both are known (fewer than two hits measured at its key; too few steps, or steps too alike to
 give a slope; a slope not above zero) a hit is loaded: the model never declines on a guess.
@@ -242,9 +247,9 @@ class LoadCost:
 
     def hit_waited(self, seconds: float, at: WaitKey,
                    lookup_s: Optional[float] = 0.0) -> None:
-        """A hit reached its first forward ``seconds`` after its blocks were allocated
-        (:meth:`wait_key` ``at`` then); its lookup took ``lookup_s`` (asked to answered;
-        None: it made none, e.g. found in a host index)."""
+        """A hit reached its first forward ``seconds`` after its blocks were allocated (its
+        key ``at``: :meth:`wait_key` then, :meth:`widened` since); its lookup took
+        ``lookup_s`` (asked to answered; None: it made none, e.g. found in a host index)."""
         self._last_key = at
         if self._last_step_at is not None:
             self._measured_at[at] = self._last_step_at

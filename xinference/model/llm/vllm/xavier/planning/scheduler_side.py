@@ -122,7 +122,9 @@ class SchedulerSide:
         self._publish_loaded = publish_loaded  # (a loader holds what it loaded, too)
 
     def _others(self, request_id: str) -> int:
-        return len(self._running) - (request_id in self._running)
+        """Requests beside ``request_id``: those the last step ran, and hits waiting."""
+        beside = self._running | self._waiting
+        return len(beside) - (request_id in beside)
 
     # ----------------------------------------------------------------- lookup
     def track(self, request_id: str, keys: Callable[[], Sequence[int]], num_tokens: int,
@@ -381,11 +383,11 @@ class SchedulerSide:
         if self.cost is None or not self._waiting:
             return
         tokens = sum(n for _, _, n in scheduled)
-        others = len(self._running - self._waiting) + len(self._waiting) - 1
         for rid in self._waiting:
             tracked = self._tracked.get(rid)
             if tracked is not None and tracked.wait_key is not None:
-                tracked.wait_key = self.cost.widened(tracked.wait_key, others, tokens)
+                tracked.wait_key = self.cost.widened(tracked.wait_key, self._others(rid),
+                                                     tokens)
 
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""

@@ -3,7 +3,7 @@
 Off unless ``XAVIER_STEP_TRACE`` names a folder.  Then each engine process appends one JSON
 line per connector call to ``<folder>/trace-<pid>.jsonl``: the method, its start and end on
 the monotonic clock (ns; one clock for every process of the host), and what identifies the
-step or the request (ids, scheduled tokens per request, the loads reported done).  A
+step or the request (every id: scheduled tokens per request, the loads reported done).  A
 diagnostic for a benchmark run, not for production: a line costs a write system call (a
 few µs) on vLLM's step thread.  ``scripts/step_trace_report.py`` reads the files back and
 splits each hit's wait from the lookup to its first forward.
@@ -20,30 +20,29 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
+from ..planning.log_names import package_logger
+
+logger = package_logger(__name__)
+
 ENV_STEP_TRACE = "XAVIER_STEP_TRACE"
-#: at most this many requests of a step are named in its line
-MAX_NAMED = 64
-
-
 def _rid(request: Any) -> str:
     return str(getattr(request, "request_id", "?"))
 
 
 def _scheduled(scheduler_output: Any) -> Dict[str, Any]:
     tokens = dict(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
-    named = dict(list(tokens.items())[:MAX_NAMED])
     return {"tokens": int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
-            "reqs": named}
+            "reqs": {str(r): int(n) for r, n in tokens.items()}}
 
 
 def _recving(connector_output: Any) -> Dict[str, Any]:
     done = getattr(connector_output, "finished_recving", None) or ()
-    return {"done": sorted(str(r) for r in done)[:MAX_NAMED]}
+    return {"done": sorted(str(r) for r in done)}
 
 
 def _finished(result: Any) -> Dict[str, Any]:
     done = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-    return {"done": sorted(str(r) for r in (done or ()))[:MAX_NAMED]}
+    return {"done": sorted(str(r) for r in (done or ()))}
 
 
 #: method -> what its line records: (arguments, result) -> fields
@@ -66,7 +65,8 @@ class StepTrace:
 
     def __init__(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
-        self._file = open(os.path.join(folder, f"trace-{os.getpid()}.jsonl"), "a",
+        self.pid = os.getpid()
+        self._file = open(os.path.join(folder, f"trace-{self.pid}.jsonl"), "a",
                           buffering=1, encoding="utf-8")
         self._lock = threading.Lock()
 
@@ -85,7 +85,7 @@ _TRACE: Optional[StepTrace] = None
 def _trace() -> Optional[StepTrace]:
     global _TRACE
     folder = os.environ.get(ENV_STEP_TRACE)
-    if folder and _TRACE is None:
+    if folder and (_TRACE is None or _TRACE.pid != os.getpid()):  # (a forked child: its own)
         _TRACE = StepTrace(folder)
     return _TRACE
 
@@ -93,8 +93,13 @@ def _trace() -> Optional[StepTrace]:
 def install(connector: Any, rank: int, role: str) -> bool:
     """Wrap ``connector``'s methods in :data:`FIELDS` so that each call leaves a line (with
     the replica's ``rank``: its scheduler and workers may be different processes), when
-    ``XAVIER_STEP_TRACE`` is set; returns whether it was."""
-    trace = _trace()
+    ``XAVIER_STEP_TRACE`` is set and its folder can be written; returns whether it was (a
+    folder that cannot be written is logged: the engine serves untraced)."""
+    try:
+        trace = _trace()
+    except OSError as exc:
+        logger.warning("xavier: %s: no step trace (%r)", ENV_STEP_TRACE, exc)
+        return False
     if trace is None:
         return False
     for method, fields in FIELDS.items():
@@ -111,11 +116,14 @@ def _wrapped(trace: StepTrace, rank: int, role: str, method: str, bound: Callabl
         t0 = time.monotonic_ns()
         result = bound(*args, **kwargs)
         t1 = time.monotonic_ns()
-        try:
-            extra = fields(args, result)
-        except Exception as e:  # a trace never fails vLLM's call
-            extra = {"trace_error": repr(e)}
-        trace.line(rank, role, method, t0, t1, extra)
+        try:  # a trace never fails vLLM's call (the call itself has run)
+            try:
+                extra = fields(args, result)
+            except Exception as e:
+                extra = {"trace_error": repr(e)}
+            trace.line(rank, role, method, t0, t1, extra)
+        except Exception as e:  # a full disk, a value JSON cannot hold
+            logger.debug("xavier: step trace line lost: %r", e)
         return result
 
     return call
