@@ -398,10 +398,11 @@ class WorkerDataPlane:
         """Add the step's figures to the counters; set its levels (:data:`GAUGE_NAMES`: a 0
         only for :data:`ZERO_LEVELS`, the others keep their last known value)."""
         for name, value in stats.items():
+            if not value and name not in ZERO_LEVELS:
+                continue  # (most of a step's figures: nothing to add, no level to keep)
             if name not in GAUGE_NAMES:
-                if value:
-                    self.counters.add(name, value)
-            elif value > 0 or (value == 0 and name in ZERO_LEVELS):
+                self.counters.add(name, value)
+            elif value >= 0:
                 self.counters.set(name, value)
 
     # ------------------------------------------------------------------ close
