@@ -31,6 +31,8 @@
 #        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
 #        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
 #        call each (a call lasts at most 600 s).
+#        XAVIER_STEP_TRACE=$OUT/trace traces every connector call; its report (each replica's
+#        last 10 hits) goes to $OUT/step_trace.{txt,json}.
 # chat:  issue #34: serving_bench's chat rows (32 users, 4 turns of 768 tokens after a
 #        1024-token system prompt; XAVIER_CHAT_USERS, XAVIER_CHAT_SHAPE) (not in `all`).
 # crossover: issue #34: C1 follow-up TTFT by prefix length (256-2048 tokens), sharing off
@@ -125,6 +127,11 @@ if has bench; then
     | grep --line-buffered -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
+  if [ -n "${XAVIER_STEP_TRACE:-}" ] && ls "$XAVIER_STEP_TRACE"/trace-*.jsonl >/dev/null 2>&1; then
+    python3 scripts/step_trace_report.py "$XAVIER_STEP_TRACE" --last 10 \
+      --json "$out/step_trace.json" | tee "$out/step_trace.txt"
+    xz -9 "$XAVIER_STEP_TRACE"/trace-*.jsonl
+  fi
   if [ -f "$out/pyspy-gil.txt" ]; then
     python3 scripts/pyspy_gil.py "$out/pyspy-gil.txt" > "$out/pyspy-gil-summary.txt" 2>&1
     xz -9 "$out/pyspy-gil.txt"
