@@ -26,13 +26,13 @@
 #        none / per_request / batched, the unique-prompt rows, tiers full (--steady-state)
 #        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
 #        XAVIER_BENCH_UNIQUE= drops the unique-prompt rows, XAVIER_BENCH_ARGS adds arguments
-#        (e.g. --switch-interval-us 500).
+#        (e.g. --switch-interval-us 500), BENCH_TIMEOUT its limit (s, default 570);
+#        XAVIER_STEP_TRACE=$OUT/trace traces every connector call; its report (each replica's
+#        last 10 hits) goes to $OUT/step_trace.{txt,json}.
 # tp:    issue #22 on nvidia-h200-x2: two TP=2 replicas, each on both GPUs, end to end
 #        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
 #        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
 #        call each (a call lasts at most 600 s).
-#        XAVIER_STEP_TRACE=$OUT/trace traces every connector call; its report (each replica's
-#        last 10 hits) goes to $OUT/step_trace.{txt,json}.
 # chat:  issue #34: serving_bench's chat rows (32 users, 4 turns of 768 tokens after a
 #        1024-token system prompt; XAVIER_CHAT_USERS, XAVIER_CHAT_SHAPE) (not in `all`).
 # crossover: issue #34: C1 follow-up TTFT by prefix length (256-2048 tokens), sharing off
