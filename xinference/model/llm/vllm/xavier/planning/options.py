@@ -221,7 +221,7 @@ def room_copy_programs(environ: Mapping[str, str]) -> Optional[int]:
     value = str(environ.get(ENV_ROOM_COPY_PROGRAMS, "")).strip()
     if not value:
         return ROOM_COPY_PROGRAMS
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise ValueError(f"{ENV_ROOM_COPY_PROGRAMS}: expected a whole number >= 0 (0: the "
                          f"full grid), got {value!r}")
     return int(value) or None

@@ -383,11 +383,11 @@ class SchedulerSide:
         if self.cost is None or not self._waiting:
             return
         tokens = sum(n for _, _, n in scheduled)
+        others = len(self._running | self._waiting) - 1  # (each is one of the waiting)
         for rid in self._waiting:
             tracked = self._tracked.get(rid)
             if tracked is not None and tracked.wait_key is not None:
-                tracked.wait_key = self.cost.widened(tracked.wait_key, self._others(rid),
-                                                     tokens)
+                tracked.wait_key = self.cost.widened(tracked.wait_key, others, tokens)
 
     def add_time(self, us: int) -> None:
         """Time (µs) the connector's scheduler methods took (counted per step)."""
