@@ -75,18 +75,20 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     first forward."""
     out = []
     step_start = worker_calls(lines)
+    arrived: Dict[str, int] = {}  # request -> its first on_new_request's start
+    answered: Dict[str, int] = {}  # request -> the end of its first answered match
+    for y in lines:
+        if y["m"] == "on_new_request":
+            arrived.setdefault(y["req"], y["t0"])
+        elif y["m"] == "get_num_new_matched_tokens" and y.get("ext") is not None:
+            answered.setdefault(y["req"], y["t1"])
     for i, x in enumerate(lines):
         if x["m"] != "update_state_after_alloc" or not x.get("ext"):
             continue
         rid = x["req"]
         t: Dict[str, Optional[int]] = dict.fromkeys(POINTS)
         t["allocated"] = x["t1"]
-        new = _first(lines, 0, lambda y, rid=rid: y["m"] == "on_new_request"
-                     and y.get("req") == rid)
-        t["new"] = lines[new]["t0"] if new is not None else None
-        ans = _first(lines, 0, lambda y, rid=rid: y["m"] == "get_num_new_matched_tokens"
-                     and y.get("req") == rid and y.get("ext") is not None)
-        t["answered"] = lines[ans]["t1"] if ans is not None else None
+        t["new"], t["answered"] = arrived.get(rid), answered.get(rid)
         sent = _first(lines, i, lambda y: y["m"] == "build_connector_meta")
         if sent is None:
             continue
@@ -118,7 +120,8 @@ def _summary(v: List[float]) -> Dict[str, float]:
 
 def report(folder: str, last: int = 0) -> Dict[str, Any]:
     """The intervals over every hit, or over each replica's ``last`` hits."""
-    every = [h for lines in read(folder).values() for h in hits(lines)[-last:]]
+    ranks = read(folder)
+    every = [h for lines in ranks.values() for h in hits(lines)[-last:]]
     spans: Dict[str, List[float]] = {}
     for h in every:
         t = h["t"]
@@ -133,7 +136,7 @@ def report(folder: str, last: int = 0) -> Dict[str, Any]:
                 float(len(h["steps"]) - 1))
     table = {k: _summary(v) for k, v in spans.items()}
     calls: Dict[str, List[float]] = {}
-    for lines in read(folder).values():
+    for lines in ranks.values():
         for y in lines:
             calls.setdefault(y["m"], []).append((y["t1"] - y["t0"]) / 1e6)
     return {"hits": len(every), "intervals_ms": table,
