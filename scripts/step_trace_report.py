@@ -108,7 +108,35 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             t["forward"] = step_start[sched]["t1"] if sched in step_start else None
             steps = [{"at_ms": (y["t1"] - x["t1"]) / 1e6, "tokens": y.get("tokens", 0)}
                      for y in lines[sent:sched + 1] if y["m"] == "build_connector_meta"]
-        out.append({"req": rid, "t": t, "steps": steps})
+        out.append({"req": rid, "t": t, "steps": steps,
+                    "launch": step_start.get(sent)})
+    return out
+
+
+#: spans on the worker's step thread inside ``start_load_kv`` (:mod:`...trace_spans`)
+STEP_THREAD_SPANS = ("save", "load", "load.locked", "load.plan", "load.launch")
+
+
+def launch_split(lines: List[Dict[str, Any]], launch: Dict[str, Any]) -> Dict[str, float]:
+    """What the worker did in the ``start_load_kv`` that launched a hit (ms): the call's wall
+    and CPU time, each step-thread span inside it (wall and CPU), and for the process's
+    other threads how long each kind of span overlapped the call (``busy: NAME``) and the
+    CPU time of that overlap (prorated): who could hold the GIL meanwhile."""
+    t0, t1, pid = launch["t0"], launch["t1"], launch["pid"]
+    out = {"start_load_kv": (t1 - t0) / 1e6, "start_load_kv cpu": launch.get("cpu", 0) / 1e6}
+    for y in lines:
+        if y["role"] != "SPAN" or y["pid"] != pid or y["t1"] <= t0 or y["t0"] >= t1:
+            continue
+        wall = max(1, y["t1"] - y["t0"])
+        if y["m"] in STEP_THREAD_SPANS:
+            out[y["m"]] = out.get(y["m"], 0.0) + wall / 1e6
+            out[y["m"] + " cpu"] = out.get(y["m"] + " cpu", 0.0) + y.get("cpu", 0) / 1e6
+        else:
+            overlap = min(t1, y["t1"]) - max(t0, y["t0"])
+            key = f"busy: {y['m']}"
+            out[key] = out.get(key, 0.0) + overlap / 1e6
+            out[key + " cpu"] = (out.get(key + " cpu", 0.0)
+                                 + y.get("cpu", 0) * overlap / wall / 1e6)
     return out
 
 
@@ -121,7 +149,8 @@ def _summary(v: List[float]) -> Dict[str, float]:
 def report(folder: str, last: int = 0) -> Dict[str, Any]:
     """The intervals over every hit, or over each replica's ``last`` hits."""
     ranks = read(folder)
-    every = [h for lines in ranks.values() for h in hits(lines)[-last:]]
+    per_rank = {rank: hits(lines)[-last:] for rank, lines in ranks.items()}
+    every = [h for found in per_rank.values() for h in found]
     spans: Dict[str, List[float]] = {}
     for h in every:
         t = h["t"]
@@ -135,11 +164,21 @@ def report(folder: str, last: int = 0) -> Dict[str, Any]:
             spans.setdefault("steps allocated -> scheduled", []).append(
                 float(len(h["steps"]) - 1))
     table = {k: _summary(v) for k, v in spans.items()}
+    split: Dict[str, List[float]] = {}
+    for rank, found in per_rank.items():
+        for h in found:
+            if h["launch"] is not None:
+                for k, v in launch_split(ranks[rank], h["launch"]).items():
+                    split.setdefault(k, []).append(v)
+    n_split = len(split.get("start_load_kv", []))
+    for v in split.values():  # (a span absent from a hit's launch: 0 there)
+        v.extend([0.0] * (n_split - len(v)))
     calls: Dict[str, List[float]] = {}
     for lines in ranks.values():
         for y in lines:
             calls.setdefault(y["m"], []).append((y["t1"] - y["t0"]) / 1e6)
     return {"hits": len(every), "intervals_ms": table,
+            "launch_ms": {k: _summary(v) for k, v in sorted(split.items()) if v},
             "call_ms": {k: _summary(v) for k, v in sorted(calls.items())},
             "example": every[len(every) // 2] if every else None}
 
@@ -156,6 +195,11 @@ def main() -> int:
     print(f"{'interval':42s} {'median ms':>10s} {'p90 ms':>8s} {'n':>4s}")
     for k, v in r["intervals_ms"].items():
         print(f"{k:42s} {v['median']:10.2f} {v['p90']:8.2f} {v['n']:4d}")
+    if r["launch_ms"]:
+        print("the worker's start_load_kv that launched each hit (ms; 'busy': the other "
+              "threads' spans inside it)")
+        for k, v in r["launch_ms"].items():
+            print(f"  {k:40s} {v['median']:10.2f} {v['p90']:8.2f} {v['n']:4d}")
     print(f"{'connector call (its own time)':42s} {'median ms':>10s} {'p90 ms':>8s} "
           f"{'max ms':>8s} {'n':>6s}")
     for k, v in r["call_ms"].items():

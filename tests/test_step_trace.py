@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.planning import trace_spans
 from xinference.model.llm.vllm.xavier.vllm_side import step_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,14 +65,14 @@ class Stand:
 @pytest.fixture
 def traced(tmp_path, monkeypatch):
     monkeypatch.setenv(step_trace.ENV_STEP_TRACE, str(tmp_path))
-    monkeypatch.setattr(step_trace, "_TRACE", None)
+    monkeypatch.setattr(trace_spans, "_FILE", None)
     yield tmp_path
-    step_trace._TRACE = None
+    trace_spans._FILE = None
 
 
 def test_off_without_the_setting(monkeypatch):
     monkeypatch.delenv(step_trace.ENV_STEP_TRACE, raising=False)
-    monkeypatch.setattr(step_trace, "_TRACE", None)
+    monkeypatch.setattr(trace_spans, "_FILE", None)
     c = Stand()
     assert not step_trace.install(c, 1, "SCHEDULER")
     assert "build_connector_meta" not in vars(c)  # the class's methods, untouched
@@ -135,7 +136,7 @@ def test_a_field_that_cannot_be_read_never_fails_vllms_call(traced):
 def test_a_trace_that_cannot_be_written_never_fails_the_engine(tmp_path, monkeypatch):
     """A folder that cannot be made: the engine serves untraced; a line that cannot be
     written (a full disk): vLLM's call still returns its answer."""
-    monkeypatch.setattr(step_trace, "_TRACE", None)
+    monkeypatch.setattr(trace_spans, "_FILE", None)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv(step_trace.ENV_STEP_TRACE, str(blocker / "trace"))
@@ -147,6 +148,65 @@ def test_a_trace_that_cannot_be_written_never_fails_the_engine(tmp_path, monkeyp
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(step_trace.StepTrace, "line", full)
+    monkeypatch.setattr(trace_spans.TraceFile, "line", full)
     assert c.get_num_new_matched_tokens(SimpleNamespace(request_id="r"), 0) == (32, True)
-    step_trace._TRACE = None
+    trace_spans._FILE = None
+
+
+def test_spans_split_the_launch_into_its_parts_and_name_who_ran_beside_it(traced):
+    """Xavier's own work leaves spans with wall and CPU time (:mod:`...trace_spans`): the
+    report splits the ``start_load_kv`` that launched a hit into the step thread's spans and
+    the other threads' work that overlapped it (here a thread busy through the launch)."""
+    import threading
+    import time
+
+    class Launching(Stand):
+        def start_load_kv(self, forward_context, **kwargs):
+            with trace_spans.span(2, "save", blocks=3):
+                time.sleep(0.004)  # waiting: wall, no CPU
+            with trace_spans.span(2, "load"):
+                end = time.thread_time() + 0.003
+                while time.thread_time() < end:  # working: CPU
+                    pass
+
+    started, stop = threading.Event(), threading.Event()
+
+    def room():
+        with trace_spans.span(2, "room.copy", blocks=512):
+            started.set()
+            stop.wait(5)
+
+    other = threading.Thread(target=room, name="xavier-room-2")
+    other.start()
+    started.wait(5)
+    sched, worker = Stand(), Launching()
+    step_trace.install(sched, 2, "SCHEDULER")
+    step_trace.install(worker, 2, "WORKER")
+    req = SimpleNamespace(request_id="r-1")
+    sched.update_state_after_alloc(req, None, 32)
+    sched.build_connector_meta(SimpleNamespace(num_scheduled_tokens={},
+                                               total_num_scheduled_tokens=0))
+    worker.start_load_kv(None)
+    stop.set()
+    other.join()
+    lines = [json.loads(x) for p in traced.iterdir() for x in p.read_text().splitlines()]
+    span_lines = {x["m"]: x for x in lines if x["role"] == "SPAN"}
+    assert span_lines["save"]["blocks"] == 3 and span_lines["room.copy"]["thread"] == \
+        "xavier-room-2"
+    assert all(x["cpu"] >= 0 for x in lines)
+    launch = load_report().report(str(traced))["launch_ms"]
+    assert launch["save"]["median"] >= 4.0 and launch["save cpu"]["median"] < 2.0
+    assert launch["load cpu"]["median"] >= 2.5
+    assert launch["start_load_kv"]["median"] >= 7.0
+    assert launch["start_load_kv cpu"]["median"] >= 2.5
+    # the room thread's span covered the whole launch
+    assert launch["busy: room.copy"]["median"] == pytest.approx(
+        launch["start_load_kv"]["median"], rel=0.01)
+
+
+def test_a_span_is_nothing_when_the_trace_is_off(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace_spans.ENV_STEP_TRACE, raising=False)
+    monkeypatch.setattr(trace_spans, "_FILE", None)
+    with trace_spans.span(1, "save"):
+        pass
+    assert trace_spans._FILE is None and not list(tmp_path.iterdir())

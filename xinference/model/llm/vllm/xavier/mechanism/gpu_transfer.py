@@ -55,6 +55,7 @@ from ..planning.plan import (
     Transfer,
     plan_step,
 )
+from ..planning.trace_spans import span
 from .block_copy import block_views, copy_transfer, layer_tensor
 from .fused_loads import FusedLoads
 from .index_upload import IndexUploader
@@ -267,14 +268,16 @@ class GPUTransfer:
                              ) -> LoadHandle:
         """Launch every load of one step; see the module docstring for the contract
         (``ordered_after``: step 3).  Raises when the batch is refused before any copy."""
-        with self._lock:
+        with self._lock, span(self.rank, "load.locked", rows=batch.num_rows):
             self._check_open("load_gpu_requests_v1")
-            plan = self._plan(batch)
-            local, background = self._split(plan)
+            with span(self.rank, "load.plan"):
+                plan = self._plan(batch)
+                local, background = self._split(plan)
             event: Optional[torch.cuda.Event] = None
             error: Optional[BaseException] = None
             try:
-                event = self._launch(local, ordered_after)
+                with span(self.rank, "load.launch", blocks=plan.blocks_written):
+                    event = self._launch(local, ordered_after)
                 if event is None and background and self._stream is not None:  # after e.g.
                     # a victim saved out of a destination block (the completion thread waits)
                     self._order_stream(ordered_after)

@@ -25,6 +25,7 @@ import torch
 from ..planning.counters import CounterSink
 from ..planning.log_names import package_logger
 from ..planning.plan import Transfer
+from ..planning.trace_spans import span
 from .block_copy import copy_transfer, slab_as
 from .kv_schema import KVLayout
 from .load_handle import (
@@ -120,7 +121,8 @@ class LoadCompletion:
             if job is None:
                 return
             try:
-                self._complete(job)
+                with span(self.rank, "complete"):
+                    self._complete(job)
             except BaseException as exc:  # never let the thread die: the handle fails
                 logger.exception("rank %d: completing a load failed", self.rank)
                 job.handle.failed = {int(b) for ids in job.plan.written.values() for b in ids}

@@ -20,6 +20,7 @@ import torch
 from ..planning.counters import CounterSink
 from ..planning.directory_link import DirectoryLink, Entry
 from ..planning.log_names import package_logger
+from ..planning.trace_spans import span
 from .block_copy import slab_as
 
 logger = package_logger(__name__)
@@ -69,7 +70,8 @@ class Publisher:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
                 incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
-                self._directory.register(self.rank, pub.entries, incarnation)
+                with span(self.rank, "publish", blocks=len(pub.entries)):  # (after the event)
+                    self._directory.register(self.rank, pub.entries, incarnation)
                 self._sink.add("in_place_registered" if in_place else "export_published",
                                len(pub.entries))
             except Exception as exc:  # unpublished blocks are only a later miss

@@ -52,13 +52,9 @@ from ..planning.slot_allocator import (
     rows_by_group,
     take_free_slots,
 )
+from ..planning.trace_spans import span
 from . import block_copy_triton
-from .block_copy import (
-    block_view,
-    copy_rows,
-    gather_to_pinned,
-    slab_as,
-)
+from .block_copy import block_view, copy_rows, gather_to_pinned, slab_as
 from .kv_schema import KVLayout
 from .publisher import Publication, Publisher
 from .slot_generations import SlotGenerations
@@ -328,7 +324,8 @@ class StorageWriter:
         lower = [t for t in self._order if t > tier]
         entries = self._demote(tier, lower[0], group, victims) if lower else []
         # one directory call: the lower copies are registered, then the victims claimed
-        with elapsed_us(lambda us: self.sink.add("room_directory_us", us)):
+        with elapsed_us(lambda us: self.sink.add("room_directory_us", us)), \
+                span(self.rank, "room.directory", blocks=len(victims)):
             granted = self._directory.move(self.rank, entries, int(tier), group, victims,
                                            self.incarnation)
         refused = set(victims) - set(granted)
@@ -376,7 +373,8 @@ class StorageWriter:
         with self._lock:
             gens = dst_alloc.assign_many([k for k, _ in todo], slots)
         try:
-            with elapsed_us(lambda us: self.sink.add("room_copy_us", us)):
+            with elapsed_us(lambda us: self.sink.add("room_copy_us", us)), \
+                    span(self.rank, "room.copy", blocks=len(todo)):
                 self._copy_between(src_tier, dst_tier, group, [s for _, s in todo], slots)
         except BaseException:
             with self._lock:  # never registered: the slots are free again

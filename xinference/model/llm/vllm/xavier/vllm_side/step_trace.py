@@ -1,12 +1,13 @@
 """Where a hit's time goes, step by step: a trace of every call vLLM makes into the connector.
 
-Off unless ``XAVIER_STEP_TRACE`` names a folder.  Then each engine process appends one JSON
-line per connector call to ``<folder>/trace-<pid>.jsonl``: the method, its start and end on
-the monotonic clock (ns; one clock for every process of the host), and what identifies the
-step or the request (every id: scheduled tokens per request, the loads reported done).  A
-diagnostic for a benchmark run, not for production: a line costs a write system call (a
-few µs) on vLLM's step thread.  ``scripts/step_trace_report.py`` reads the files back and
-splits each hit's wait from the lookup to its first forward.
+Off unless ``XAVIER_STEP_TRACE`` names a folder (:mod:`..planning.trace_spans`: the file,
+and the spans of Xavier's own work beside these lines).  Then each engine process appends
+one JSON line per connector call: the method, its start and end on the monotonic clock, the
+calling thread's CPU time in between (``cpu``, ns), and what identifies the step or the
+request (every id: scheduled tokens per request, the loads reported done).  A diagnostic for
+a benchmark run, not for production: a line costs a write system call (a few µs) on vLLM's
+step thread.  ``scripts/step_trace_report.py`` reads the files back and splits each hit's
+wait from the lookup to its first forward.
 
 Installed on the connector instance (:func:`install`): vLLM calls the instance's methods,
 so wrapping them there leaves the class and every other engine untouched."""
@@ -14,17 +15,17 @@ so wrapping them there leaves the class and every other engine untouched."""
 from __future__ import annotations
 
 import functools
-import json
-import os
-import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 from ..planning.log_names import package_logger
+from ..planning.trace_spans import ENV_STEP_TRACE, TraceFile, trace_file
 
 logger = package_logger(__name__)
 
-ENV_STEP_TRACE = "XAVIER_STEP_TRACE"
+__all__ = ["ENV_STEP_TRACE", "FIELDS", "install"]
+
+
 def _rid(request: Any) -> str:
     return str(getattr(request, "request_id", "?"))
 
@@ -60,43 +61,13 @@ FIELDS: Dict[str, Callable[[tuple, Any], Dict[str, Any]]] = {
 }
 
 
-class StepTrace:
-    """One process's trace file (line-buffered: a line survives a killed process)."""
-
-    def __init__(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self.pid = os.getpid()
-        self._file = open(os.path.join(folder, f"trace-{self.pid}.jsonl"), "a",
-                          buffering=1, encoding="utf-8")
-        self._lock = threading.Lock()
-
-    def line(self, rank: int, role: str, method: str, t0: int, t1: int,
-             fields: Dict[str, Any]) -> None:
-        text = json.dumps({"rank": rank, "role": role, "m": method, "t0": t0, "t1": t1,
-                           **fields},
-                          separators=(",", ":"))
-        with self._lock:
-            self._file.write(text + "\n")
-
-
-_TRACE: Optional[StepTrace] = None
-
-
-def _trace() -> Optional[StepTrace]:
-    global _TRACE
-    folder = os.environ.get(ENV_STEP_TRACE)
-    if folder and (_TRACE is None or _TRACE.pid != os.getpid()):  # (a forked child: its own)
-        _TRACE = StepTrace(folder)
-    return _TRACE
-
-
 def install(connector: Any, rank: int, role: str) -> bool:
     """Wrap ``connector``'s methods in :data:`FIELDS` so that each call leaves a line (with
     the replica's ``rank``: its scheduler and workers may be different processes), when
     ``XAVIER_STEP_TRACE`` is set and its folder can be written; returns whether it was (a
     folder that cannot be written is logged: the engine serves untraced)."""
     try:
-        trace = _trace()
+        trace = trace_file()
     except OSError as exc:
         logger.warning("xavier: %s: no step trace (%r)", ENV_STEP_TRACE, exc)
         return False
@@ -109,19 +80,19 @@ def install(connector: Any, rank: int, role: str) -> bool:
     return True
 
 
-def _wrapped(trace: StepTrace, rank: int, role: str, method: str, bound: Callable[..., Any],
+def _wrapped(trace: TraceFile, rank: int, role: str, method: str, bound: Callable[..., Any],
              fields: Callable[[tuple, Any], Dict[str, Any]]) -> Callable[..., Any]:
     @functools.wraps(bound)
     def call(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.monotonic_ns()
+        t0, c0 = time.monotonic_ns(), time.thread_time_ns()
         result = bound(*args, **kwargs)
-        t1 = time.monotonic_ns()
+        t1, c1 = time.monotonic_ns(), time.thread_time_ns()
         try:  # a trace never fails vLLM's call (the call itself has run)
             try:
                 extra = fields(args, result)
             except Exception as e:
                 extra = {"trace_error": repr(e)}
-            trace.line(rank, role, method, t0, t1, extra)
+            trace.line(rank, role, method, t0, t1, {"cpu": c1 - c0, **extra})
         except Exception as e:  # a full disk, a value JSON cannot hold
             logger.debug("xavier: step trace line lost: %r", e)
         return result

@@ -7,17 +7,16 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
   rank's storage for this engine's KV layout and answers how to map it; the plane maps
   every tier (CUDA IPC / shared memory) and keeps its slots
   (:class:`~..mechanism.storage_writer.StorageWriter`);
-* loads each step's blocks with ONE ``load_gpu_requests_v1``
-  (:class:`~..mechanism.gpu_transfer.GPUTransfer`) on the engine's own CUDA stream
-  (:meth:`load`); a peer of this host is mapped once (CUDA IPC or its shared-memory
-  files), a peer of another host is read through the rank's transfer actor (NIXL or
-  sockets, into staging rows shared with it);
+* loads each step's blocks with ONE ``load_gpu_requests_v1`` (:class:`~..mechanism.
+  gpu_transfer.GPUTransfer`) on the engine's own CUDA stream (:meth:`load`); a peer of this
+  host is mapped once (CUDA IPC or its shared-memory files), a peer of another host is
+  read through the rank's transfer actor (NIXL or sockets, into staging rows shared with it);
 * tells vLLM which requests' loads are complete and which blocks failed
   (:meth:`finished`), ordering vLLM's stream after the copies first;
 * exports each step's newly full blocks (:meth:`export`) without waiting;
-* writes its counters into a shared-memory file the transfer actor reads when asked;
-  the actor bumps ``world_epoch`` there when the world changed (a rank died or came
-  back), and the next load drops the mappings of every rank whose address changed.
+* writes its counters into a shared-memory file the transfer actor reads when asked; the
+  actor bumps ``world_epoch`` there when the world changed (a rank died or came back),
+  and the next load drops the mappings of every rank whose address changed.
 
 In a tensor-parallel replica every worker has its own plane for its shard of the KV heads
 (``tp_rank``): its own storage at the transfer actor, its shard's rows of each step
@@ -25,8 +24,8 @@ In a tensor-parallel replica every worker has its own plane for its shard of the
 
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
 live outside the package (``tests/support/worker_hooks.py``): the plane calls a
-:class:`PlaneHooks` observer only when ``XAVIER_TEST_HOOKS`` (``module:Class``) names
-one in the engine's environment; a production worker has none.
+:class:`PlaneHooks` observer only when ``XAVIER_TEST_HOOKS`` (``module:Class``) names one
+in the engine's environment; a production worker has none.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from ..planning.options import XavierOptions
 from ..planning.plan import SlabConfig
 from ..planning.shards import Shards
 from ..planning.step_meta import StepMeta
+from ..planning.trace_spans import span
 from .actor_bridge import ActorBridge, LazyActor
 from .peers import PeerMaps
 from .plane_hooks import PlaneHooks, load_test_hooks
@@ -230,7 +230,8 @@ class WorkerDataPlane:
         event); not behind the forward in flight, which writes none of them."""
         if not rows or self.writer is None or self.saves_dropped:
             return None
-        result = self.writer.export(self.engine_views, rows, after_forward=not self.unordered)
+        with span(self.rank, "save", blocks=len(rows)):
+            result = self.writer.export(self.engine_views, rows, after_forward=not self.unordered)
         if self.hooks is not None:
             self.hooks.exported(rows)
         return result.event
@@ -248,7 +249,8 @@ class WorkerDataPlane:
             after: Optional[List[torch.cuda.Event]] = None  # None: after the forward too
             if self.unordered:
                 after = [] if saved is None else [saved]
-            self._pending.append(self._load(step, after))
+            with span(self.rank, "load"):
+                self._pending.append(self._load(step, after))
         finally:
             wall_us = int(1e6 * (time.perf_counter() - wall))
             self.counters.add("load_launch_us", wall_us)
