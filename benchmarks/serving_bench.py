@@ -115,6 +115,7 @@ from tests.support.engines import EngineOptions  # noqa: E402
 from tests.support.scenarios import delta as counter_delta  # noqa: E402
 from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.trace_spans import ENV_STEP_TRACE  # noqa: E402
 
 BLOCK = 16
 SHAPES = {
@@ -458,6 +459,9 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 settings[kind] = transfer
             if kind in VARIANT_PAIRS:
                 pair_kw["extra_env"] = dict(kw["extra_env"], **VARIANT_PAIRS[kind])
+            if os.environ.get(ENV_STEP_TRACE):  # each pair's trace apart (their ranks repeat)
+                pair_kw["extra_env"] = dict(pair_kw["extra_env"], **{
+                    ENV_STEP_TRACE: os.path.join(os.environ[ENV_STEP_TRACE], kind)})
             pairs[kind] = await stack.enter_async_context(
                 xavier_replicas(model, n=2, engine=engine,
                                 plain=kind not in ("xavier", *VARIANT_PAIRS), **pair_kw))

@@ -27,8 +27,8 @@
 #        with Xavier's default budgets.  XAVIER_BENCH_MODES picks the modes,
 #        XAVIER_BENCH_UNIQUE= drops the unique-prompt rows, XAVIER_BENCH_ARGS adds arguments
 #        (e.g. --switch-interval-us 500), BENCH_TIMEOUT its limit (s, default 570);
-#        XAVIER_STEP_TRACE=$OUT/trace traces every connector call; its report (each replica's
-#        last 10 hits) goes to $OUT/step_trace.{txt,json}.
+#        XAVIER_STEP_TRACE=$OUT/trace traces every connector call (a folder per Xavier pair);
+#        each pair's report (each replica's last 10 hits) goes to $OUT/step_trace-PAIR.{txt,json}.
 # tp:    issue #22 on nvidia-h200-x2: two TP=2 replicas, each on both GPUs, end to end
 #        (tests/test_tp_e2e.py); tpbench: serving_bench --tp 2 (plain, none, batched; the
 #        Qwen2.5-0.5B shape, 2 KV heads: one per worker).  Neither is part of `all`; one
@@ -127,11 +127,13 @@ if has bench; then
     | grep --line-buffered -v "it/s]" > "$out/serving_bench.log"
   rc=$((rc | PIPESTATUS[0]))
   grep -E "^\[serving|^(plain|local-hit|none|per_request|batched)" "$out/serving_bench.log"
-  if [ -n "${XAVIER_STEP_TRACE:-}" ] && ls "$XAVIER_STEP_TRACE"/trace-*.jsonl >/dev/null 2>&1; then
-    python3 scripts/step_trace_report.py "$XAVIER_STEP_TRACE" --last 10 \
-      --json "$out/step_trace.json" | tee "$out/step_trace.txt"
-    xz -9 "$XAVIER_STEP_TRACE"/trace-*.jsonl
-  fi
+  for trace in "${XAVIER_STEP_TRACE:-/nonexistent}"/*/; do  # one folder per Xavier pair
+    ls "$trace"trace-*.jsonl >/dev/null 2>&1 || continue
+    pair=$(basename "$trace")
+    python3 scripts/step_trace_report.py "$trace" --last 10 \
+      --json "$out/step_trace-$pair.json" | tee "$out/step_trace-$pair.txt"
+    xz -9 "$trace"trace-*.jsonl
+  done
   if [ -f "$out/pyspy-gil.txt" ]; then
     python3 scripts/pyspy_gil.py "$out/pyspy-gil.txt" > "$out/pyspy-gil-summary.txt" 2>&1
     xz -9 "$out/pyspy-gil.txt"
