@@ -19,6 +19,20 @@ def test_free_slots_in_order_and_a_directly_assigned_slot_is_never_handed_out():
     assert a.take_free() == 2 and a.take_free() is None
 
 
+def test_taking_many_free_slots_gives_what_taking_them_one_by_one_gives():
+    """``take_free_many`` (an export's slots in one call) against ``take_free`` on a twin,
+    stale stack entries (slots assigned directly, released again) included."""
+    twins = [SlotAllocator(8), SlotAllocator(8)]
+    for a in twins:
+        a.assign(50, 3)  # a stale stack entry
+        a.assign(51, 5)
+        a.release(5)  # back on the stack, twice there
+    one_by_one = [twins[0].take_free() for _ in range(8)]
+    assert twins[1].take_free_many(3) + twins[1].take_free_many(9) == [
+        s for s in one_by_one if s is not None]
+    assert twins[1].take_free_many(1) == [] and twins[1].free == twins[0].free == 0
+
+
 def test_assign_refuses_an_occupied_slot_and_a_stored_key():
     a = SlotAllocator(2)
     a.assign(7, 0)

@@ -64,12 +64,20 @@ class SlotAllocator:
         return key in self._lru
 
     def take_free(self) -> Optional[int]:
-        while self._free:
-            slot = self._free.pop()
-            if slot in self._free_set:
-                self._free_set.discard(slot)
-                return slot
-        return None
+        got = self.take_free_many(1)
+        return got[0] if got else None
+
+    def take_free_many(self, count: int) -> List[int]:
+        """Up to ``count`` free slots (fewer when fewer are free), each taken, in the order
+        :meth:`take_free` would give them."""
+        out: List[int] = []
+        stack, free = self._free, self._free_set
+        while stack and len(out) < count:
+            slot = stack.pop()
+            if slot in free:
+                free.discard(slot)
+                out.append(slot)
+        return out
 
     def victims(self, count: int, exclude: Container[int] = ()) -> List[int]:
         """Up to ``count`` occupied slots, least recently used first (keys in ``exclude``
@@ -104,12 +112,14 @@ class SlotAllocator:
             raise ValueError(f"slots: {len(slots)} slots for {len(keys)} keys")
         if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
             raise ValueError("keys, slots: each may appear once in one assign_many")
-        for key, slot in zip(keys, slots):
-            if slot in self._key_of:
-                raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; "
-                                 f"release it")
-            if key in self._lru:
-                raise ValueError(f"key: {key} is already stored in slot {self._lru[key]}")
+        if not (self._key_of.keys().isdisjoint(slots) and self._lru.keys().isdisjoint(keys)):
+            for key, slot in zip(keys, slots):  # (the first bad pair, named)
+                if slot in self._key_of:
+                    raise ValueError(f"slot: {slot} still holds key {self._key_of[slot]}; "
+                                     f"release it")
+                if key in self._lru:
+                    raise ValueError(f"key: {key} is already stored in slot "
+                                     f"{self._lru[key]}")
         self._free_set.difference_update(slots)
         self._key_of.update(zip(slots, keys))
         self._lru.update(zip(keys, slots))
@@ -117,7 +127,7 @@ class SlotAllocator:
         if isinstance(gen, np.ndarray):
             idx = np.fromiter(slots, dtype=np.int64, count=len(slots))
             gen[idx] += 1
-            return [int(g) for g in gen[idx]]
+            return [int(g) for g in gen[idx].tolist()]  # (plain ints, whatever the dtype)
         for slot in slots:
             gen[slot] += 1
         return [int(gen[slot]) for slot in slots]
@@ -136,13 +146,7 @@ class SlotAllocator:
 
 def take_free_slots(alloc: SlotAllocator, count: int) -> List[int]:
     """Up to ``count`` free slots of ``alloc`` (fewer when it has fewer), each taken."""
-    slots: List[int] = []
-    while len(slots) < count:
-        free = alloc.take_free()
-        if free is None:
-            break
-        slots.append(free)
-    return slots
+    return alloc.take_free_many(count)
 
 
 @dataclass
@@ -173,11 +177,12 @@ def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -
     together, their generations bumped in one pass (:meth:`SlotAllocator.assign_many`)."""
     out = Placement()
     fresh: Dict[int, int] = {}  # key -> engine block, the first row's
+    held = [alloc._lru for alloc in tiers]  # (a row costs a few dict operations: 512 a save)
     for key, block in rows:
         stored = key in fresh
-        for alloc in tiers:
-            if alloc.holds(key):
-                alloc.lookup(key, touch=True)
+        for lru in held:
+            if key in lru:
+                lru.move_to_end(key)  # (touched: LRU)
                 stored = True
         if stored:
             out.already_stored += 1
