@@ -345,17 +345,13 @@ GIL100_MODE = "batched-gil100"
 #: ... with the room thread's demotions into the CPU tier from the fused kernel's full grid
 #: (``XAVIER_ROOM_COPY_PROGRAMS=0``, as before session 37; the default uses 4 thread blocks)
 ROOMWIDE_MODE = "batched-roomwide"
-#: ... with Xavier's room and publisher threads free to run while a step's loads are launched
-#: (``XAVIER_STEP_GATE=0``; the default holds them back: ``mechanism/step_gate.py``)
-NOGATE_MODE = "batched-nogate"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
                                             SAVEALL_MODE: {"XAVIER_SAVE_VICTIMS": "all"},
                                             UVA0_MODE: {"XAVIER_UVA": "0"},
                                             GIL100_MODE: {"XAVIER_SWITCH_INTERVAL_US": "100"},
-                                            ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"},
-                                            NOGATE_MODE: {"XAVIER_STEP_GATE": "0"}}
+                                            ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:

@@ -67,8 +67,6 @@ def test_the_cli_spelling_and_the_strict_switch():
     ({"enable_xavier": "true"}, 2, {"XAVIER_ROOM_COPY_PROGRAMS": "-1"},
      r"^XAVIER_ROOM_COPY_PROGRAMS: expected a whole number >= 0 \(0: the full grid\), "
      "got '-1'"),
-    ({"enable_xavier": "true"}, 2, {"XAVIER_STEP_GATE": "off"},
-     "^XAVIER_STEP_GATE: expected 0 or 1, got 'off'"),
     ({"enable_xavier": True, "pipeline_parallel_size": 2}, 2, None,
      "^pipeline_parallel_size: Xavier does not share the KV of pipeline-parallel replicas "
      ".* got pipeline_parallel_size=2"),

@@ -22,7 +22,6 @@ from ..planning.directory_link import DirectoryLink, Entry
 from ..planning.log_names import package_logger
 from ..planning.trace_spans import span
 from .block_copy import slab_as
-from .step_gate import STEP_GATE
 
 logger = package_logger(__name__)
 
@@ -71,7 +70,6 @@ class Publisher:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
                 incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
-                STEP_GATE.wait_open()  # (not inside a step's launch: :mod:`.step_gate`)
                 with span(self.rank, "publish", blocks=len(pub.entries)):  # (after the event)
                     self._directory.register(self.rank, pub.entries, incarnation)
                 self._sink.add("in_place_registered" if in_place else "export_published",

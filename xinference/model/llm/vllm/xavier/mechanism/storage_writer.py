@@ -58,7 +58,6 @@ from .block_copy import block_view, copy_rows, gather_to_pinned, slab_as
 from .kv_schema import KVLayout
 from .publisher import Publication, Publisher
 from .slot_generations import SlotGenerations
-from .step_gate import STEP_GATE
 from .uva import cuda_views
 
 logger = package_logger(__name__)
@@ -304,7 +303,6 @@ class StorageWriter:
                 if not victims:
                     break
                 self.sink.add("room_rounds")
-                STEP_GATE.wait_open()  # (not inside a step's launch: :mod:`.step_gate`)
                 got = self._evict(top, group, victims)
                 freed += got
                 if got == 0:

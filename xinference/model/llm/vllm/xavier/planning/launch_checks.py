@@ -35,7 +35,6 @@ from .options import (
     parse_switch,
     parse_switch_interval,
     room_copy_programs,
-    step_gate_on,
 )
 from .routing import parse_routing
 
@@ -121,7 +120,6 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
     if ENV_SAVE_VICTIMS in env:
         parse_save_victims(env[ENV_SAVE_VICTIMS])
     room_copy_programs(env)
-    step_gate_on(env)
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
                          (ENV_HOST_INDEX, "xavier_host_index")):
         if name in env:

@@ -35,7 +35,6 @@ ENV_ROOM_COPY_PROGRAMS = "XAVIER_ROOM_COPY_PROGRAMS"
 #: CUDA view): a full-grid copy into page-locked memory made a decode step beside it 3.8x
 #: slower, 4 blocks 1.2x at 85 % of the bandwidth (H100, benchmarks/room_interference.py)
 ROOM_COPY_PROGRAMS = 4
-ENV_STEP_GATE = "XAVIER_STEP_GATE"
 #: ``xavier_load_policy``: ``cost`` loads a hit only when its measured wait is no longer than
 #: the recompute it saves (:mod:`.load_cost`); ``always`` loads every hit (the model still
 #: measures and counts the hits that do not pay)
@@ -52,7 +51,7 @@ DEFAULT_SWITCH_INTERVAL_US = 500
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
              ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, ENV_HOST_INDEX, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS", "XAVIER_STEP_TRACE",
-             ENV_ROOM_COPY_PROGRAMS, ENV_STEP_GATE)
+             ENV_ROOM_COPY_PROGRAMS)
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
                "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
@@ -251,13 +250,3 @@ def check_env_names(environ: Mapping[str, str]) -> None:
         close = difflib.get_close_matches(name, KNOWN_ENV, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(KNOWN_ENV)}"
         raise ValueError(f"{name}: unknown Xavier setting; {hint}")
-
-
-def step_gate_on(environ: Mapping[str, str]) -> bool:
-    """Whether Xavier's background threads hold back while a step's loads are launched
-    (:mod:`..mechanism.step_gate`): yes, unless ``XAVIER_STEP_GATE`` is ``0`` (a
-    diagnostic); a value other than ``0`` / ``1`` raises ``ValueError`` naming it."""
-    value = str(environ.get(ENV_STEP_GATE, "")).strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_STEP_GATE}: expected 0 or 1, got {value!r}")
-    return value != "0"

@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..mechanism.in_place import share_host_caches
-from ..mechanism.step_gate import STEP_GATE
 from ..planning.counters import elapsed_us
 from ..planning.load_batch import DEST
 from ..planning.log_names import package_logger
@@ -130,10 +129,9 @@ class XavierConnectorWorker:
             plane.attach()
         if self._tp_rank == 0:  # the scheduler's figures, counted once per replica
             plane.add_step_stats(step.stats.as_dict())
-        with STEP_GATE.closed():  # Xavier's other threads wait: the launch is a hit's wait
-            # the victims, before the loads and the forward write any of them
-            saved = plane.save(step.saves) if step.saves else None
-            plane.load(step, saved)
+        # the victims, before the loads and the forward write any of them
+        saved = plane.save(step.saves) if step.saves else None
+        plane.load(step, saved)
 
     def export(self, step: Optional[StepMeta]) -> None:
         """After the forward: publish ``step``'s newly full blocks in place, or export them
