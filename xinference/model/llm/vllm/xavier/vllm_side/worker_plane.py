@@ -7,10 +7,10 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
   rank's storage for this engine's KV layout and answers how to map it; the plane maps
   every tier (CUDA IPC / shared memory) and keeps its slots
   (:class:`~..mechanism.storage_writer.StorageWriter`);
-* loads each step's blocks with ONE ``load_gpu_requests_v1`` (:class:`~..mechanism.
-  gpu_transfer.GPUTransfer`) on the engine's own CUDA stream (:meth:`load`); a peer of this
-  host is mapped once (CUDA IPC or its shared-memory files), a peer of another host is
-  read through the rank's transfer actor (NIXL or sockets, into staging rows shared with it);
+* loads each step's blocks with ONE ``load_gpu_requests_v1``
+  (:class:`~..mechanism.gpu_transfer.GPUTransfer`) on the engine's own CUDA stream
+  (:meth:`load`); a peer of this host is mapped once (CUDA IPC or its shared-memory files),
+  one of another host is read through the rank's transfer actor (NIXL or sockets);
 * tells vLLM which requests' loads are complete and which blocks failed
   (:meth:`finished`), ordering vLLM's stream after the copies first;
 * exports each step's newly full blocks (:meth:`export`) without waiting;
