@@ -28,7 +28,12 @@ Pure Python, no actor: what the supervisor's directory actor would spend.  Three
   time when a same-host peer of each replica holds the prefix (the host index answers it,
   the directory is asked only from the block after it: a miss here); and how long a
   lookup's answer takes when the same calls arrive at random over the second and the actor
-  serves them one at a time (``lookup_answer_ms_*``: queueing included).
+  serves them one at a time (``lookup_answer_ms_*``: queueing included); and from those
+  answers what a replica's scheduler waits per step (``scheduler_wait_ms_per_step_*``): each
+  lookup is taken by a step drawn at random among the replica's :data:`STEPS_PER_S`, which
+  waits for its answer plus ``--rtt-ms`` (the xoscar round trip: the H100 C1 rows' wait per
+  lookup with an idle directory, 0.85-0.95 ms), within the step's wait budget; an upper
+  bound, since the request is never reached before its lookup could be answered.
 
 ``--code CHECKOUT`` measures another checkout's ``planning/`` (two versions of the
 directory compared in one session, on one machine).
@@ -57,6 +62,10 @@ BlockDirectory: Any = None
 REGISTER_CALLS_PER_S = 29
 BLOCKS_PER_REGISTER = 94
 LOOKUPS_PER_S = 10.4
+#: scheduler steps a second per replica in that run (88 steps in 3.08 s)
+STEPS_PER_S = 28.6
+#: a step waits for lookup answers at most this long (``DirectoryLookups``' wait budget)
+STEP_WAIT_BUDGET_MS = 10.0
 
 
 def load_directory(checkout: str) -> Any:
@@ -126,7 +135,8 @@ def lookup_ms(holders: int, keys_n: int, tier: str, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
+def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0
+               ) -> Dict[str, float]:
     """One simulated second of ``replicas`` replicas (see the module docstring)."""
     d = BlockDirectory()
     prefix = [secrets.randbits(192) for _ in range(keys_n)]
@@ -178,6 +188,7 @@ def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
         free_at = max(at, free_at) + seconds
         if kind == "lookup":
             answered.append(free_at - at)
+    waits = step_waits(answered, replicas, rtt_ms)
     answered.sort()
     return {"replicas": replicas, "held_per_replica": held, "entries": replicas * held,
             "busy_s_per_simulated_s": busy,
@@ -188,7 +199,25 @@ def simulation(replicas: int, held: int, keys_n: int) -> Dict[str, float]:
             "register_calls": count["register"], "lookups": count["lookup"],
             "lookup_answer_ms_p50": 1e3 * answered[len(answered) // 2],
             "lookup_answer_ms_p99": 1e3 * answered[int(len(answered) * 0.99)],
-            "lookup_answer_ms_max": 1e3 * answered[-1]}
+            "lookup_answer_ms_max": 1e3 * answered[-1],
+            "scheduler_wait_ms_per_step_mean": statistics.fmean(waits),
+            "scheduler_wait_ms_per_step_p99": waits[int(len(waits) * 0.99)],
+            "scheduler_steps_with_a_wait": sum(1 for w in waits if w > 0) / len(waits)}
+
+
+def step_waits(answered_s: List[float], replicas: int, rtt_ms: float) -> List[float]:
+    """Each simulated step's wait (ms, sorted): the lookups (answer times in arrival order,
+    dealt to the replicas in turn) fall into random steps of their replica; a step waits for
+    the slowest of its lookups (they are awaited together) plus the round trip, within the
+    budget."""
+    rng = secrets.SystemRandom()
+    steps = round(STEPS_PER_S)
+    waits = [[0.0] * steps for _ in range(replicas)]
+    for i, seconds in enumerate(answered_s):
+        step = waits[i % replicas]
+        j = rng.randrange(steps)
+        step[j] = max(step[j], min(STEP_WAIT_BUDGET_MS, 1e3 * seconds + rtt_ms))
+    return sorted(w for per_replica in waits for w in per_replica)
 
 
 def main() -> None:
@@ -199,6 +228,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--replicas", type=int, default=64)
     ap.add_argument("--held", type=int, default=8192, help="blocks each replica holds")
+    ap.add_argument("--rtt-ms", type=float, default=1.0,
+                    help="a lookup's round trip to the directory, on top of its service")
     ap.add_argument("--code", default=HERE, help="the checkout whose directory is measured")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "doc",
                                                   "results", "directory_scale_bench.json"))
@@ -220,7 +251,7 @@ def main() -> None:
             rows.append({"holders": holders, "keys": a.keys, "tier": tier, "p50_ms": ms})
             print(f"{holders:4d} holders, {a.keys} keys ({tier}): {ms:7.2f} ms per lookup")
     out["lookups"] = rows
-    out["simulation"] = simulation(a.replicas, a.held, a.keys)
+    out["simulation"] = simulation(a.replicas, a.held, a.keys, a.rtt_ms)
     print("simulation:", {k: round(v, 3) for k, v in out["simulation"].items()})
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
