@@ -204,9 +204,18 @@ def test_spans_split_the_launch_into_its_parts_and_name_who_ran_beside_it(traced
         launch["start_load_kv"]["median"], rel=0.01)
 
 
-def test_a_span_is_nothing_when_the_trace_is_off(tmp_path, monkeypatch):
-    monkeypatch.delenv(trace_spans.ENV_STEP_TRACE, raising=False)
+def test_a_span_is_nothing_when_the_trace_is_off_and_a_line_when_it_is_on(tmp_path,
+                                                                          monkeypatch):
     monkeypatch.setattr(trace_spans, "_FILE", None)
-    with trace_spans.span(1, "save"):
+    monkeypatch.delenv(trace_spans.ENV_STEP_TRACE, raising=False)
+    off = trace_spans.span(1, "save")
+    assert off is trace_spans._OFF  # (no clock read, no file)
+    with off:
         pass
-    assert trace_spans._FILE is None and not list(tmp_path.iterdir())
+    assert trace_spans._FILE is None
+    monkeypatch.setenv(trace_spans.ENV_STEP_TRACE, str(tmp_path))  # the control: on
+    with trace_spans.span(1, "save", blocks=2):
+        pass
+    lines = [json.loads(x) for p in tmp_path.iterdir() for x in p.read_text().splitlines()]
+    assert [(x["m"], x["role"], x["blocks"]) for x in lines] == [("save", "SPAN", 2)]
+    trace_spans._FILE = None
