@@ -168,7 +168,9 @@ def report(folder: str, last: int = 0) -> Dict[str, Any]:
     for rank, found in per_rank.items():
         for h in found:
             if h["launch"] is not None:
-                for k, v in launch_split(ranks[rank], h["launch"]).items():
+                # (+ the actor bridge's spans: one bridge per process, rank -1)
+                for k, v in launch_split(ranks[rank] + ranks.get(-1, []),
+                                         h["launch"]).items():
                     split.setdefault(k, []).append(v)
     n_split = len(split.get("start_load_kv", []))
     for v in split.values():  # (a span absent from a hit's launch: 0 there)

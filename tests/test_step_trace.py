@@ -176,9 +176,18 @@ def test_spans_split_the_launch_into_its_parts_and_name_who_ran_beside_it(traced
             started.set()
             stop.wait(5)
 
+    def bridge():  # the actor bridge's span, rank -1 (one bridge per process)
+        with trace_spans.span(-1, "bridge"):
+            started_bridge.set()
+            stop.wait(5)
+
+    started_bridge = threading.Event()
     other = threading.Thread(target=room, name="xavier-room-2")
     other.start()
+    on_bridge = threading.Thread(target=bridge, name="xavier-actor-bridge")
+    on_bridge.start()
     started.wait(5)
+    started_bridge.wait(5)
     sched, worker = Stand(), Launching()
     step_trace.install(sched, 2, "SCHEDULER")
     step_trace.install(worker, 2, "WORKER")
@@ -189,6 +198,7 @@ def test_spans_split_the_launch_into_its_parts_and_name_who_ran_beside_it(traced
     worker.start_load_kv(None)
     stop.set()
     other.join()
+    on_bridge.join()
     lines = [json.loads(x) for p in traced.iterdir() for x in p.read_text().splitlines()]
     span_lines = {x["m"]: x for x in lines if x["role"] == "SPAN"}
     assert span_lines["save"]["blocks"] == 3 and span_lines["room.copy"]["thread"] == \
@@ -201,6 +211,8 @@ def test_spans_split_the_launch_into_its_parts_and_name_who_ran_beside_it(traced
     assert launch["start_load_kv cpu"]["median"] >= 2.5
     # the room thread's span covered the whole launch
     assert launch["busy: room.copy"]["median"] == pytest.approx(
+        launch["start_load_kv"]["median"], rel=0.01)
+    assert launch["busy: bridge"]["median"] == pytest.approx(
         launch["start_load_kv"]["median"], rel=0.01)
 
 

@@ -22,6 +22,7 @@ import time
 from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 from ..planning.log_names import package_logger
+from ..planning.trace_spans import span
 
 logger = package_logger(__name__)
 T = TypeVar("T")
@@ -73,8 +74,15 @@ class ActorBridge:
             self._thread.join(timeout=5)
 
 
+#: the rank the bridge's spans carry (the bridge serves every rank of its process)
+BRIDGE_RANK = -1
+
+
 async def _wrap(make: Callable[[], Awaitable[T]]) -> T:
-    return await make()
+    # a span per actor call (``XAVIER_STEP_TRACE`` only): its wall includes the answer's
+    # wait, its CPU the bridge thread's whole work meanwhile (xoscar's serialization, I/O)
+    with span(BRIDGE_RANK, "bridge"):
+        return await make()
 
 
 class LazyActor:
