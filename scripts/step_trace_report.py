@@ -117,15 +117,27 @@ def hits(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 STEP_THREAD_SPANS = ("save", "load", "load.locked", "load.plan", "load.launch")
 
 
-def launch_split(lines: List[Dict[str, Any]], launch: Dict[str, Any]) -> Dict[str, float]:
-    """What the worker did in the ``start_load_kv`` that launched a hit (ms): the call's wall
-    and CPU time, each step-thread span inside it (wall and CPU), and for the process's
-    other threads how long each kind of span overlapped the call (``busy: NAME``) and the
-    CPU time of that overlap (prorated): who could hold the GIL meanwhile."""
-    t0, t1, pid = launch["t0"], launch["t1"], launch["pid"]
+def spans_by_process(ranks: Dict[int, List[Dict[str, Any]]]) -> Dict[int, List[Dict[str, Any]]]:
+    """Every span line by the process that wrote it (one GIL each), whatever rank it
+    carries (the process-wide actor bridge's carry none of a replica's)."""
+    out: Dict[int, List[Dict[str, Any]]] = {}
+    for lines in ranks.values():
+        for y in lines:
+            if y["role"] == "SPAN":
+                out.setdefault(y["pid"], []).append(y)
+    return out
+
+
+def launch_split(spans: List[Dict[str, Any]], launch: Dict[str, Any]) -> Dict[str, float]:
+    """What the worker did in the ``start_load_kv`` that launched a hit (ms), from the spans
+    of its process: the call's wall and CPU time, each step-thread span inside it (wall and
+    CPU), and for the process's other threads how long each kind of span overlapped the call
+    (``busy: NAME``) and the CPU time of that overlap (prorated): who could hold the GIL
+    meanwhile."""
+    t0, t1 = launch["t0"], launch["t1"]
     out = {"start_load_kv": (t1 - t0) / 1e6, "start_load_kv cpu": launch.get("cpu", 0) / 1e6}
-    for y in lines:
-        if y["role"] != "SPAN" or y["pid"] != pid or y["t1"] <= t0 or y["t0"] >= t1:
+    for y in spans:
+        if y["t1"] <= t0 or y["t0"] >= t1:
             continue
         wall = max(1, y["t1"] - y["t0"])
         if y["m"] in STEP_THREAD_SPANS:
@@ -165,13 +177,12 @@ def report(folder: str, last: int = 0) -> Dict[str, Any]:
                 float(len(h["steps"]) - 1))
     table = {k: _summary(v) for k, v in spans.items()}
     split: Dict[str, List[float]] = {}
-    for rank, found in per_rank.items():
-        for h in found:
-            if h["launch"] is not None:
-                # (+ the actor bridge's spans: one bridge per process, rank -1)
-                for k, v in launch_split(ranks[rank] + ranks.get(-1, []),
-                                         h["launch"]).items():
-                    split.setdefault(k, []).append(v)
+    by_process = spans_by_process(ranks)
+    for h in every:
+        if h["launch"] is not None:
+            for k, v in launch_split(by_process.get(h["launch"]["pid"], []),
+                                     h["launch"]).items():
+                split.setdefault(k, []).append(v)
     n_split = len(split.get("start_load_kv", []))
     for v in split.values():  # (a span absent from a hit's launch: 0 there)
         v.extend([0.0] * (n_split - len(v)))
