@@ -32,10 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from xinference.model.llm.vllm.xavier.mechanism.host_index import (  # noqa: E402
-    HostHolders,
-    HostIndex,
-)
+from xinference.model.llm.vllm.xavier.mechanism.host_holders import HostHolders  # noqa: E402
+from xinference.model.llm.vllm.xavier.mechanism.host_index import HostIndex  # noqa: E402
 from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations  # noqa
 from xinference.model.llm.vllm.xavier.planning.block_names import block_name  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.in_place import InPlaceBook  # noqa: E402

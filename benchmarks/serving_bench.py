@@ -281,6 +281,11 @@ async def run_mode(r: Replicas, prompts: Sequence[List[int]], groups: int, concu
     lookups = sum(d.get("lookup_calls", 0) for d in delta)
     started = sum(d.get("hits_started", 0) for d in delta)
     return {
+        # misses answered without a lookup (the whole launch on this host, no index naming
+        # the first block) against the directory lookups made
+        "lookup_calls": lookups,
+        "lookups_skipped_held_nowhere": sum(d.get("lookups_skipped_held_nowhere", 0)
+                                            for d in delta),
         "load_launch_us_per_call": worker_us["load_launch_us"] / max(1, calls),
         # the launch thread's CPU time: wall minus this is waiting (GIL, locks, driver)
         "load_launch_cpu_us_per_call": worker_us["load_launch_cpu_us"] / max(1, calls),
@@ -832,7 +837,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
                         "scheduler_steps", "lookup_calls", "lookups_deferred",
                         "host_index_hits", "hits_not_paying", "hits_declined",
-                        "lookups_skipped_not_paying", "cost_hit_wait_us",
+                        "lookups_skipped_not_paying", "lookups_skipped_held_nowhere",
+                        "host_index_whole_launch", "cost_hit_wait_us",
                         "cost_prefill_ns_per_token")
                 print(f"  replica rank {rank}: " + ", ".join(f"{k}={d.get(k, 0)}" for k in keys))
     print(f"\nwrote {out}")

@@ -125,13 +125,21 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     assert mapped.get("peers_mapped_ipc") == 1 and mapped.get("peers_mapped_nixl", 0) == 0
     metrics = lt.run(b.metrics_text())
     assert 'xavier_blocks_written_total{rank="2"}' in metrics
-    # a miss is counted too (its step has no load call: the figures ride on the export call)
+    # a miss is counted too (its step has no load call: the figures ride on the export
+    # call).  Both replicas of the launch are on this host and each announced its host
+    # index: B's scheduler says so once it polled the directory after both announced
+    while lt.run(b.counters()).get("host_index_whole_launch", 0) != 1:
+        assert time.monotonic() < deadline + 60, "B never saw the whole launch's indexes"
+        lt.run(b.generate([tokens(7, 20)]))
+        time.sleep(0.5)
+    # then a prompt no index names is a miss at once: no directory lookup on its path
     before = lt.run(b.counters())
     started = time.monotonic()
     lt.run(b.generate([tokens(99, 200)]))
     took_ns = 1e9 * (time.monotonic() - started)
     c = delta(before, lt.run(b.counters()))
-    assert c["queries"] == 1 and c["queried_blocks"] == 12 and c["hit_blocks"] == 0
+    assert c["lookups_skipped_held_nowhere"] == 1 and c["hit_blocks"] == 0
+    assert c.get("queries", 0) == 0 and c.get("lookup_calls", 0) == 0
     # the cost model measured B while it served (the tests load every hit they are offered:
     # XAVIER_LOAD_POLICY=always, conftest.py): the hit's wait, and a prefill time per token
     # that a 200-token prompt's whole request took longer than; nothing declined
@@ -224,24 +232,33 @@ def test_block_hashes_come_from_the_launchs_secret_seed(world):
 def test_a_forged_short_key_collision_is_never_loaded(world):
     """#23: blocks registered under names that share only the low 63 bits with the blocks of
     B's prompt (what a forger with a known seed could make) give B no hit: tokens equal
-    the no-sharing run, nothing loaded, the directory counts the mismatch."""
+    the no-sharing run, nothing loaded, the directory counts the mismatch.  The forger is
+    a rank of its own that announced no host index (as a replica of another host): so B's
+    scheduler no longer takes its host's indexes for the whole launch and asks the
+    directory, whose full-width check is what this test is about."""
     lt, r = world
     _, b = r.replicas
     prompt = tokens(43, PREFIX) + tokens(44, 8)
     real = block_names_of(lt.run(r.tracker.hash_seed()), prompt)
     forged = [(0, name ^ (1 << 100), 0, 60_000 + i, 1) for i, name in enumerate(real)]
-    assert lt.run(r.tracker.register(1, forged)) == len(forged)
+    assert lt.run(r.tracker.register(9, forged)) == len(forged)
     try:
+        deadline = time.monotonic() + 60
+        while lt.run(b.counters()).get("host_index_whole_launch", 0) != 0:
+            assert time.monotonic() < deadline, "B never saw rank 9 join the launch"
+            lt.run(b.generate([tokens(7, 20)]))  # (B's steps poll the directory)
+            time.sleep(0.5)
         before, stats = lt.run(b.counters()), lt.run(r.tracker.stats())
         got = lt.run(b.generate([prompt]))[0]
         c = delta(before, lt.run(b.counters()))
         assert got["cached"] == 0 and c["hit_blocks"] == 0 and c["blocks_written"] == 0
+        assert c["queries"] == 1 and c.get("lookups_skipped_held_nowhere", 0) == 0
         after = lt.run(r.tracker.stats())
         assert after["identity_mismatches"] - stats["identity_mismatches"] >= 1
         lt.run(b.reset_prefix_cache())
         assert got["ids"] == lt.run(b.generate([prompt], xavier=False))[0]["ids"]
     finally:
-        lt.run(r.tracker.claim(1, 0, 0, [slot for _, _, _, slot, _ in forged]))
+        lt.run(r.tracker.unregister_rank(9))
     assert leases(lt, r) == 0
 
 

@@ -113,4 +113,5 @@ def test_every_figure_of_the_scheduler_s_step_is_a_counter():
     names = set(StepStats().as_dict())
     assert names - set(ALL_NAMES) == set()
     assert names & set(GAUGE_NAMES) == {"cost_prefill_ns_per_token", "cost_step_fixed_us",
-                                        "cost_hit_wait_us", "host_index_peers"}
+                                        "cost_hit_wait_us", "host_index_peers",
+                                        "host_index_whole_launch"}

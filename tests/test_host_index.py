@@ -1,11 +1,9 @@
 """The host index (mechanism/host_index.py): a worker's table of the blocks it published in
 place, probed by the schedulers of its same-host peers without a directory round trip.
-The table alone (another process writes, this one reads; moved generations, other names
-and groups, torn entries, full buckets, files that are not what they claim), the reader's
-view of its peers (HostHolders: TP shards, the longest peer), the worker's link (what it
-writes and announces), and the directory's announcements."""
+The table alone (moved generations, other names and groups, torn entries, full buckets,
+files that are not what they claim), the worker's link (what it writes and announces), and
+the directory's announcements.  The schedulers' view of the indexes: test_host_holders.py."""
 
-import multiprocessing
 import os
 import secrets
 from typing import List
@@ -13,42 +11,17 @@ from typing import List
 import numpy as np
 import pytest
 
+from tests.support.host_indexes import VLLM, Engine, names
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 from xinference.model.llm.vllm.xavier.mechanism import host_index as hi
 from xinference.model.llm.vllm.xavier.mechanism.host_index import (
-    HostHolders,
     HostIndex,
     HostIndexLink,
     name_words,
 )
-from xinference.model.llm.vllm.xavier.mechanism.slot_generations import SlotGenerations
 from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
-from xinference.model.llm.vllm.xavier.planning.load_batch import NO_LEASE, Tier
-from xinference.model.llm.vllm.xavier.planning.shards import Shards
+from xinference.model.llm.vllm.xavier.planning.load_batch import Tier
 from xinference.model.llm.vllm.xavier.planning.shm_words import owned_name
-
-VLLM = int(Tier.VLLM)
-
-
-class Engine:
-    """One worker's block generations (as the scheduler bumps them) and its index."""
-
-    def __init__(self, rank: int, num_blocks: int = 1024, tp_rank: int = 0) -> None:
-        self.gens = SlotGenerations.create_shared(VLLM, [0], num_blocks)
-        self.row = self.gens.row(VLLM, 0)
-        self.index = HostIndex.create(rank, tp_rank, self.gens, self.row)
-
-    def publish(self, names: List[int], group: int = 0, first_block: int = 0) -> None:
-        self.index.insert([(group, n, first_block + i, int(self.row[first_block + i]))
-                           for i, n in enumerate(names)])
-
-    def close(self) -> None:
-        self.index.close()
-        self.gens.close()
-
-
-def names(n: int) -> List[int]:
-    return [secrets.randbits(192) for _ in range(n)]
 
 
 def test_what_a_worker_publishes_another_mapping_finds_and_nothing_else():
@@ -85,37 +58,6 @@ def test_what_a_worker_publishes_another_mapping_finds_and_nothing_else():
         reader.close()
     finally:
         e.close()
-
-
-def _publish_in_child(to_parent, to_child, held: List[int]) -> None:
-    e = Engine(rank=4)
-    e.publish(held)
-    to_parent.put((e.index.path, e.gens.handle()))
-    to_child.get()  # (the parent probes while this process owns the files)
-    e.close()
-
-
-def test_a_peer_process_finds_what_this_process_published():
-    ctx = multiprocessing.get_context("fork")
-    to_parent, to_child = ctx.Queue(), ctx.Queue()
-    held = names(16)
-    child = ctx.Process(target=_publish_in_child, args=(to_parent, to_child, held))
-    child.start()
-    try:
-        path, _ = to_parent.get(timeout=30)
-        holders = HostHolders(own_rank=2, shards=Shards(1, 1))
-        holders.update([(4, 0, path)])
-        found, evicted_next = holders.find(held + names(2))
-        assert found.keys == tuple(held) and not evicted_next
-        assert found.table[:, 0].tolist() == [4] * 16  # rank 4, Tier.VLLM, its blocks
-        assert set(found.table[:, 1].tolist()) == {VLLM}
-        assert found.table[:, 3].tolist() == list(range(16))
-        assert found.lease_ids == (NO_LEASE,) * 16  # vLLM's cache read in place: no lease
-        holders.close()
-    finally:
-        to_child.put("done")
-        child.join(30)
-    assert child.exitcode == 0
 
 
 def test_a_torn_entry_fails_its_check():
@@ -257,37 +199,6 @@ def test_a_file_that_is_not_an_index_is_refused_naming_it(tmp_path):
         e.close()
 
 
-def test_holders_take_the_longest_peer_and_only_one_with_every_shard():
-    shards = Shards(num_groups=1, tp_size=2)
-    held = names(12)
-    a0, a1 = Engine(rank=1, tp_rank=0), Engine(rank=1, tp_rank=1)
-    b0, b1 = Engine(rank=3, tp_rank=0), Engine(rank=3, tp_rank=1)
-    try:
-        for tp, e in enumerate((a0, a1)):  # rank 1: 6 blocks in both shards
-            e.publish(held[:6], group=shards.directory_group(0, tp))
-        b0.publish(held, group=0)  # rank 3: all 12, but only in shard 0 yet
-        holders = HostHolders(own_rank=2, shards=shards)
-        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
-                        (3, 0, b0.index.path), (2, 0, a0.index.path)])  # (own rank: skipped)
-        assert holders.ranks == [1]
-        found, _ = holders.find(held)
-        assert found.num_hits == 6
-        assert found.table[:, 2].tolist() == [0] * 6 + [1] * 6  # group-major: both shards
-        assert set(found.table[:, 5].tolist()) == {a0.gens.handle()[1], a1.gens.handle()[1]}
-        b1.publish(held, group=1)
-        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
-                        (3, 0, b0.index.path), (3, 1, b1.index.path)])
-        found, _ = holders.find(held)
-        assert found.num_hits == 12 and set(found.table[:, 0].tolist()) == {3}
-        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path)])  # rank 3 went
-        assert holders.ranks == [1] and holders.find(held)[0].num_hits == 6
-        assert holders.find(names(3)) is None
-        holders.close()
-    finally:
-        for e in (a0, a1, b0, b1):
-            e.close()
-
-
 def test_the_worker_link_writes_its_own_in_place_entries_and_announces_them():
     e = Engine(rank=1)
     directory = LocalDirectory()
@@ -328,58 +239,6 @@ def test_the_directory_announces_indexes_per_host_until_the_rank_goes():
     tracker.announce_index(1, 0, "h1", "/dev/shm/c")
     tracker.forget(1, int(Tier.VLLM), None)  # its engine shut down (release_engine)
     assert tracker.host_indexes("h1") == []
-
-
-def test_holders_say_when_the_block_after_the_hit_was_held_here_once():
-    """The block after a host hit whose entry moved on (vLLM handed it out: Xavier's tiers
-    may hold it now) is worth the directory's answer; one nobody here ever held is not."""
-    e = Engine(rank=1)
-    try:
-        held = names(6)
-        e.publish(held)
-        e.row[4] += 1  # block 4 handed out again: the hit ends there, its name was seen
-        holders = HostHolders(own_rank=2, shards=Shards(1, 1))
-        holders.update([(1, 0, e.index.path)])
-        found, evicted_next = holders.find(held)
-        assert found.num_hits == 4 and evicted_next
-        found, evicted_next = holders.find(held[:4] + names(2))
-        assert found.num_hits == 4 and not evicted_next
-        holders.close()
-    finally:
-        e.close()
-
-
-def test_holders_say_which_victims_a_peer_holds_now_in_every_shard_or_held_once():
-    """A victim is held elsewhere when one peer holds it live in both TP shards; a peer with
-    one shard, a name nobody published, or a block the peer handed out since, is not."""
-    shards = Shards(num_groups=2, tp_size=2)
-    held = names(6)
-    a0, a1 = Engine(rank=1, tp_rank=0), Engine(rank=1, tp_rank=1)
-    b0 = Engine(rank=3, tp_rank=0)
-    try:
-        for tp, e in enumerate((a0, a1)):  # rank 1: names 0-3 in KV group 1, both shards
-            e.publish(held[:4], group=shards.directory_group(1, tp))
-        b0.publish(held, group=shards.directory_group(1, 0))  # rank 3: one shard only
-        holders = HostHolders(own_rank=2, shards=shards)
-        holders.update([(1, 0, a0.index.path), (1, 1, a1.index.path),
-                        (3, 0, b0.index.path)])
-        victims = [(1, n, 100 + i) for i, n in enumerate(held)] + [(0, held[0], 7),
-                                                                   (1, names(1)[0], 8)]
-        got = holders.holding(victims)
-        assert got.now.tolist() == [True] * 4 + [False] * 4
-        # (rank 3 announced one shard's index only: not a peer of a TP-2 replica at all)
-        assert got.ever.tolist() == [True] * 4 + [False] * 4
-        a1.row[2] += 1  # rank 1 handed out its shard-1 copy of name 2 meanwhile
-        got = holders.holding(victims[:4])
-        assert got.now.tolist() == [True, True, False, True]
-        assert got.ever.tolist() == [True] * 4  # (its entry still names it)
-        assert holders.holding([]).now.tolist() == []
-        holders.close()
-        got = HostHolders(own_rank=2, shards=shards).holding(victims)
-        assert got.now.sum() == 0 and got.ever.sum() == 0
-    finally:
-        for e in (a0, a1, b0):
-            e.close()
 
 
 def test_a_rank_dropped_and_taken_back_announces_its_index_with_its_next_registration():

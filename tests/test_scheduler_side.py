@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 
+from xinference.model.llm.vllm.xavier.mechanism.host_holders import HELD_NOWHERE
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.directory_types import Location, QueryResult
 from xinference.model.llm.vllm.xavier.planning.load_batch import DEST, KEY, RANK, SLOT
@@ -640,6 +641,7 @@ class HostWorld(World):
         self.side._on_host = self.find
 
     evicted_next = False  # the block after the host's part was held there once
+    nowhere = False  # no index of the launch names a first block the peer does not hold
 
     def find(self, keys):
         self.probes += 1
@@ -647,7 +649,7 @@ class HostWorld(World):
         while n < len(keys) and n < len(self.on_host) and keys[n] == self.on_host[n]:
             n += 1
         if not n:
-            return None
+            return (HELD_NOWHERE, False) if self.nowhere else None
         rows = [(3, 2, 0, 500 + i, 7, 99) for i in range(n)]  # rank 3, Tier.VLLM
         return QueryResult(tuple(keys[:n]), rows, (0,) * n), self.evicted_next
 
@@ -707,6 +709,25 @@ def test_a_host_hit_gone_by_the_time_vllm_asks_still_gets_the_directorys_hit():
     assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
     meta = w.side.build_step([], {})
     assert meta.stats.host_index_hits == 0 and w.calls == [1, 1]
+
+
+def test_a_request_no_rank_of_the_launch_holds_is_a_miss_without_a_lookup():
+    """The host's indexes are the whole launch's and none names the first block: no
+    lookup is sent at arrival, vLLM's ask is answered 0 at once (not None: no step waits),
+    counted; the next test is the control (the same request, the directory asked)."""
+    w = HostWorld(held_keys=[], on_host=[])
+    w.nowhere = True
+    w.side.lookups._wait_budget_s = 0.0
+    w.side.track("r", lambda: keys_of(8), 128)
+    w.side.lookups.flush()
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 0
+    meta = w.side.build_step([("r", 0, 128)], {})
+    assert w.calls == [] and meta.stats.lookup_calls == 0
+    assert meta.stats.lookups_skipped_held_nowhere == 1 and meta.stats.queries == 0
+    w.nowhere = False  # (the control: the same request is asked, and waits for it)
+    w.side.track("s", lambda: keys_of(8), 128)
+    w.side.lookups._send = lambda batch: concurrent.futures.Future()
+    assert w.side.match("s", num_tokens=128, num_computed_tokens=0) is None
 
 
 def test_a_request_no_peer_of_the_host_holds_goes_to_the_directory():

@@ -44,6 +44,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         self._hash_seed = new_launch_seed()
         #: (rank, tp_rank) -> (host id, path) of the workers' host indexes
         self._indexes: Dict[Tuple[int, int], Tuple[str, str]] = {}
+        self._tp_size = 1  # the launch's tensor-parallel degree (one for every rank)
 
     def hash_seed(self) -> str:
         """The launch's secret block-hash seed (never logged)."""
@@ -53,6 +54,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         """A rank's engine joins (``tp_size``: its tensor-parallel degree, which every rank
         of the launch must share; another raises, naming ``tensor_parallel_size``)."""
         self._directory.register_rank(rank, tp_size)
+        self._tp_size = int(tp_size)
 
     def unregister_rank(self, rank: int) -> int:
         self._drop_indexes(rank)
@@ -79,6 +81,17 @@ class VLLMBlockTracker(xo.StatelessActor):
         """``(rank, tp_rank, path)`` of the host indexes announced on ``host``."""
         return sorted((r, t, p) for (r, t), (h, p) in self._indexes.items()
                       if h == host and r != exclude_rank)
+
+    def host_view(self, host: str) -> Tuple[List[Tuple[int, int, str]], bool]:
+        """The host indexes announced on ``host`` (every rank's, as :meth:`host_indexes`),
+        and whether they are the whole launch's: every registered rank announced one there
+        for each of its TP workers.  Then a block none of them names is held by no rank
+        (:mod:`~.mechanism.host_holders`: a lookup of it is not made)."""
+        announced = self.host_indexes(host)
+        here = {(r, t) for r, t, _ in announced}
+        ranks = self._directory.ranks
+        whole = bool(ranks) and all((r, t) in here for r in ranks for t in range(self._tp_size))
+        return announced, whole
 
     def register(self, rank: int, entries: Any, incarnation: int = 0) -> int:
         """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)

@@ -7,7 +7,8 @@ first token.  For a holder on the same host the answer is already in memory this
 shares: each worker that publishes blocks in place (:mod:`..planning.in_place`) also
 writes them here, after the forward that computed them completed (the publisher thread,
 :class:`HostIndexLink`, the same moment as its directory registration), and a scheduler
-probes its peers' files inside ``get_num_new_matched_tokens`` (:class:`HostHolders`).
+probes its peers' files inside ``get_num_new_matched_tokens``
+(:class:`~.host_holders.HostHolders`).
 
 Nothing here is trusted for the bytes.  A hit found here is a ``Tier.VLLM`` location like
 the directory's (rank, group, vLLM block id, generation, the engine's incarnation), read
@@ -39,16 +40,13 @@ import os
 import secrets
 import stat
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..planning.directory_link import DirectoryLink, Entry
-from ..planning.directory_types import LOCATION_COLUMNS, QueryResult
-from ..planning.in_place import PeerHolding
-from ..planning.load_batch import NO_LEASE, Tier
+from ..planning.load_batch import Tier
 from ..planning.log_names import package_logger
-from ..planning.shards import Shards
 from ..planning.shm_words import DATA_NAME, ShmWords, shm_dir
 from .slot_generations import SlotGenerations
 
@@ -181,6 +179,11 @@ class HostIndex:
             gens.close()
             raise
         return cls(shm, gens.row(int(Tier.VLLM), 0), gens)
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the owner still has the file open (one it closed holds nothing)."""
+        return int(self._shm.words[0]) == FORMAT
 
     # ----------------------------------------------------------------- writer
     def insert(self, rows: Sequence[Tuple[int, int, int, int]]) -> int:
@@ -332,115 +335,3 @@ class HostIndexLink:
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return self._link.move(rank, entries, tier, group, slots, incarnation)
-
-
-#: ``(rank, tp_rank, path)`` of an index announced in the block directory
-Announced = Tuple[int, int, str]
-
-
-class HostHolders:
-    """A scheduler's view of the host indexes of its same-host peers: :meth:`update` with
-    what the directory announces, :meth:`find` a request's longest prefix held by one of
-    them (scheduler thread only)."""
-
-    def __init__(self, own_rank: int, shards: Shards) -> None:
-        self._own_rank, self._shards = own_rank, shards
-        self._tables: Dict[Tuple[int, int], HostIndex] = {}
-        self.open_failures = 0
-
-    def update(self, announced: Sequence[Announced]) -> None:
-        """The peers' indexes now: new ones mapped, gone or replaced ones let go."""
-        wanted = {(int(r), int(t)): str(p) for r, t, p in announced if int(r) != self._own_rank}
-        for key in [k for k, ix in self._tables.items() if wanted.get(k) != ix.path]:
-            self._tables.pop(key).close()
-        for key, path in wanted.items():
-            if key in self._tables:
-                continue
-            try:
-                index = HostIndex.open(path)
-            except (OSError, ValueError):  # gone meanwhile, or not what it claims: no hits
-                self.open_failures += 1
-                continue
-            if (index.rank, index.tp_rank) != key:
-                index.close()
-                self.open_failures += 1
-                continue
-            self._tables[key] = index
-
-    @property
-    def ranks(self) -> List[int]:
-        """Peers with every shard's index mapped."""
-        tp = self._shards.tp_size
-        return sorted(r for r in {r for r, _ in self._tables}
-                      if all((r, t) in self._tables for t in range(tp)))
-
-    def find(self, keys: Sequence[int]) -> Optional[Tuple[QueryResult, bool]]:
-        """The longest prefix of ``keys`` that one same-host peer holds in every directory
-        group (``Tier.VLLM`` locations, no leases), and whether the block right after it
-        was held there once (its entry moved on: vLLM handed it out, so Xavier's tiers may
-        hold it now -- worth asking the directory); None when no peer holds the first."""
-        if not keys or not self._tables:
-            return None
-        groups = self._shards.directory_groups
-        first = name_words(keys[:1])
-        words: Optional[np.ndarray] = None
-        best: Optional[Tuple[int, int, bool, List[Tuple[np.ndarray, np.ndarray, int]]]] = None
-        for rank in self.ranks:
-            if any(self._lookup(rank, g, first)[0][0] < 0 for g in groups):
-                continue
-            if words is None:
-                words = name_words(keys)
-            n, found, seen_next = len(keys), [], np.zeros(len(keys) + 1, bool)
-            for g in groups:
-                index = self._tables[(rank, self._shards.tp_rank(g))]
-                block, gen, seen = index.find(g, words[:n])
-                missing = np.flatnonzero(block < 0)
-                n = int(missing[0]) if len(missing) else n
-                seen_next[:len(seen)] |= seen
-                found.append((block, gen, index.incarnation))
-            if n and (best is None or n > best[1]):
-                best = (rank, n, bool(seen_next[n]), found)
-        if best is None:
-            return None
-        rank, n, evicted_next, found = best
-        table = np.zeros((len(groups) * n, LOCATION_COLUMNS), np.int64)
-        for i, (g, (block, gen, incarnation)) in enumerate(zip(groups, found)):
-            rows = table[i * n:(i + 1) * n]
-            rows[:, 0], rows[:, 1], rows[:, 2] = rank, int(Tier.VLLM), g
-            rows[:, 3], rows[:, 4], rows[:, 5] = block[:n], gen[:n], incarnation
-        hit = QueryResult(tuple(keys[:n]), table, np.full(len(table), NO_LEASE, np.int64))
-        return hit, evicted_next
-
-    def holding(self, rows: Sequence[Tuple[int, int, int]]) -> PeerHolding:
-        """For each ``(kv group, name, block)`` (the step's victims): whether one same-host
-        peer holds the block in its vLLM cache now, in every TP shard, and whether one
-        held it now or once (an entry names it in a shard's index; its block handed out
-        since).  A peer's copy outlives the one handed out here: the last holder on the
-        host finds no other when it hands its copy out, and may save it (as
-        ``xavier_save_victims`` says; two holders handing theirs out at once both see the
-        other's generation bumped first: both may save)."""
-        now, ever = np.zeros(len(rows), bool), np.zeros(len(rows), bool)
-        if not len(rows) or not self._tables:
-            return PeerHolding(now, ever)
-        kv_groups = np.fromiter((g for g, _, _ in rows), np.int64, len(rows))
-        words = name_words([name for _, name, _ in rows])
-        by_group = [(g, np.flatnonzero(kv_groups == g)) for g in np.unique(kv_groups).tolist()]
-        for rank in self.ranks:
-            by_rank = np.ones(len(rows), bool)
-            for g, at in by_group:
-                for tp in range(self._shards.tp_size):
-                    block, _, seen = self._lookup(rank, self._shards.directory_group(g, tp),
-                                                  words[at])
-                    by_rank[at] &= block >= 0
-                    ever[at] |= seen
-            now |= by_rank
-        return PeerHolding(now, ever)
-
-    def _lookup(self, rank: int, group: int, words: np.ndarray
-                ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._tables[(rank, self._shards.tp_rank(group))].find(group, words)
-
-    def close(self) -> None:
-        for index in self._tables.values():
-            index.close()
-        self._tables.clear()

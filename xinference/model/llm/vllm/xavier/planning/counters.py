@@ -59,6 +59,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # the cost model: hits judged not worth loading, those declined (xavier_load_policy
     # cost) and their tokens, requests not looked up since none of their blocks would pay
     "hits_not_paying", "hits_declined", "hit_tokens_declined", "lookups_skipped_not_paying",
+    # misses answered at once: no rank of the launch (all on this host) holds the first block
+    "lookups_skipped_held_nowhere",
     # vLLM's cache read in place: blocks published (scheduler), published blocks vLLM
     # handed out again and those of them saved into Xavier's tier; the worker's
     # registrations of published blocks (after their forward) and their failures
@@ -99,14 +101,16 @@ GAUGE_NAMES: Tuple[str, ...] = ("storage_gpu_used_blocks", "storage_cpu_used_blo
                                 # the cost model's latest estimates (0 until first known)
                                 "cost_prefill_ns_per_token", "cost_step_fixed_us",
                                 "cost_hit_wait_us",
-                                # same-host peers whose host indexes the scheduler maps
-                                "host_index_peers",
+                                # same-host peers whose host indexes the scheduler maps;
+                                # 1 while they are the whole launch's (misses answered
+                                # without a lookup), else 0
+                                "host_index_peers", "host_index_whole_launch",
                                 # written by the transfer actor into its worker's file: the
                                 # world changed (the worker re-reads it before its next load)
                                 "world_epoch")
 #: levels a step reports down to 0 (a step that does not know one reports -1); the other
 #: levels keep their last known value when a step reports 0 (the cost model's, unknown)
-ZERO_LEVELS: Tuple[str, ...] = ("host_index_peers",)
+ZERO_LEVELS: Tuple[str, ...] = ("host_index_peers", "host_index_whole_launch")
 ALL_NAMES: Tuple[str, ...] = COUNTER_NAMES + GAUGE_NAMES
 _INDEX: Dict[str, int] = {name: i for i, name in enumerate(ALL_NAMES)}
 

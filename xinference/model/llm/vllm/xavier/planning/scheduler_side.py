@@ -54,8 +54,9 @@ from .step_loads import StepLoad, hit_rows, step_batch
 from .step_meta import ExportRow, StepMeta, StepStats
 
 #: the longest prefix of these block names that one same-host peer holds (its host index,
-#: :mod:`~..mechanism.host_index`), as the directory would answer it, and whether the block
-#: after it was held there once (Xavier's tiers may hold it now); None: no hit
+#: :mod:`~..mechanism.host_holders`), as the directory would answer it, and whether the block
+#: after it was held there once (Xavier's tiers may hold it now); None: no hit; a hit of no
+#: block: no rank of the launch holds the first (a directory lookup could only miss)
 HostFind = Callable[[Sequence[int]], Optional[Tuple[QueryResult, bool]]]
 
 
@@ -140,7 +141,7 @@ class SchedulerSide:
             last = self._last_block(keys(), num_tokens)
             host = self._host_hit(keys()[:last]) if last > 0 else None
             held = host[0].num_hits if host is not None else 0  # the directory: for the rest
-            if held < last:
+            if held < last and (host is None or held):
                 self.lookups.ask(request_id, held, keys()[held:last])
 
     def _host_hit(self, keys: Sequence[int]) -> Optional[Tuple[QueryResult, bool]]:
@@ -178,6 +179,10 @@ class SchedulerSide:
             self.lookups.drop(request_id)
             return 0
         host = self._host_hit(keys[first:last])
+        if host is not None and not host[0].num_hits:  # no rank holds the start: a miss now
+            self._stats.lookups_skipped_held_nowhere += 1
+            self.lookups.drop(request_id)
+            return 0
         if host is not None:  # a same-host peer holds the start: no directory round trip
             return self._keep_host(request_id, keys, first, last, *host)
         if self._decline and self.cost is not None and not self.cost.worth_looking_up(

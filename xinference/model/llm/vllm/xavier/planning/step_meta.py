@@ -55,6 +55,9 @@ class StepStats:
     host_index_blocks: int = 0
     #: same-host peers whose host indexes are mapped (a level, down to 0; -1: no index)
     host_index_peers: int = -1
+    #: 1 while the mapped indexes are the whole launch's (misses answered without a
+    #: lookup: :mod:`~..mechanism.host_holders`), 0 when not, -1: no index
+    host_index_whole_launch: int = -1
     #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
     #: again (their entries forgotten), those of them saved into Xavier's tier, and those
     #: not saved since a same-host peer held them in its vLLM cache then, or since
@@ -75,6 +78,7 @@ class StepStats:
     hits_declined: int = 0
     hit_tokens_declined: int = 0
     lookups_skipped_not_paying: int = 0
+    lookups_skipped_held_nowhere: int = 0  # no rank of the launch holds the first block
     #: its latest estimates (levels, 0 while unknown; the counters keep the last known):
     #: prefill ns per token, a step's fixed µs, a hit's expected wait (µs) at the latest
     #: measured hit's load level

@@ -26,7 +26,7 @@ from typing import (
 
 import numpy as np
 
-from ..mechanism.host_index import HostHolders
+from ..mechanism.host_holders import HostHolders
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
@@ -178,16 +178,18 @@ class XavierConnectorScheduler:
         if fut is not None and not fut.done() and now > self._next_host_poll + HOST_POLL_S:
             fut.cancel()  # unanswered for two periods (a directory gone): ask again
             self._host_poll = None
+            self._holders.not_whole_launch()
         elif fut is not None and fut.done():
             self._host_poll = None
             try:
-                self._holders.update(fut.result())
+                self._holders.update(*fut.result())
             except Exception as exc:  # an older directory, or gone: no same-host hits
+                self._holders.not_whole_launch()
                 logger.debug("xavier: rank %d: host indexes: %r", self.options.rank, exc)
         if self._host_poll is None and now >= self._next_host_poll:
             self._next_host_poll = now + HOST_POLL_S
-            ref, host, rank = self._directory.get(), self._host, self.options.rank
-            self._host_poll = self._bridge.start(lambda: ref.host_indexes(host, rank))
+            ref, host = self._directory.get(), self._host
+            self._host_poll = self._bridge.start(lambda: ref.host_view(host))
 
     def _take_leases(self, locations: np.ndarray) -> concurrent.futures.Future[List[int]]:
         """Leases for this rank's load of ``locations`` (rows of
@@ -366,6 +368,7 @@ class XavierConnectorScheduler:
         meta = self.side.build_step(scheduled, new_blocks)
         if self._holders is not None:
             meta.stats.host_index_peers = len(self._holders.ranks)
+            meta.stats.host_index_whole_launch = int(self._holders.whole_launch)
         failures = self._releaser.failures  # release calls that failed since the last step
         meta.stats.lease_release_failures = failures - self._release_failures_counted
         self._release_failures_counted = failures
