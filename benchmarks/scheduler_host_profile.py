@@ -75,12 +75,14 @@ def main() -> int:
     ap.add_argument("--decodes", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="cProfile one request's life")
+    ap.add_argument("--whole-launch", action="store_true",
+                    help="the peer's index is the whole launch's: a miss makes no lookup")
     a = ap.parse_args()
     n = a.blocks
     peer = Peer(rank=2)
     own = SlotGenerations.create_shared(VLLM, [0], NUM_BLOCKS)
     holders = HostHolders(own_rank=1, shards=InPlaceBookShards())
-    holders.update([(2, 0, peer.index.path)])
+    holders.update([(2, 0, peer.index.path)], whole_launch=a.whole_launch)
 
     def miss(batch):  # the directory: nobody holds these (answered at once)
         from xinference.model.llm.vllm.xavier.planning.block_directory import QueryResult
