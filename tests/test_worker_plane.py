@@ -497,13 +497,16 @@ def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
 
 
 class _Handle:
-    """A launched load as the plane sees it, checked after ``delay`` s (None: never)."""
+    """A launched load as the plane sees it, checked after ``delay`` s (0: already; None:
+    never)."""
 
     def __init__(self, delay):
         import threading
 
         self.quick, self.failed, self._done = True, set(), threading.Event()
-        if delay is not None:
+        if delay == 0:
+            self._done.set()
+        elif delay is not None:
             threading.Timer(delay, self._done.set).start()
 
     @property
@@ -527,7 +530,9 @@ def test_a_quick_load_is_reported_when_vllm_first_asks_and_a_stuck_one_costs_one
 
     plane = plane_of()
     plane.report_waits = True
-    plane._pending = [_StepLoad(("fast",), [_Handle(0.0005)]),
+    # (the quick one checked by the time vLLM asks: a timer of a fraction of the 2 ms wait
+    # fired late on a loaded 2-core machine, and the test saw it late)
+    plane._pending = [_StepLoad(("fast",), [_Handle(0)]),
                       _StepLoad(("stuck",), [_Handle(None)])]
     t0 = time.perf_counter()
     assert plane.finished() == ({"fast"}, set())
