@@ -350,13 +350,17 @@ GIL100_MODE = "batched-gil100"
 #: ... with the room thread's demotions into the CPU tier from the fused kernel's full grid
 #: (``XAVIER_ROOM_COPY_PROGRAMS=0``, as before session 37; the default uses 4 thread blocks)
 ROOMWIDE_MODE = "batched-roomwide"
+#: ... with every block published in place registered in the directory too, though the
+#: whole launch is on this host (``XAVIER_LOCAL_PUBLISH=0``, as before session 39)
+DIRPUB_MODE = "batched-dirpub"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
                                             SAVEALL_MODE: {"XAVIER_SAVE_VICTIMS": "all"},
                                             UVA0_MODE: {"XAVIER_UVA": "0"},
                                             GIL100_MODE: {"XAVIER_SWITCH_INTERVAL_US": "100"},
-                                            ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"}}
+                                            ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"},
+                                            DIRPUB_MODE: {"XAVIER_LOCAL_PUBLISH": "0"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:

@@ -262,6 +262,54 @@ def test_a_forged_short_key_collision_is_never_loaded(world):
     assert leases(lt, r) == 0
 
 
+def _until_whole_launch(lt, replica, value: int, what: str) -> None:
+    """Let ``replica`` serve small new prompts (its steps poll the directory, and each
+    publishes a block) until its gauge ``host_index_whole_launch`` reads ``value``."""
+    deadline = time.monotonic() + 60
+    seed = 900
+    while lt.run(replica.counters()).get("host_index_whole_launch", 0) != value:
+        assert time.monotonic() < deadline, what
+        seed += 1
+        lt.run(replica.generate([tokens(seed, 40)]))
+        time.sleep(0.3)
+    seed += 1
+    lt.run(replica.generate([tokens(seed, 40)]))  # (a publication after the switch)
+    lt.run(replica.flush())
+
+
+def test_a_replica_of_another_host_joining_brings_the_directory_up_to_date(world):
+    """Both replicas on this host (the shared world): A publishes the blocks of its vLLM
+    cache into its host index only, where B finds them; the directory lists none.  A
+    replica of another host joins (rank 9: registered, no index announced here): before
+    its next publication A registers again every block it still holds, so that the new
+    replica would find them through the directory.  Rank 9 goes: A drops them from the
+    directory again.  B's hit from A's index holds throughout (tokens: the baseline)."""
+    lt, r = world
+    a, _ = r.replicas
+    _until_whole_launch(lt, a, 1, "A never saw the whole launch on this host")
+    s = primed(lt, r, seed=71, prefix=PREFIX)
+    lt.run(a.flush())
+    names = block_names_of(lt.run(r.tracker.hash_seed()), s.asked)[:PREFIX // BLOCK]
+
+    def listed() -> int:  # what the directory answers a replica of another host
+        return lt.run(r.tracker.query_many([0], [names], 9, False))[0].num_hits
+
+    assert listed() == 0
+    before = lt.run(a.counters())
+    lt.run(r.tracker.register_rank(9))
+    try:
+        _until_whole_launch(lt, a, 0, "A never saw rank 9 join the launch")
+        assert listed() == PREFIX // BLOCK
+        assert delta(before, lt.run(a.counters()))["in_place_republished"] >= PREFIX // BLOCK
+    finally:
+        lt.run(r.tracker.unregister_rank(9))
+    _until_whole_launch(lt, a, 1, "A never saw rank 9 leave")
+    assert listed() == 0
+    hit = cross_replica_hit(lt, r, seed=72, prefix=PREFIX)  # B still finds A's blocks
+    assert hit.counters["host_index_hits"] == 1 and hit.counters.get("queries", 0) == 0
+    assert leases(lt, r) == 0
+
+
 def test_prompt_logprob_requests_never_load(world):
     """#23: vLLM reads no prefix cache for a request that asks for prompt logprobs (every
     prompt token must be computed); Xavier offers it no load either, though another
@@ -331,7 +379,11 @@ def test_the_shared_world_forgets_every_prefix_at_its_reset(qwen_pair):
     lt, r = qwen_pair.pair
     a, b = r.replicas
     s = primed(lt, r, seed=51, prefix=256)
-    assert lt.run(r.tracker.stats())["blocks"] >= 256 // BLOCK  # A's blocks are listed
+    # A's blocks are published: into its host index only while the whole launch is on
+    # this host (B finds them there; the directory lists none), else listed in the
+    # directory too (test_a_replica_of_another_host_... switches between the two)
+    kept_local = qwen_pair.since_reset(0).get("in_place_kept_local", 0)
+    assert kept_local + lt.run(r.tracker.stats())["blocks"] >= 256 // BLOCK
     in_place = qwen_pair.since_reset(0).get("in_place_registered", 0)
     report = qwen_pair.reset()
     # published in place (A's own cache, the default): nothing was copied into A's storage
@@ -346,7 +398,9 @@ def test_the_shared_world_forgets_every_prefix_at_its_reset(qwen_pair):
     assert idle.get("queries", 0) == 0 and idle.get("export_exported", 0) == 0
     assert idle.get("in_place_published", 0) == 0
     lt.run(b.flush())
-    assert lt.run(r.tracker.stats())["blocks"] > 0  # B exported what it computed ...
+    kept_local = qwen_pair.since_reset(1).get("in_place_kept_local", 0)
+    assert kept_local + lt.run(r.tracker.stats())["blocks"] > 0  # B published what it
+    # computed ...
     qwen_pair.reset()
     again = lt.run(b.generate([s.asked]))[0]
     assert again["cached"] == 0  # ... and the reset forgot that too

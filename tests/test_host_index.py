@@ -271,3 +271,25 @@ def test_a_rank_dropped_and_taken_back_announces_its_index_with_its_next_registr
         assert tracker.host_indexes("h1") == [(1, 0, e.index.path)]
     finally:
         e.close()
+
+
+def test_live_rows_are_what_the_engine_holds_now():
+    """What a republication registers: every intact entry whose block still holds it --
+    not a block handed out since, not a torn entry, not another incarnation's."""
+    e = Engine(rank=1)
+    try:
+        held = names(6)
+        e.publish(held)
+        e.publish(names(1), group=3, first_block=9)
+        e.row[2] += 1  # handed out again
+        table = e.index._table
+        way = np.flatnonzero(table[:, :, 3] & 0xFFFFFFFF == 4)  # block 4's entry, torn
+        bucket, w = divmod(int(way[0]), table.shape[1])
+        table[bucket, w, 2] ^= np.uint64(1)
+        rows = e.index.live_rows()
+        assert sorted(((g, n, b) for g, n, b, _ in rows if g == 0), key=lambda r: r[2]) == [
+            (0, held[i], i) for i in (0, 1, 3, 5)]
+        assert [(g, b) for g, _, b, _ in rows if g != 0] == [(3, 9)]
+        assert {gen for _, _, _, gen in rows} == {int(e.row[0])}
+    finally:
+        e.close()

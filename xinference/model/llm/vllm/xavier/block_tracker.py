@@ -82,6 +82,12 @@ class VLLMBlockTracker(xo.StatelessActor):
         return sorted((r, t, p) for (r, t), (h, p) in self._indexes.items()
                       if h == host and r != exclude_rank)
 
+    def forget_in_place(self, rank: int) -> int:
+        """Drop every entry of ``rank``'s vLLM cache (``Tier.VLLM``), keeping its host
+        indexes and its tiers' entries: the rank records them locally from now on (the
+        whole launch is on its host, :mod:`~.mechanism.host_holders`)."""
+        return self._directory.forget(int(rank), int(Tier.VLLM), None)
+
     def host_view(self, host: str) -> Tuple[List[Tuple[int, int, str]], bool]:
         """The host indexes announced on ``host`` (every rank's, as :meth:`host_indexes`),
         and whether they are the whole launch's: every registered rank announced one there

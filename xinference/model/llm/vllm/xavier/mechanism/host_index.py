@@ -68,6 +68,8 @@ _MIX = _U64(0x9E3779B97F4A7C15)
 _LOW32 = _U64(0xFFFFFFFF)
 #: how often a worker that publishes tells the directory again where its index is
 ANNOUNCE_PERIOD_S = 5.0
+#: entries per directory call of a republication (:meth:`HostIndexLink.republish`)
+REPUBLISH_CHUNK = 4096
 #: at most this many rounds per insert call (entries of one call that collide in a bucket
 #: wait for the next round; what is left after them is dropped: only a directory lookup)
 _MAX_ROUNDS = 16
@@ -278,6 +280,25 @@ class HostIndex:
         gen_out[names_live] = gens[live_at[first]]
         return block_out, gen_out, seen_out
 
+    def live_rows(self) -> List[Tuple[int, int, int, int]]:
+        """``(group, name, block, generation)`` of every intact entry whose block still holds
+        it (its generation is the block's current one): what this engine holds now."""
+        entries = self._table.reshape(-1, ENTRY_WORDS)
+        ok = entries[:, _CHECK] != 0
+        ok &= _mix(entries[:, :_CHECK], self._salt) == entries[:, _CHECK]
+        ok &= entries[:, _INCARNATION] == _U64(self.incarnation)
+        entries = entries[ok]
+        blocks = (entries[:, _BLOCK] & _LOW32).astype(np.int64)
+        inside = blocks < self.num_blocks
+        entries, blocks = entries[inside], blocks[inside]
+        gens = entries[:, _GENERATION].astype(np.int64)
+        live = self._generations[blocks] == gens
+        entries, blocks, gens = entries[live], blocks[live], gens[live]
+        groups = (entries[:, _BLOCK] >> _U64(32)).astype(np.int64).tolist()
+        data = np.ascontiguousarray(entries[:, :3]).astype("<u8").tobytes()
+        names = [int.from_bytes(data[24 * i:24 * i + 24], "little") for i in range(len(blocks))]
+        return list(zip(groups, names, blocks.tolist(), gens.tolist()))
+
     def close(self) -> None:
         """Unmap; the owner first marks the file closed (a reader that still maps it finds
         nothing from then on), then removes it.  Idempotent."""
@@ -310,24 +331,58 @@ class HostIndexLink:
         self._announced_at: Optional[float] = None
 
     def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
-        written = False
-        if incarnation == self._index.incarnation:
-            rows = [(g, k, s, n) for g, k, t, s, n in entries if t == Tier.VLLM]
-            try:
-                self._index.insert(rows)
-                written = True
-            except Exception as exc:
-                logger.warning("rank %d: the host index (%d blocks): %r", rank, len(rows), exc)
+        written = self._insert(rank, entries, incarnation)
         recorded = self._link.register(rank, entries, incarnation)
+        if written is not None:
+            self._announce_now(rank)
+        return recorded
+
+    def register_local(self, rank: int, entries: Sequence[Entry], incarnation: int = 0
+                       ) -> int:
+        """Write ``entries`` of vLLM's cache into the host index only (the whole launch is
+        on this host: its peers look here; :class:`~..planning.directory_link.LocalPublishing`)."""
+        written = self._insert(rank, entries, incarnation)
+        if written is not None:
+            self._announce_now(rank)
+        return written or 0
+
+    def forget_in_place(self, rank: int) -> int:
+        forget = getattr(self._link, "forget_in_place", None)  # (the tracker's link)
+        if forget is None:
+            raise TypeError(f"{type(self._link).__name__} cannot forget a rank's vLLM cache")
+        return int(forget(rank))
+
+    def republish(self, rank: int) -> int:
+        """Register in the directory what the index says this engine holds now, in chunks
+        of :data:`REPUBLISH_CHUNK`; returns how many were recorded."""
+        rows = self._index.live_rows()
+        recorded = 0
+        for at in range(0, len(rows), REPUBLISH_CHUNK):
+            chunk = rows[at:at + REPUBLISH_CHUNK]
+            recorded += self._link.register(
+                rank, [(g, k, int(Tier.VLLM), b, n) for g, k, b, n in chunk],
+                self._index.incarnation)
+        return recorded
+
+    def _insert(self, rank: int, entries: Sequence[Entry], incarnation: int) -> Optional[int]:
+        """Write the ``Tier.VLLM`` entries of this engine into the index (None: not written)."""
+        if incarnation != self._index.incarnation:
+            return None
+        rows = [(g, k, s, n) for g, k, t, s, n in entries if t == Tier.VLLM]
+        try:
+            return self._index.insert(rows)
+        except Exception as exc:
+            logger.warning("rank %d: the host index (%d blocks): %r", rank, len(rows), exc)
+            return None
+
+    def _announce_now(self, rank: int) -> None:
         now = self._clock()
-        if written and (self._announced_at is None
-                        or now - self._announced_at > ANNOUNCE_PERIOD_S):
+        if self._announced_at is None or now - self._announced_at > ANNOUNCE_PERIOD_S:
             self._announced_at = now
             try:
                 self._announce()
             except Exception as exc:
                 logger.warning("rank %d: announcing the host index: %r", rank, exc)
-        return recorded
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._link.claim(rank, tier, group, slots)

@@ -6,6 +6,14 @@ exported copies into Xavier's tier (the storage's own incarnation), or blocks of
 own cache whose forward just completed (published in place: ``incarnation`` names the
 engine's block generations).  :class:`Publisher` registers them in order, after their
 event, one directory call each; a failure is counted (a later miss, never wrong KV).
+
+While the whole launch is on this host the scheduler marks in-place publications
+``local``: they go into the worker's host index only, where every peer looks
+(:mod:`.host_holders`), and no directory call is made for them.  The publisher switches in
+order: before the first local one it drops this rank's in-place entries from the directory
+(``forget_in_place``: none is left behind to go stale there), before the first one after
+them that is not local it registers again every block the index says the engine still
+holds (``republish``), so that a replica of another host finds them.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from ..planning.counters import CounterSink
-from ..planning.directory_link import DirectoryLink, Entry
+from ..planning.directory_link import DirectoryLink, Entry, LocalPublishing
 from ..planning.log_names import package_logger
 from ..planning.trace_spans import span
 from .block_copy import slab_as
@@ -39,6 +47,8 @@ class Publication:
         default_factory=list)
     #: blocks of another storage than the writer's (vLLM's cache, published in place)
     incarnation: Optional[int] = None
+    #: in place, the whole launch on this host: into the host index only (module docstring)
+    local: bool = False
 
 
 class Publisher:
@@ -49,6 +59,7 @@ class Publisher:
                  sink: CounterSink, done: Callable[[Publication], None]) -> None:
         self.rank, self._directory, self._incarnation = rank, directory, incarnation
         self._sink, self._done = sink, done
+        self._local = False  # in-place publications go into the host index only
         self._queue: queue.Queue[Optional[Publication]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"xavier-publish-{rank}")
@@ -70,8 +81,15 @@ class Publisher:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
                 incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
-                with span(self.rank, "publish", blocks=len(pub.entries)):  # (after the event)
-                    self._directory.register(self.rank, pub.entries, incarnation)
+                if in_place and pub.local != self._local:
+                    self._local = self._switched(pub.local)
+                local = in_place and self._local
+                with span(self.rank, "publish", blocks=len(pub.entries), local=int(local)):
+                    if local:
+                        self._local_link().register_local(self.rank, pub.entries, incarnation)
+                        self._sink.add("in_place_kept_local", len(pub.entries))
+                    else:
+                        self._directory.register(self.rank, pub.entries, incarnation)
                 self._sink.add("in_place_registered" if in_place else "export_published",
                                len(pub.entries))
             except Exception as exc:  # unpublished blocks are only a later miss
@@ -81,6 +99,30 @@ class Publisher:
                                len(pub.entries), exc)
             finally:
                 self._done(pub)
+
+    def _local_link(self) -> LocalPublishing:
+        if not isinstance(self._directory, LocalPublishing):
+            raise TypeError(f"{type(self._directory).__name__}: no host index to publish into")
+        return self._directory
+
+    def _switched(self, local: bool) -> bool:
+        """Switch in-place publications to the host index only (``local``) or back to the
+        directory (module docstring); returns whether they are local now: a failed switch
+        to local leaves them registered (tried again at the next one), a failed switch back
+        still registers what follows (the blocks before it: a miss on another host)."""
+        try:
+            link = self._local_link()
+            if local:
+                link.forget_in_place(self.rank)
+            else:
+                self._sink.add("in_place_republished", link.republish(self.rank))
+            return local
+        except Exception as exc:
+            logger.warning("rank %d: %s failed: %r", self.rank, "dropping its in-place blocks "
+                           "from the directory" if local else "registering its in-place blocks "
+                           "again", exc)
+            self._sink.add("in_place_register_failures", 1)
+            return False
 
     def close(self, timeout: float) -> None:
         """Stop after what is queued (idempotent)."""

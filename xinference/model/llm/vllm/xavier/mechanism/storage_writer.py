@@ -253,15 +253,16 @@ class StorageWriter:
 
     # ------------------------------------------------------------ publication
     def publish_after(self, entries: List[Entry], incarnation: int,
-                      event: Optional[torch.cuda.Event] = None) -> None:
+                      event: Optional[torch.cuda.Event] = None, local: bool = False) -> None:
         """Register ``entries`` of the storage ``incarnation`` (vLLM's own cache, read in
-        place) once ``event`` completed (the forward that wrote them), in order with the
-        exports; never waits."""
+        place; ``local``: into the host index only, :mod:`.publisher`) once ``event``
+        completed (the forward that wrote them), in order with the exports; never waits."""
         if self._closed:
             raise RuntimeError(f"publish: the storage writer of rank {self.rank} is closed")
         with self._lock:
             self._unpublished += 1
-        self._publisher.put(Publication(list(entries), [], event, incarnation=incarnation))
+        self._publisher.put(Publication(list(entries), [], event, incarnation=incarnation,
+                                        local=local))
 
     def _published(self, pub: Publication) -> None:
         with self._lock:

@@ -66,6 +66,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     # registrations of published blocks (after their forward) and their failures
     "in_place_published", "in_place_reused", "in_place_victims", "in_place_registered",
     "in_place_register_failures",
+    # of those registered: into the host index only (the whole launch on this host); the
+    # blocks registered again in the directory when that ended
+    "in_place_kept_local", "in_place_republished",
     # published blocks vLLM handed out again but not saved: a same-host peer held them,
     # or (xavier_save_victims shared) nothing showed them shared
     "in_place_victims_held_elsewhere", "in_place_victims_never_shared",

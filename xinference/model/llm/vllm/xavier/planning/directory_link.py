@@ -3,9 +3,10 @@ shapes, and an in-process link over a :class:`~.block_directory.BlockDirectory`.
 
 from __future__ import annotations
 
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 from .block_directory import BlockDirectory
+from .load_batch import Tier
 from .shards import Shards
 
 #: (group, key, tier, slot, generation), as the block directory records it
@@ -32,6 +33,29 @@ class DirectoryLink(Protocol):
         ...
 
 
+@runtime_checkable
+class LocalPublishing(Protocol):
+    """A link that can also keep blocks of vLLM's own cache out of the directory while the
+    whole launch is on one host (its host index is then where peers find them:
+    :mod:`~..mechanism.host_holders`), and bring the directory back up to date."""
+
+    def register_local(self, rank: int, entries: Sequence[Entry], incarnation: int = 0
+                       ) -> int:
+        """Record ``entries`` (of vLLM's cache) where same-host peers look, not in the
+        directory; returns how many were written."""
+        ...
+
+    def forget_in_place(self, rank: int) -> int:
+        """Drop every entry of ``rank``'s vLLM cache from the directory (from now on they
+        are recorded locally only)."""
+        ...
+
+    def republish(self, rank: int) -> int:
+        """Register in the directory every block of ``rank``'s vLLM cache recorded locally
+        and still held (the launch no longer lives on one host)."""
+        ...
+
+
 class LocalDirectory:
     """An in-process :class:`DirectoryLink` over a
     :class:`~.block_directory.BlockDirectory` (tests, benchmarks)."""
@@ -48,6 +72,10 @@ class LocalDirectory:
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return self.directory.move(rank, list(entries), tier, group, list(slots), incarnation)
+
+    def forget_in_place(self, rank: int) -> int:
+        """Drop ``rank``'s entries of vLLM's cache (``Tier.VLLM``, as the tracker does)."""
+        return self.directory.forget(rank, int(Tier.VLLM), None)
 
 
 class ShardLink:
@@ -74,3 +102,19 @@ class ShardLink:
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return self._link.move(rank, self._entries(entries), tier, self._group(group), slots,
                                incarnation)
+
+    # (:class:`LocalPublishing`, when the link it wraps is one: a host index's link)
+    def register_local(self, rank: int, entries: Sequence[Entry], incarnation: int = 0
+                       ) -> int:
+        return self._local().register_local(rank, self._entries(entries), incarnation)
+
+    def forget_in_place(self, rank: int) -> int:
+        return self._local().forget_in_place(rank)
+
+    def republish(self, rank: int) -> int:
+        return self._local().republish(rank)  # (its index holds directory groups)
+
+    def _local(self) -> LocalPublishing:
+        if not isinstance(self._link, LocalPublishing):
+            raise TypeError(f"{type(self._link).__name__} keeps no local record of blocks")
+        return self._link

@@ -27,6 +27,7 @@ from .options import (
     ENV_HOST_INDEX,
     ENV_IN_PLACE,
     ENV_LOAD_POLICY,
+    ENV_LOCAL_PUBLISH,
     ENV_SAVE_VICTIMS,
     ENV_SWITCH_INTERVAL,
     check_env_names,
@@ -121,7 +122,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
         parse_save_victims(env[ENV_SAVE_VICTIMS])
     room_copy_programs(env)
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
-                         (ENV_HOST_INDEX, "xavier_host_index")):
+                         (ENV_HOST_INDEX, "xavier_host_index"),
+                         (ENV_LOCAL_PUBLISH, "xavier_local_publish")):
         if name in env:
             parse_switch(option, env[name])
 

@@ -31,6 +31,7 @@ ENV_SAVE_VICTIMS = "XAVIER_SAVE_VICTIMS"
 ENV_LOAD_POLICY = "XAVIER_LOAD_POLICY"
 ENV_HOST_INDEX = "XAVIER_HOST_INDEX"
 ENV_ROOM_COPY_PROGRAMS = "XAVIER_ROOM_COPY_PROGRAMS"
+ENV_LOCAL_PUBLISH = "XAVIER_LOCAL_PUBLISH"
 #: thread blocks of the room thread's demotions into a CUDA engine's CPU tier (through its
 #: CUDA view): a full-grid copy into page-locked memory made a decode step beside it 3.8x
 #: slower, 4 blocks 1.2x at 85 % of the bandwidth (H100, benchmarks/room_interference.py)
@@ -51,7 +52,7 @@ DEFAULT_SWITCH_INTERVAL_US = 500
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
              ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, ENV_HOST_INDEX, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS", "XAVIER_STEP_TRACE",
-             ENV_ROOM_COPY_PROGRAMS)
+             ENV_ROOM_COPY_PROGRAMS, ENV_LOCAL_PUBLISH)
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
                "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
@@ -108,6 +109,11 @@ class XavierOptions:
     #: ``/dev/shm`` without a directory round trip (``xavier_host_index`` /
     #: ``XAVIER_HOST_INDEX``, default true; :mod:`~..mechanism.host_index`)
     host_index: bool = True
+    #: with ``host_index``: while every replica of the launch is on this host, the blocks
+    #: published in place go into the host indexes only, with no directory call
+    #: (``xavier_local_publish`` / ``XAVIER_LOCAL_PUBLISH``, default true;
+    #: :mod:`~..mechanism.publisher`)
+    local_publish: bool = True
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -150,6 +156,8 @@ class XavierOptions:
                                                 env.get(ENV_LOAD_POLICY, "cost")))
         host_index = parse_switch("xavier_host_index", cfg.get(
             "xavier_host_index", env.get(ENV_HOST_INDEX, True)))
+        local_publish = parse_switch("xavier_local_publish", cfg.get(
+            "xavier_local_publish", env.get(ENV_LOCAL_PUBLISH, True)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -161,7 +169,7 @@ class XavierOptions:
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
                    slab_blocks=slab, in_place=in_place,
                    save_victims=save_victims, load_policy=load_policy,
-                   host_index=host_index)
+                   host_index=host_index, local_publish=local_publish)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}

@@ -116,6 +116,9 @@ class StepMeta:
     #: vLLM scheduled no token this step nor the one before (only the connector runs: the
     #: worker may wait a little for a load in flight, ``WorkerDataPlane.finished``)
     idle: bool = False
+    #: ``in_place`` goes into the workers' host indexes only, not the directory: the whole
+    #: launch is on this host (``xavier_local_publish``; :mod:`~..mechanism.publisher`)
+    in_place_local: bool = False
 
     @property
     def has_loads(self) -> bool:
@@ -130,7 +133,8 @@ class StepMeta:
         if tp_size == 1:
             return self
         return StepMeta(self.loads.for_shard(tp_rank, tp_size), self.exports, self.stats,
-                        self.failed_dests, self.in_place, self.saves, self.idle)
+                        self.failed_dests, self.in_place, self.saves, self.idle,
+                        self.in_place_local)
 
     def per_request(self, loads: Optional[LoadBatch] = None) -> List[LoadBatch]:
         """The step's loads as one batch per request (the per-request baseline: one load

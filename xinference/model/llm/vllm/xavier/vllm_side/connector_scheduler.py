@@ -330,6 +330,10 @@ class XavierConnectorScheduler:
         if book is None:
             return meta
         meta.in_place = book.publish(exports)
+        # the whole launch on this host: published into the host indexes only, and the
+        # directory keeps none of this rank's in-place blocks (nothing to forget there)
+        meta.in_place_local = local = (self.options.local_publish and self._holders is not None
+                                       and self._holders.whole_launch)
         book.loaded(meta.loads.table[:, DEST].tolist())
         saves = book.take_saves(zeroed, self.options.save_victims,
                                 self._holders.holding if self._holders is not None else None)
@@ -341,7 +345,7 @@ class XavierConnectorScheduler:
         meta.stats.in_place_victims += len(meta.saves)
         meta.stats.in_place_reused += book.reused - self._reused_counted
         self._reused_counted = book.reused
-        if forgotten:
+        if forgotten and not local:
             ref = self._directory.get()
             rank = self.options.rank
             self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),

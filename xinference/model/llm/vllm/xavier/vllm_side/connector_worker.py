@@ -142,7 +142,7 @@ class XavierConnectorWorker:
             if step.exports:
                 self.plane.export(step.exports)
             if step.in_place:
-                self.plane.publish_in_place(step.in_place)
+                self.plane.publish_in_place(step.in_place, step.in_place_local)
 
     def finished_loads(self, idle: bool = False
                        ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:

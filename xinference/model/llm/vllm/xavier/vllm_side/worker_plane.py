@@ -4,23 +4,22 @@ The worker owns the KV caches and the CUDA context, so it moves the bytes itself
 xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlane`
 
 * attaches to its rank's ``TransferActor`` once (:meth:`attach`): the actor allocates the
-  rank's storage for this engine's KV layout and answers how to map it; the plane maps
-  every tier (CUDA IPC / shared memory) and keeps its slots
+  rank's storage for this engine's KV layout, answers how to map it; the plane maps every
+  tier (CUDA IPC / shared memory) and keeps its slots
   (:class:`~..mechanism.storage_writer.StorageWriter`);
 * loads each step's blocks with ONE ``load_gpu_requests_v1``
   (:class:`~..mechanism.gpu_transfer.GPUTransfer`) on the engine's own CUDA stream
   (:meth:`load`); a peer of this host is mapped once (CUDA IPC or its shared-memory files),
   one of another host is read through the rank's transfer actor (NIXL or sockets);
-* tells vLLM which requests' loads are complete and which blocks failed
-  (:meth:`finished`), ordering vLLM's stream after the copies first;
+* tells vLLM which requests' loads are done and which blocks failed (:meth:`finished`),
+  ordering vLLM's stream after the copies first;
 * exports each step's newly full blocks (:meth:`export`) without waiting;
-* writes its counters into a shared-memory file the transfer actor reads when asked; the
-  actor bumps ``world_epoch`` there when the world changed (a rank died or came back),
-  and the next load drops the mappings of every rank whose address changed.
+* writes its counters into a shared-memory file the transfer actor reads; the actor bumps
+  ``world_epoch`` there when the world changed (a rank died or came back): the next load
+  drops the mappings of every rank whose address changed.
 
-In a tensor-parallel replica every worker has its own plane for its shard of the KV heads
-(``tp_rank``): its own storage at the transfer actor, its shard's rows of each step
-(``StepMeta.for_shard``), shard ``tp_rank`` of every peer (:mod:`..planning.shards`).
+In a tensor-parallel replica each worker has a plane for its shard of the KV heads: its
+storage, its rows of each step (``StepMeta.for_shard``), shard ``tp_rank`` of every peer.
 
 A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
 live outside the package (``tests/support/worker_hooks.py``): the plane calls a
@@ -381,10 +380,11 @@ class WorkerDataPlane:
         if self.hooks is not None:
             self.hooks.exported(rows)
 
-    def publish_in_place(self, rows: Sequence[Tuple[int, int, int, int]]) -> None:
+    def publish_in_place(self, rows: Sequence[Tuple[int, int, int, int]],
+                         local: bool = False) -> None:
         """Register the step's newly full blocks ``(group, name, block, generation)`` as held
-        in this engine's own cache, once the forward that computed them completed (an
-        event on vLLM's stream, waited for by the publisher thread); never waits."""
+        in this engine's cache (``local``: host index only) once the forward that computed
+        them completed (an event on vLLM's stream; the publisher waits); never waits."""
         if not rows or self.writer is None or self.in_place is None:
             return
         event: Optional[torch.cuda.Event] = None
@@ -392,7 +392,7 @@ class WorkerDataPlane:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
         self.writer.publish_after([(g, k, int(Tier.VLLM), b, gen) for g, k, b, gen in rows],
-                                  self.in_place.generations.incarnation, event)
+                                  self.in_place.generations.incarnation, event, local)
         if self.hooks is not None:
             self.hooks.published_in_place(rows)
 

@@ -1,0 +1,130 @@
+"""The publisher thread (mechanism/publisher.py): in-place publications registered in the
+directory, or -- the whole launch on this host -- written into the worker's host index
+only; the switch each way in order: the rank's in-place entries dropped from the directory
+before the first local one, every block the index says the engine still holds registered
+again before the first one after them that is not local."""
+
+import threading
+from typing import List
+
+from tests.support.host_indexes import VLLM, Engine, names
+from xinference.model.llm.vllm.xavier.mechanism.host_index import HostIndexLink, name_words
+from xinference.model.llm.vllm.xavier.mechanism.publisher import Publication, Publisher
+from xinference.model.llm.vllm.xavier.planning.counters import Counters
+from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
+
+RANK = 1
+
+
+class World:
+    """Rank 1's engine (block generations, host index), its link and publisher."""
+
+    def __init__(self) -> None:
+        self.engine = Engine(rank=RANK)
+        self.directory = LocalDirectory()
+        self.directory.directory.register_rank(RANK)
+        self.link = HostIndexLink(self.directory, self.engine.index, lambda: None)
+        self.counters = Counters()
+        self.done: List[Publication] = []
+        self._all_done = threading.Condition()
+        self.publisher = Publisher(RANK, self.link, incarnation=77, sink=self.counters,
+                                   done=self._finished)
+
+    def _finished(self, pub: Publication) -> None:
+        with self._all_done:
+            self.done.append(pub)
+            self._all_done.notify_all()
+
+    def publish(self, held: List[int], first_block: int, local: bool) -> None:
+        """Blocks ``first_block...`` now hold ``held`` (their forward completed)."""
+        row = self.engine.row
+        entries = [(0, name, VLLM, first_block + i, int(row[first_block + i]))
+                   for i, name in enumerate(held)]
+        n = len(self.done)
+        self.publisher.put(Publication(entries, [], None, incarnation=self.engine.index.incarnation,
+                                       local=local))
+        with self._all_done:
+            assert self._all_done.wait_for(lambda: len(self.done) > n, 30)
+
+    def in_directory(self, held: List[int]) -> int:
+        """How many of ``held`` (a prefix) the directory answers a peer."""
+        return self.directory.directory.query(0, held, exclude_rank=2, lease=False).num_hits
+
+    def in_index(self, held: List[int]) -> int:
+        return int((self.engine.index.find(0, name_words(held))[0] >= 0).sum())
+
+    def close(self) -> None:
+        self.publisher.close(30)
+        self.engine.close()
+
+
+def test_local_publications_skip_the_directory_and_the_switches_keep_it_true():
+    w = World()
+    try:
+        first, second, third = names(4), names(3), names(2)
+        w.publish(first, 0, local=False)  # (two replicas, one not announced yet)
+        assert w.in_directory(first) == 4 and w.in_index(first) == 4
+        # the whole launch on this host: the first local publication drops rank 1's
+        # in-place entries from the directory first; its own blocks go into the index only
+        w.publish(second, 10, local=True)
+        assert w.in_directory(first) == 0 and w.in_directory(second) == 0
+        assert w.in_index(second) == 3 and w.in_index(first) == 4
+        c = w.counters.snapshot()
+        assert c["in_place_kept_local"] == 3 and c["in_place_registered"] == 7
+        # vLLM hands block 1 out again (the scheduler bumped it; no forget is sent while
+        # local): the engine holds first[0], first[2:], second
+        w.engine.row[1] += 1
+        # a replica of another host joined: before the next registration everything the
+        # index says the engine still holds is registered again -- not block 1
+        w.publish(third, 20, local=False)
+        assert w.in_directory(first) == 1 and w.in_directory(first[2:]) == 2
+        assert w.in_directory(second) == 3 and w.in_directory(third) == 2
+        c = w.counters.snapshot()
+        assert c["in_place_republished"] == 6 and c["in_place_kept_local"] == 3
+        assert c.get("in_place_register_failures", 0) == 0
+    finally:
+        w.close()
+
+
+def test_a_switch_to_local_that_fails_keeps_registering():
+    """A directory link that cannot drop the rank's in-place entries (here: one with no
+    host index behind it) leaves the publications registered, counted as a failure;
+    nothing is lost."""
+
+    class NoIndex:  # (a link without LocalPublishing)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def register(self, rank, entries, incarnation=0):
+            return self.inner.register(rank, entries, incarnation)
+
+    w = World()
+    w.publisher.close(30)
+    w.publisher = Publisher(RANK, NoIndex(w.directory), incarnation=77, sink=w.counters,
+                            done=w._finished)
+    try:
+        held = names(3)
+        w.publish(held, 0, local=True)
+        assert w.in_directory(held) == 3
+        c = w.counters.snapshot()
+        assert c["in_place_register_failures"] == 1 and c.get("in_place_kept_local", 0) == 0
+    finally:
+        w.close()
+
+
+def test_the_directory_forgets_a_ranks_in_place_entries_only():
+    """``forget_in_place``: the rank's entries of vLLM's cache go; its tiers' entries and
+    its announced host index stay (a replica keeps publishing, locally)."""
+    from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
+
+    tracker = VLLMBlockTracker.__new__(VLLMBlockTracker)
+    VLLMBlockTracker.__init__(tracker)
+    tracker.register_rank(RANK)
+    tracker.announce_index(RANK, 0, "h1", "/dev/shm/a")
+    in_place, saved = names(3), names(2)
+    tracker.register(RANK, [(0, k, VLLM, i, 1) for i, k in enumerate(in_place)], 5)
+    tracker.register(RANK, [(0, k, 0, i, 1) for i, k in enumerate(saved)], 6)  # GPU tier
+    assert tracker.forget_in_place(RANK) == 3
+    assert tracker.query_many([0], [in_place], 2, False)[0].num_hits == 0
+    assert tracker.query_many([0], [saved], 2, False)[0].num_hits == 2
+    assert tracker.host_view("h1") == ([(RANK, 0, "/dev/shm/a")], True)
