@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -112,10 +113,16 @@ class Publisher:
         still registers what follows (the blocks before it: a miss on another host)."""
         try:
             link = self._local_link()
+            t0 = time.monotonic()
             if local:
-                link.forget_in_place(self.rank)
+                n = link.forget_in_place(self.rank)
             else:
-                self._sink.add("in_place_republished", link.republish(self.rank))
+                n = link.republish(self.rank)
+                self._sink.add("in_place_republished", n)
+            logger.info("rank %d: the whole launch %s this host: %d in-place blocks %s the "
+                        "directory in %.2f s", self.rank, "is on" if local else "is no longer on",
+                        n, "dropped from" if local else "registered again in",
+                        time.monotonic() - t0)
             return local
         except Exception as exc:
             logger.warning("rank %d: %s failed: %r", self.rank, "dropping its in-place blocks "
