@@ -27,6 +27,7 @@ from .support.scenarios import (
     negative_control,
     primed,
     serve_with_one_failed_block,
+    until_whole_launch,
 )
 from .support.worlds import DEVICE, KV_CACHE_DTYPE, World, assert_cuda_graphs_unless_eager
 from .support.xavier_replicas import Replicas
@@ -262,21 +263,6 @@ def test_a_forged_short_key_collision_is_never_loaded(world):
     assert leases(lt, r) == 0
 
 
-def _until_whole_launch(lt, replica, value: int, what: str) -> None:
-    """Let ``replica`` serve small new prompts (its steps poll the directory, and each
-    publishes a block) until its gauge ``host_index_whole_launch`` reads ``value``."""
-    deadline = time.monotonic() + 60
-    seed = 900
-    while lt.run(replica.counters()).get("host_index_whole_launch", 0) != value:
-        assert time.monotonic() < deadline, what
-        seed += 1
-        lt.run(replica.generate([tokens(seed, 40)]))
-        time.sleep(0.3)
-    seed += 1
-    lt.run(replica.generate([tokens(seed, 40)]))  # (a publication after the switch)
-    lt.run(replica.flush())
-
-
 def test_a_replica_of_another_host_joining_brings_the_directory_up_to_date(world):
     """Both replicas on this host (the shared world): A publishes the blocks of its vLLM
     cache into its host index only, where B finds them; the directory lists none.  A
@@ -286,7 +272,7 @@ def test_a_replica_of_another_host_joining_brings_the_directory_up_to_date(world
     directory again.  B's hit from A's index holds throughout (tokens: the baseline)."""
     lt, r = world
     a, _ = r.replicas
-    _until_whole_launch(lt, a, 1, "A never saw the whole launch on this host")
+    until_whole_launch(lt, a, 1, "A never saw the whole launch on this host")
     s = primed(lt, r, seed=71, prefix=PREFIX)
     lt.run(a.flush())
     names = block_names_of(lt.run(r.tracker.hash_seed()), s.asked)[:PREFIX // BLOCK]
@@ -298,12 +284,12 @@ def test_a_replica_of_another_host_joining_brings_the_directory_up_to_date(world
     before = lt.run(a.counters())
     lt.run(r.tracker.register_rank(9))
     try:
-        _until_whole_launch(lt, a, 0, "A never saw rank 9 join the launch")
+        until_whole_launch(lt, a, 0, "A never saw rank 9 join the launch")
         assert listed() == PREFIX // BLOCK
         assert delta(before, lt.run(a.counters()))["in_place_republished"] >= PREFIX // BLOCK
     finally:
         lt.run(r.tracker.unregister_rank(9))
-    _until_whole_launch(lt, a, 1, "A never saw rank 9 leave")
+    until_whole_launch(lt, a, 1, "A never saw rank 9 leave")
     assert listed() == 0
     hit = cross_replica_hit(lt, r, seed=72, prefix=PREFIX)  # B still finds A's blocks
     assert hit.counters["host_index_hits"] == 1 and hit.counters.get("queries", 0) == 0

@@ -23,3 +23,24 @@ def test_loads_without_a_data_plane_are_failed_and_finished_once():
     worker.start_loads(StepMeta(LoadBatch(("c",), np.zeros(2, np.int64),
                                           np.zeros((0, 8), np.int64))))
     assert worker.finished_loads() == (None, {"c"})
+
+
+def test_a_change_of_local_publication_reaches_the_plane_even_with_no_rows():
+    """The scheduler's ``in_place_local`` changes in a step with no newly full block: the
+    plane still hears of it (its publisher switches in order), once; a step that changes
+    nothing and has no rows is not passed on."""
+    worker = XavierConnectorWorker(opts(), ActorBridge.shared(), [["l0"]], 8)
+    calls = []
+
+    class Plane:
+        def publish_in_place(self, rows, local=False):
+            calls.append((tuple(rows), local))
+
+    worker.plane = Plane()
+    row = (0, 12345, 3, 1)
+    worker.export(StepMeta(in_place=(row,)))
+    worker.export(StepMeta(in_place_local=True))  # the whole launch: no rows this step
+    worker.export(StepMeta(in_place_local=True))  # nothing new
+    worker.export(StepMeta(in_place=(row,), in_place_local=True))
+    worker.export(StepMeta())  # back: a replica of another host joined
+    assert calls == [((row,), False), ((), True), ((row,), True), ((), False)]

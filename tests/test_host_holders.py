@@ -12,6 +12,7 @@ from typing import List
 from tests.support.host_indexes import VLLM, Engine, names
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 from xinference.model.llm.vllm.xavier.mechanism.host_holders import HELD_NOWHERE, HostHolders
+from xinference.model.llm.vllm.xavier.mechanism.host_index import name_words
 from xinference.model.llm.vllm.xavier.planning.load_batch import NO_LEASE, Tier
 from xinference.model.llm.vllm.xavier.planning.shards import Shards
 from xinference.model.llm.vllm.xavier.planning.shm_words import owned_name, shm_dir
@@ -157,9 +158,6 @@ def test_a_first_block_no_index_of_the_launch_names_is_held_nowhere():
         # the directory's word is needed: without it every miss still asks the directory
         holders.update([(1, 0, peer.index.path), (2, 0, own.index.path)])
         assert holders.find(names(3)) is None
-        holders.update([(1, 0, peer.index.path), (2, 0, own.index.path)], whole_launch=True)
-        holders.not_whole_launch()  # (the directory did not answer a poll)
-        assert holders.find(names(3)) is None
         holders.close()
     finally:
         peer.close()
@@ -210,3 +208,25 @@ def test_the_directory_says_whole_launch_only_when_every_rank_announced_every_sh
     # a rank known only by a registration of blocks (no announced index): not whole
     tracker.register(4, [(0, 7, int(Tier.VLLM), 0, 0)], 1)
     assert tracker.host_view("h1")[1] is False
+
+
+def test_an_index_with_room_for_the_tiers_still_names_a_saved_block_later():
+    """A block vLLM handed out (saved into a tier, say) stays "seen" -- so a request for it
+    still asks the directory -- while the engine publishes twice its vLLM cache anew, when
+    its index has room for what the tiers hold; without that room (the control) its entry
+    is reused and the request would be answered held nowhere."""
+    seen = {}
+    for tier_blocks in (0, 4096):
+        e = Engine(rank=1, num_blocks=256, tier_blocks=tier_blocks)
+        try:
+            saved = names(1)
+            e.publish(saved)
+            e.row[0] += 1  # handed out: saved into a tier
+            for _ in range(8):  # the cache turned over twice: 512 new blocks published
+                e.row[:] += 1
+                e.publish(names(64), first_block=0)
+                e.publish(names(64), first_block=64)
+            seen[tier_blocks] = bool(e.index.find(0, name_words(saved))[2][0])
+        finally:
+            e.close()
+    assert seen == {0: False, 4096: True}

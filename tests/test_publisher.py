@@ -128,3 +128,48 @@ def test_the_directory_forgets_a_ranks_in_place_entries_only():
     assert tracker.query_many([0], [in_place], 2, False)[0].num_hits == 0
     assert tracker.query_many([0], [saved], 2, False)[0].num_hits == 2
     assert tracker.host_view("h1") == ([(RANK, 0, "/dev/shm/a")], True)
+
+
+def test_a_switch_with_no_blocks_is_made_in_order_and_registers_nothing():
+    """The scheduler's flag changed in a step with no newly full block: the publisher
+    switches anyway (the scheduler skips its forgets from that step on)."""
+    w = World()
+    try:
+        held = names(2)
+        w.publish(held, 0, local=False)
+        w.publish([], 0, local=True)
+        assert w.in_directory(held) == 0
+        w.publish([], 0, local=False)
+        assert w.in_directory(held) == 2 and w.counters.snapshot()["in_place_republished"] == 2
+    finally:
+        w.close()
+
+
+def test_a_tensor_parallel_worker_forgets_its_own_shard_only():
+    """Each TP worker's publisher switches on its own: worker 0 going local drops its
+    shard's directory groups, not worker 1's (which may still register, or have just
+    registered again)."""
+    from xinference.model.llm.vllm.xavier.planning.directory_link import ShardLink
+    from xinference.model.llm.vllm.xavier.planning.shards import Shards
+
+    shards = Shards(num_groups=1, tp_size=2)
+    directory = LocalDirectory()
+    engines = [Engine(rank=RANK, tp_rank=tp) for tp in (0, 1)]
+    try:
+        links = [ShardLink(HostIndexLink(directory, e.index, lambda: None), shards, tp)
+                 for tp, e in enumerate(engines)]
+        held = names(3)
+        for e, link in zip(engines, links):
+            link.register(RANK, [(0, k, VLLM, i, int(e.row[i])) for i, k in enumerate(held)],
+                          e.index.incarnation)
+        groups = [shards.directory_group(0, tp) for tp in (0, 1)]
+
+        def hits(tp):
+            return directory.directory.query(groups[tp], held, 2, lease=False).num_hits
+
+        assert hits(0) == hits(1) == 3
+        assert links[0].forget_in_place(RANK) == 3
+        assert hits(0) == 0 and hits(1) == 3
+    finally:
+        for e in engines:
+            e.close()

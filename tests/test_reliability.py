@@ -31,7 +31,7 @@ from xinference.model.llm.vllm.xavier.planning.block_names import row_key
 from .support.loop_thread import LoopThread
 from .support.processes import tokens
 from .support.reliability import record
-from .support.scenarios import delta, leases
+from .support.scenarios import delta, leases, until_whole_launch
 from .support.worlds import World
 from .support.xavier_replicas import Replicas
 
@@ -67,7 +67,21 @@ def test_malformed_metadata_is_refused_nothing_written_engine_keeps_serving(worl
     a, b = r.replicas
     prefix = tokens(1, 128)
     asked = prefix + tokens(2, 20)
-    base = exported_on_a(lt, r, prefix, asked)
+    # the locations below are read from the directory: with a rank "of another host"
+    # registered, A publishes its in-place blocks there too (not only in its host index)
+    lt.run(r.tracker.register_rank(9))
+    try:
+        until_whole_launch(lt, a, 0, "A never saw rank 9 join the launch")
+        base = exported_on_a(lt, r, prefix, asked)
+        lt.run(a.flush())
+        metadata_refused(lt, r, base, prefix, asked)
+    finally:
+        lt.run(r.tracker.unregister_rank(9))
+
+
+def metadata_refused(lt: LoopThread, r: Replicas, base: List[int], prefix: List[int],
+                     asked: List[int]) -> None:
+    a, b = r.replicas
     n_blocks = lt.run(b.engine_num_blocks())
     # real locations in A's storage: ask the directory as B's scheduler would
     ks = prefix_keys(lt, r, 128 // BLOCK)

@@ -730,6 +730,19 @@ def test_a_request_no_rank_of_the_launch_holds_is_a_miss_without_a_lookup():
     assert w.side.match("s", num_tokens=128, num_computed_tokens=0) is None
 
 
+def test_a_directory_answer_already_there_is_kept_though_no_index_names_the_block():
+    """The lookup went out at arrival (the host's indexes were not yet the whole launch's)
+    and its answer is there when vLLM asks: it is used, though no index names the first
+    block now (one whose entry a full bucket reused: held in a tier, say)."""
+    w = HostWorld(held_keys=keys_of(8), on_host=[])
+    w.side.track("r", lambda: keys_of(8), 128)
+    w.side.lookups.flush()
+    w.nowhere = True
+    assert w.side.match("r", num_tokens=128, num_computed_tokens=0) == 7 * BS
+    meta = w.side.build_step([], {})
+    assert meta.stats.lookups_skipped_held_nowhere == 0 and meta.stats.queries == 1
+
+
 def test_a_request_no_peer_of_the_host_holds_goes_to_the_directory():
     w = HostWorld(held_keys=keys_of(8), on_host=[])
     w.side.track("r", lambda: keys_of(8), 128)

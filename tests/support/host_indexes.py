@@ -13,10 +13,12 @@ VLLM = int(Tier.VLLM)
 class Engine:
     """One worker's block generations (as the scheduler bumps them) and its index."""
 
-    def __init__(self, rank: int, num_blocks: int = 1024, tp_rank: int = 0) -> None:
+    def __init__(self, rank: int, num_blocks: int = 1024, tp_rank: int = 0,
+                 tier_blocks: int = 0) -> None:
         self.gens = SlotGenerations.create_shared(VLLM, [0], num_blocks)
         self.row = self.gens.row(VLLM, 0)
-        self.index = HostIndex.create(rank, tp_rank, self.gens, self.row)
+        self.index = HostIndex.create(rank, tp_rank, self.gens, self.row,
+                                      tier_blocks=tier_blocks)
 
     def publish(self, names: List[int], group: int = 0, first_block: int = 0) -> None:
         self.index.insert([(group, n, first_block + i, int(self.row[first_block + i]))

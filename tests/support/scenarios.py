@@ -17,6 +17,7 @@ exporting every block.  Prompts of a scenario come from one ``seed``: the shared
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -170,3 +171,18 @@ def block_names_of(seed: str, ids: Sequence[int], block: int = 16) -> List[int]:
         parent = hash_block_tokens(fn, parent, list(ids[i * block:(i + 1) * block]))
         names.append(block_name(parent))
     return names
+
+
+_FRESH = itertools.count(90_000)  # seeds of prompts no test asked before
+
+
+def until_whole_launch(lt: LoopThread, replica: Any, value: int, what: str) -> None:
+    """Let ``replica`` serve small new prompts (its steps poll the directory, and each
+    publishes a block) until its gauge ``host_index_whole_launch`` reads ``value``."""
+    deadline = time.monotonic() + 60
+    while lt.run(replica.counters()).get("host_index_whole_launch", 0) != value:
+        assert time.monotonic() < deadline, what
+        lt.run(replica.generate([tokens(next(_FRESH), 40)]))
+        time.sleep(0.3)
+    lt.run(replica.generate([tokens(next(_FRESH), 40)]))  # (a publication after the switch)
+    lt.run(replica.flush())

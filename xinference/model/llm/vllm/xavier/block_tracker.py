@@ -71,6 +71,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         if int(rank) not in self._directory.ranks:
             raise ValueError(f"rank: {rank} is not registered")
         self._indexes[(int(rank), int(tp_rank))] = (str(host), str(path))
+        self._tp_size = max(self._tp_size, int(tp_rank) + 1)
 
     def _drop_indexes(self, rank: int) -> None:
         for key in [k for k in self._indexes if k[0] == int(rank)]:
@@ -82,11 +83,13 @@ class VLLMBlockTracker(xo.StatelessActor):
         return sorted((r, t, p) for (r, t), (h, p) in self._indexes.items()
                       if h == host and r != exclude_rank)
 
-    def forget_in_place(self, rank: int) -> int:
-        """Drop every entry of ``rank``'s vLLM cache (``Tier.VLLM``), keeping its host
-        indexes and its tiers' entries: the rank records them locally from now on (the
-        whole launch is on its host, :mod:`~.mechanism.host_holders`)."""
-        return self._directory.forget(int(rank), int(Tier.VLLM), None)
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
+        """Drop every entry of ``rank``'s vLLM cache (``Tier.VLLM``; of directory ``groups``
+        only, if given: one TP worker's), keeping its host indexes and its tiers' entries:
+        the rank records them locally from now on (the whole launch is on its host,
+        :mod:`~.mechanism.host_holders`)."""
+        return self._directory.forget(int(rank), int(Tier.VLLM), None,
+                                      None if groups is None else sorted({int(g) for g in groups}))
 
     def host_view(self, host: str) -> Tuple[List[Tuple[int, int, str]], bool]:
         """The host indexes announced on ``host`` (every rank's, as :meth:`host_indexes`),

@@ -85,10 +85,6 @@ class HostHolders:
             tables[key] = index
         self.whole_launch = whole_launch and not failed
 
-    def not_whole_launch(self) -> None:
-        """The directory did not answer: until it does, no miss is answered here."""
-        self.whole_launch = False
-
     @property
     def ranks(self) -> List[int]:
         """Peers with every shard's index mapped."""

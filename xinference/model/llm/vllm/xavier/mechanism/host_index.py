@@ -30,8 +30,8 @@ entry read while it is being written is caught by its ``check`` (a keyed mix of 
 seven words: a torn entry -- one entry's name with another's block -- passes with odds
 2**-64), so no memory-ordering argument is needed.  A bucket that is full overwrites its
 entry whose block moved on (generation changed) or else its oldest: a lost entry is only a
-directory lookup.  Memory: 64 bytes per entry, twice as many entries as vLLM has blocks
-rounded up to a power of two buckets (e.g. 32 MiB for 200k blocks).
+directory lookup.  Memory: 64 bytes per entry, twice as many entries as vLLM has blocks and
+Xavier's tiers may hold, rounded up to a power of two buckets (e.g. 32 MiB for 200k).
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ _MIX = _U64(0x9E3779B97F4A7C15)
 _LOW32 = _U64(0xFFFFFFFF)
 #: how often a worker that publishes tells the directory again where its index is
 ANNOUNCE_PERIOD_S = 5.0
+#: the most tier blocks an index makes room for (64 MiB of entries)
+MAX_TIER_ENTRIES = 1 << 19
 #: entries per directory call of a republication (:meth:`HostIndexLink.republish`)
 REPUBLISH_CHUNK = 4096
 #: at most this many rounds per insert call (entries of one call that collide in a bucket
@@ -128,11 +130,15 @@ class HostIndex:
 
     @classmethod
     def create(cls, rank: int, tp_rank: int, generations: SlotGenerations, row: np.ndarray,
-               directory: Optional[str] = None) -> HostIndex:
+               directory: Optional[str] = None, tier_blocks: int = 0) -> HostIndex:
         """A new file for the engine whose block generations are ``generations`` (row
-        ``row``: one word per vLLM block), room for twice its blocks."""
+        ``row``: one word per vLLM block), room for twice its blocks and the ``tier_blocks``
+        its Xavier tiers may hold (at most :data:`MAX_TIER_ENTRIES`): an entry whose block
+        was handed out -- saved into a tier, maybe -- stays about as long as a tier keeps
+        a block, so that a peer's probe still finds it "seen" (:mod:`.host_holders`)."""
         num_blocks = len(row)
-        buckets = 1 << max(0, int(np.ceil(np.log2(max(1, 2 * num_blocks) / WAYS))))
+        room = 2 * (num_blocks + min(max(0, int(tier_blocks)), MAX_TIER_ENTRIES))
+        buckets = 1 << max(0, int(np.ceil(np.log2(max(1, room) / WAYS))))
         shm = ShmWords.create(HEADER_WORDS + buckets * WAYS * ENTRY_WORDS, directory,
                               reserve=True)
         path, inc, layout = generations.handle()
@@ -346,11 +352,11 @@ class HostIndexLink:
             self._announce_now(rank)
         return written or 0
 
-    def forget_in_place(self, rank: int) -> int:
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
         forget = getattr(self._link, "forget_in_place", None)  # (the tracker's link)
         if forget is None:
             raise TypeError(f"{type(self._link).__name__} cannot forget a rank's vLLM cache")
-        return int(forget(rank))
+        return int(forget(rank, groups))
 
     def republish(self, rank: int) -> int:
         """Register in the directory what the index says this engine holds now, in chunks

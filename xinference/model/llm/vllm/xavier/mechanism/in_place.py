@@ -142,14 +142,19 @@ class InPlaceShare:
     @classmethod
     def create(cls, caches: Dict[int, List[torch.Tensor]], block_dims: Dict[int, int],
                num_blocks: int, shared: Optional[SharedHostCaches], rank: int, tp_rank: int,
-               host_index: bool) -> InPlaceShare:
+               host_index: bool, tier_bytes: int = 0) -> InPlaceShare:
+        """``tier_bytes``: the budget of Xavier's tiers (the host index makes room for as
+        many entries as they may hold blocks of these caches)."""
         gens = SlotGenerations.create_shared(int(Tier.VLLM), sorted(caches), num_blocks)
         index: Optional[HostIndex] = None
         try:
             if host_index:
                 try:
+                    per_block = sum(t.numel() * t.element_size() for ts in caches.values()
+                                    for t in ts) // max(1, num_blocks)
                     index = HostIndex.create(rank, tp_rank, gens,
-                                             gens.row(int(Tier.VLLM), min(caches)))
+                                             gens.row(int(Tier.VLLM), min(caches)),
+                                             tier_blocks=tier_bytes // max(1, per_block))
                 except OSError as exc:  # e.g. /dev/shm full: peers then ask the directory
                     logger.warning("xavier: rank %d: no host index (%r): same-host peers "
                                    "find this replica's blocks through the directory", rank,

@@ -87,9 +87,9 @@ class Publisher:
                 local = in_place and self._local
                 with span(self.rank, "publish", blocks=len(pub.entries), local=int(local)):
                     if local:
-                        self._local_link().register_local(self.rank, pub.entries, incarnation)
-                        self._sink.add("in_place_kept_local", len(pub.entries))
-                    else:
+                        self._sink.add("in_place_kept_local", self._local_link().register_local(
+                            self.rank, pub.entries, incarnation))
+                    elif pub.entries:  # (none: a switch only)
                         self._directory.register(self.rank, pub.entries, incarnation)
                 self._sink.add("in_place_registered" if in_place else "export_published",
                                len(pub.entries))

@@ -1,14 +1,12 @@
 """The block directory (pure): where each KV block lives, and leases on it.
 
-Hosted by ``VLLMBlockTracker`` in the supervisor pool; one instance per model.  Every
-operation is synchronous and runs to completion inside the actor: each is atomic.
+Hosted by ``VLLMBlockTracker`` in the supervisor pool, one per model; every operation is
+synchronous and runs to completion inside the actor: each is atomic.
 
 * Blocks are named by ``(group, key)``: the KV-cache group and the block's full name
-  (:func:`~.block_names.block_name`, 192 bits of vLLM's block hash; hybrid models hash
-  the same tokens alike in every group).  A query finds a block only under exactly its
-  name; one that finds only another name with the same low 63 bits (what a load row
-  carries) is counted in ``identity_mismatches``: a forged or accidental collision of the
-  short key is a miss, never a load.
+  (:func:`~.block_names.block_name`, 192 bits of vLLM's block hash).  A query finds a
+  block only under exactly its name; another name with the same low 63 bits (what a load
+  row carries) is counted in ``identity_mismatches``: a collision is a miss, never a load.
 * A **location** is ``(rank, tier, group, slot, generation, incarnation)``: the slot of a
   rank's tier storage for that group that holds the block.  ``generation`` changes whenever
   the storage reuses a slot (an older one is never returned or leased: a stale entry);
@@ -26,8 +24,8 @@ operation is synchronous and runs to completion inside the actor: each is atomic
   location in a rank's own vLLM cache (``Tier.VLLM``, read in place) gets none
   (:data:`~.load_batch.NO_LEASE`): vLLM reuses its blocks without asking anyone, and the
   reader's check after its copy is what makes such a read safe.
-* :meth:`BlockDirectory.forget` drops locations a rank no longer holds (vLLM handed them
-  out to be overwritten), whatever their generation.
+* :meth:`BlockDirectory.forget` drops locations a rank no longer holds, whatever their
+  generation.
 * :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to reuse, the
   directory removes the unleased ones (never returned again) and refuses the leased ones:
   a slot under lease is never reused, and a query never returns a slot being reused.
@@ -35,17 +33,16 @@ operation is synchronous and runs to completion inside the actor: each is atomic
   load from a dead rank fails and vLLM recomputes), and so do the leases it holds on other
   ranks' slots (a dead loader no longer pins them).
 * A lease records its holder (the querying rank) and expires after ``lease_ttl_s``: a
-  claim or a query near ``max_leases`` first drops the expired ones (``leases_expired``).
-  A holder that loads after its lease expired may find the slot reused; its check after
-  the copy (``doc/validated-reads.md``) then fails the read: a miss, never wrong KV.
-* Lease ids are random (:mod:`.directory_leases`): nobody frees a lease by guessing its
-  id, and a late release from before a directory was re-created frees nothing of the new
-  one's.
+  claim or a query near ``max_leases`` first drops the expired ones (``leases_expired``);
+  a holder that loads later may find the slot reused, and its check after the copy
+  (``doc/validated-reads.md``) fails the read: a miss, never wrong KV.
+* Lease ids are random (:mod:`.directory_leases`): none is freed by guessing its id, nor
+  by a late release from before the directory was re-created.
 
 Memory is bounded by the registered slots (one int per slot, :mod:`.directory_entries`,
-kept under its place and its short name), by what a departed rank left (swept
-:data:`SWEEP_PER_CALL` entries per call) and by ``max_leases``.  Unregistering a rank or
-forgetting a tier drops its places at once (its entries: garbage every lookup skips).
+under its place and its short name), what a departed rank left (swept
+:data:`SWEEP_PER_CALL` per call) and ``max_leases``.  A rank unregistered or a tier
+forgotten loses its places at once (its entries: garbage every lookup skips).
 """
 
 from __future__ import annotations
@@ -245,16 +242,19 @@ class BlockDirectory:
         return granted
 
     def forget(self, rank: int, tier: int,
-               slots: Optional[Mapping[int, Sequence[Tuple[int, int]]]] = None) -> int:
+               slots: Optional[Mapping[int, Sequence[Tuple[int, int]]]] = None,
+               groups: Optional[Sequence[int]] = None) -> int:
         """``rank`` no longer holds ``slots`` (group -> ``(slot, generation now)``) of ``tier``
-        (None: any slot of it, dropped at once like a departed rank's): their entries go,
+        (None: any slot of it -- of ``groups`` only, if given -- dropped at once like a
+        departed rank's): their entries go,
         leased or not (vLLM's cache read in place: a lease never stopped vLLM); a
         registration of an older generation of such a slot, arriving late, is refused as
         stale.  Returns the entries dropped."""
         self.sweep()
         places = self._places.get(rank, _EMPTY)
         if slots is None:
-            mine = [p for p in places if ent.tier_of_place(p) == tier]
+            mine = [p for p in places if ent.tier_of_place(p) == tier and (
+                groups is None or (p >> _PLACE_GROUP) & 0xFFFF in groups)]
             self._garbage.append([places.pop(p) for p in mine])
             self.stats.forgotten += len(mine)
             return len(mine)

@@ -45,9 +45,9 @@ class LocalPublishing(Protocol):
         directory; returns how many were written."""
         ...
 
-    def forget_in_place(self, rank: int) -> int:
-        """Drop every entry of ``rank``'s vLLM cache from the directory (from now on they
-        are recorded locally only)."""
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
+        """Drop the entries of ``rank``'s vLLM cache (of directory ``groups`` only, if
+        given) from the directory (from now on they are recorded locally only)."""
         ...
 
     def republish(self, rank: int) -> int:
@@ -73,9 +73,9 @@ class LocalDirectory:
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         return self.directory.move(rank, list(entries), tier, group, list(slots), incarnation)
 
-    def forget_in_place(self, rank: int) -> int:
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
         """Drop ``rank``'s entries of vLLM's cache (``Tier.VLLM``, as the tracker does)."""
-        return self.directory.forget(rank, int(Tier.VLLM), None)
+        return self.directory.forget(rank, int(Tier.VLLM), None, groups)
 
 
 class ShardLink:
@@ -108,8 +108,10 @@ class ShardLink:
                        ) -> int:
         return self._local().register_local(rank, self._entries(entries), incarnation)
 
-    def forget_in_place(self, rank: int) -> int:
-        return self._local().forget_in_place(rank)
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
+        # this worker's shard only: another worker's publisher switches on its own
+        mine = [self._group(g) for g in range(self._shards.num_groups)]
+        return self._local().forget_in_place(rank, mine if groups is None else groups)
 
     def republish(self, rank: int) -> int:
         return self._local().republish(rank)  # (its index holds directory groups)

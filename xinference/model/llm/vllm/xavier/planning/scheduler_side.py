@@ -25,8 +25,7 @@ role), which translates vLLM's objects into plain values.  Contract:
 * :meth:`SchedulerSide.loads_finished` (vLLM's ``update_connector_output``: the loads
   every worker reported done, ``finished_recving``) releases those loads' leases.
 * :meth:`SchedulerSide.finished` drops a request; the leases of a load in flight stay
-  until vLLM reports the load done (vLLM keeps an aborted request's blocks until then
-  too).
+  until vLLM reports the load done (vLLM keeps an aborted request's blocks until then).
 * :meth:`SchedulerSide.close` releases every lease still held (engine shutdown).
 
 Where a hit's time goes before its first forward, in the step figures: ``hit_lookup_us``
@@ -131,8 +130,7 @@ class SchedulerSide:
     def track(self, request_id: str, keys: Callable[[], Sequence[int]], num_tokens: int,
               sharing: bool = True, ready: bool = True, loads: bool = True) -> None:
         """Start tracking a request (vLLM's ``on_new_request``); when sharing, ready and
-        allowed to load, queue its lookup of every block it could load (from its first
-        block)."""
+        allowed to load, queue its lookup of every block it could load (from its first)."""
         if request_id in self._tracked:
             return
         self._tracked[request_id] = _Tracked(keys=keys, sharing=sharing, loads=loads,
@@ -179,10 +177,12 @@ class SchedulerSide:
             self.lookups.drop(request_id)
             return 0
         host = self._host_hit(keys[first:last])
-        if host is not None and not host[0].num_hits:  # no rank holds the start: a miss now
-            self._stats.lookups_skipped_held_nowhere += 1
-            self.lookups.drop(request_id)
-            return 0
+        if host is not None and not host[0].num_hits:  # no rank holds the start ...
+            if not self.lookups.answered(request_id):  # ... a miss now, not looked up
+                self._stats.lookups_skipped_held_nowhere += 1
+                self.lookups.drop(request_id)
+                return 0
+            host = None  # (the directory answered already: its answer, as before)
         if host is not None:  # a same-host peer holds the start: no directory round trip
             return self._keep_host(request_id, keys, first, last, *host)
         if self._decline and self.cost is not None and not self.cost.worth_looking_up(

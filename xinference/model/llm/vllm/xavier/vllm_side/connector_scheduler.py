@@ -177,14 +177,12 @@ class XavierConnectorScheduler:
         now = time.monotonic()
         if fut is not None and not fut.done() and now > self._next_host_poll + HOST_POLL_S:
             fut.cancel()  # unanswered for two periods (a directory gone): ask again
-            self._host_poll = None
-            self._holders.not_whole_launch()
+            self._host_poll = None  # (the last answer stands: a flip would cost a republication)
         elif fut is not None and fut.done():
             self._host_poll = None
             try:
                 self._holders.update(*fut.result())
-            except Exception as exc:  # an older directory, or gone: no same-host hits
-                self._holders.not_whole_launch()
+            except Exception as exc:  # an older directory, or gone: the last answer stands
                 logger.debug("xavier: rank %d: host indexes: %r", self.options.rank, exc)
         if self._host_poll is None and now >= self._next_host_poll:
             self._next_host_poll = now + HOST_POLL_S

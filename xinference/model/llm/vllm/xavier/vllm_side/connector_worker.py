@@ -67,6 +67,7 @@ class XavierConnectorWorker:
         self._stats: Optional[CounterDeltas] = None
         #: this step's time in the connector so far (closed by :meth:`finished_loads`)
         self._hold = StepHoldClock()
+        self._in_place_local = False  # what the last in-place publication said
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> Optional[str]:
         """Build the data plane on ``kv_caches`` and attach it; returns why sharing cannot
@@ -141,7 +142,10 @@ class XavierConnectorWorker:
         with elapsed_us(self._hold.add):
             if step.exports:
                 self.plane.export(step.exports)
-            if step.in_place:
+            if step.in_place or step.in_place_local != self._in_place_local:
+                # (a change with no rows still reaches the publisher: it switches in order,
+                # and the scheduler's forgets skipped while local are covered by it)
+                self._in_place_local = step.in_place_local
                 self.plane.publish_in_place(step.in_place, step.in_place_local)
 
     def finished_loads(self, idle: bool = False

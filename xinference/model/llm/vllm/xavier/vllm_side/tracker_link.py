@@ -44,8 +44,9 @@ class TrackerLink:
         return list(self._call("move", rank, [tuple(int(x) for x in e) for e in entries],
                                tier, group, [int(s) for s in slots], int(incarnation)))
 
-    def forget_in_place(self, rank: int) -> int:
-        return int(self._call("forget_in_place", rank))
+    def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
+        return int(self._call("forget_in_place", rank,
+                              None if groups is None else [int(g) for g in groups]))
 
     def announce_index(self, rank: int, tp_rank: int, path: str) -> None:
         """Worker ``tp_rank`` of ``rank`` writes its host index at ``path`` on this host."""

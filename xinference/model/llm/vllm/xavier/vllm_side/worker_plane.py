@@ -131,15 +131,15 @@ class WorkerDataPlane:
                               layout=self.layout)
         self._pending: List[_StepLoad] = []
         self._closed = False
-        #: vLLM's cache read in place by peers (``options.in_place``): the engine's block
-        #: generations (the scheduler bumps them), how peers map the cache (handed to the
-        #: transfer actor at attach), the host index (:mod:`..mechanism.host_index`)
+        #: vLLM's cache read in place by peers (``options.in_place``): its block generations,
+        #: how peers map it (handed to the transfer actor at attach), the host index
         self.in_place: Optional[InPlaceShare] = None
         self._shared_host = shared_host
         if options.in_place and num_blocks > 0:
             self.in_place = InPlaceShare.create(
                 {g: [t for _, t in ls] for g, ls in caches.items()}, block_dims, num_blocks,
-                shared_host, self.rank, tp_rank, options.host_index)
+                shared_host, self.rank, tp_rank, options.host_index,
+                options.gpu_budget_bytes + options.cpu_budget_bytes)
         self.hooks: Optional[PlaneHooks] = load_test_hooks(self)
 
     @property
@@ -383,9 +383,9 @@ class WorkerDataPlane:
     def publish_in_place(self, rows: Sequence[Tuple[int, int, int, int]],
                          local: bool = False) -> None:
         """Register the step's newly full blocks ``(group, name, block, generation)`` as held
-        in this engine's cache (``local``: host index only) once the forward that computed
-        them completed (an event on vLLM's stream; the publisher waits); never waits."""
-        if not rows or self.writer is None or self.in_place is None:
+        in this engine's cache (``local``: host index only; no rows: ``local`` changed) once
+        the forward that computed them completed (an event on vLLM's stream); never waits."""
+        if self.writer is None or self.in_place is None:
             return
         event: Optional[torch.cuda.Event] = None
         if self.device.type == "cuda":
