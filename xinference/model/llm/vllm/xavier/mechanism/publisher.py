@@ -10,10 +10,12 @@ event, one directory call each; a failure is counted (a later miss, never wrong 
 While the whole launch is on this host the scheduler marks in-place publications
 ``local``: they go into the worker's host index only, where every peer looks
 (:mod:`.host_holders`), and no directory call is made for them.  The publisher switches in
-order: before the first local one it drops this rank's in-place entries from the directory
-(``forget_in_place``: none is left behind to go stale there), before the first one after
-them that is not local it registers again every block the index says the engine still
-holds (``republish``), so that a replica of another host finds them.
+order: before the first local one it drops its worker's in-place entries (its shard's
+directory groups) from the directory (``forget_in_place``: none is left behind to go stale
+there), before the first one after them that is not local it registers again every block
+the index says the engine still holds (``republish``), so that a replica of another host
+finds them.  A change of the scheduler's word in a step with no new block comes as a
+publication with no entries: the switch alone.
 """
 
 from __future__ import annotations

@@ -106,6 +106,7 @@ class XavierConnectorScheduler:
             self._holders = HostHolders(options.rank, Shards(max(1, num_groups), tp_size))
         self._host_poll: Optional[concurrent.futures.Future[Any]] = None
         self._next_host_poll = 0.0
+        self._waited_first_poll = False
         self._host = host_id()
         self.side = SchedulerSide(options.rank, block_size, max(1, num_groups),
                                   DirectoryLookups(self._send_lookups), releaser.release_many,
@@ -170,10 +171,16 @@ class XavierConnectorScheduler:
 
     def _poll_host_indexes(self) -> None:
         """Map the host indexes the directory announced last; ask again every
-        ``HOST_POLL_S`` (the answer is taken by a later call, never waited for)."""
+        ``HOST_POLL_S`` (the answer is taken by a later call, never waited for -- but the
+        first, at most ``READY_CALL_S``: a replica that just started must see its peers'
+        indexes before its first lookup, since blocks published while the launch is on
+        one host are in those indexes only)."""
         if self._holders is None:
             return
         fut = self._host_poll
+        if fut is not None and not self._waited_first_poll:
+            self._waited_first_poll = True  # (once: a directory that does not answer)
+            concurrent.futures.wait([fut], timeout=READY_CALL_S)
         now = time.monotonic()
         if fut is not None and not fut.done() and now > self._next_host_poll + HOST_POLL_S:
             fut.cancel()  # unanswered for two periods (a directory gone): ask again
@@ -188,6 +195,8 @@ class XavierConnectorScheduler:
             self._next_host_poll = now + HOST_POLL_S
             ref, host = self._directory.get(), self._host
             self._host_poll = self._bridge.start(lambda: ref.host_view(host))
+            if not self._waited_first_poll:  # (the first answer, taken at once)
+                self._poll_host_indexes()
 
     def _take_leases(self, locations: np.ndarray) -> concurrent.futures.Future[List[int]]:
         """Leases for this rank's load of ``locations`` (rows of
