@@ -79,9 +79,9 @@ def test_cross_replica_hit_gives_baseline_tokens_in_one_load_call(world):
     while lt.run(b.counters()).get("peers_mapped_ipc", 0) < 1:
         assert time.monotonic() < deadline, "B's mapping thread never mapped A (60 s)"
         time.sleep(0.2)
-    # B's scheduler maps A's host index once the directory announced it (A announces at
-    # its first publication; B asks every second, from its steps): then B finds A's
-    # blocks without a directory round trip
+    # B's scheduler maps A's host index once the directory announced it (A announced it
+    # as it registered; B asks every second, from its lookups): then B finds A's blocks
+    # without a directory round trip
     lt.run(a.generate([tokens(8, 40)]))  # (A publishes two blocks at least once)
     while lt.run(b.counters()).get("host_index_peers", 0) < 1:
         assert time.monotonic() < deadline, "B's scheduler never mapped A's host index"

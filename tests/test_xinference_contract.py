@@ -98,6 +98,15 @@ def test_launch_serve_recover_terminate(tiny_model_dir):
             await replicas[2].generate([shared3 + tokens(22, 40)])
             out = await replicas[1].generate([shared3 + tokens(23, 40)])
             assert out[0]["cached"] == 512
+            # each replica announced its host index as it registered, before it served
+            # anything (the relaunched one too): from its first request on, replica 1 saw the
+            # whole launch on this host, and every block it published stayed in its host
+            # index -- none registered in the directory, none registered there again when
+            # the recovered replica joined (xavier_local_publish)
+            kept = await replicas[1].counters()
+            assert kept["host_index_whole_launch"] == 1
+            assert kept["in_place_kept_local"] == kept["in_place_registered"] > 0
+            assert kept.get("in_place_republished", 0) == 0
             assert (await tracker.stats())["outstanding_leases"] == 0
 
             # terminate.  A model actor first stops its model (vLLM's shutdown, in a thread):

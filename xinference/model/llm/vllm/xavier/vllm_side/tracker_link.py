@@ -56,12 +56,16 @@ class TrackerLink:
 def writer_link(bridge: ActorBridge, tracker: LazyActor, rank: int, shards: Shards,
                 tp_rank: int, index: Optional[HostIndex]) -> DirectoryLink:
     """The storage writer's link: the tracker, with the worker's host index written first
-    (``index``), translated to its shard's directory groups (tensor parallel)."""
+    (``index``, announced at once), translated to its shard's directory groups (tensor
+    parallel)."""
     direct = TrackerLink(bridge, tracker)
     link: DirectoryLink = direct
     if index is not None:
         path = index.path
-        link = HostIndexLink(direct, index, lambda: direct.announce_index(rank, tp_rank, path))
+        indexed = HostIndexLink(direct, index,
+                                lambda: direct.announce_index(rank, tp_rank, path))
+        indexed.announce(rank)  # the rank just registered: its peers see it on this host
+        link = indexed
     if shards.tp_size > 1:
         link = ShardLink(link, shards, tp_rank)
     return link

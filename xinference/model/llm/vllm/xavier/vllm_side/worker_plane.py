@@ -206,7 +206,9 @@ class WorkerDataPlane:
                     variants)
 
     def _open_storage(self, desc: Dict[str, Any]) -> None:
-        pin = self.device.type == "cuda"
+        link = writer_link(self._bridge, self._tracker, self.rank, self.shards, self.tp_rank,
+                           self.in_place.index if self.in_place is not None else None)
+        pin = self.device.type == "cuda"  # (the link first: it announces the host index)
         tiers: Dict[Tier, Dict[int, List[torch.Tensor]]] = {}
         for tier, (kind, handles) in sorted(desc["tiers"].items()):
             caches, release = open_tier(kind, handles, pin=pin)
@@ -214,8 +216,6 @@ class WorkerDataPlane:
             self._own_releases.append(release)
         generations = SlotGenerations.open(desc["generations"])
         self._own_releases.append(generations.close)
-        link = writer_link(self._bridge, self._tracker, self.rank, self.shards, self.tp_rank,
-                           self.in_place.index if self.in_place is not None else None)
         self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
                                     stream=self.engine.stream, counters=self.counters,
                                     room_blocks=self.options.slab_blocks,
