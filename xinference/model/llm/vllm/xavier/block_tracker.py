@@ -5,7 +5,8 @@ torch, no vLLM.  A thin adapter over :class:`~.planning.block_directory.BlockDir
 every method is synchronous, so each runs atomically in the actor.  Its
 ``register`` and ``claim`` are what a worker's storage writer calls
 (:class:`~.planning.directory_link.DirectoryLink`, through
-:class:`~.vllm_side.tracker_link.TrackerLink`).
+:class:`~.vllm_side.tracker_link.TrackerLink`).  A bulk argument may come
+:class:`~.planning.directory_types.Packed` (the engines send theirs so).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import xoscar as xo
 
 from .planning.block_directory import BlockDirectory, QueryResult
-from .planning.directory_types import Location
+from .planning.directory_types import Location, unpacked
 from .planning.hash_seed import new_launch_seed
 from .planning.load_batch import Tier
 from .planning.log_names import package_logger
@@ -88,6 +89,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         only, if given: one TP worker's), keeping its host indexes and its tiers' entries:
         the rank records them locally from now on (the whole launch is on its host,
         :mod:`~.mechanism.host_holders`)."""
+        groups = unpacked(groups)
         return self._directory.forget(int(rank), int(Tier.VLLM), None,
                                       None if groups is None else sorted({int(g) for g in groups}))
 
@@ -105,13 +107,13 @@ class VLLMBlockTracker(xo.StatelessActor):
     def register(self, rank: int, entries: Any, incarnation: int = 0) -> int:
         """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)
         written by the storage ``incarnation`` of ``rank``."""
-        rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
+        rows = _rows(entries)
         return self._directory.register(
             rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
             int(incarnation))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
-        return self._directory.claim(rank, tier, group, [int(s) for s in slots])
+        return self._directory.claim(rank, tier, group, [int(s) for s in unpacked(slots)])
 
     def forget(self, rank: int, tier: int,
                slots: Optional[Dict[int, Sequence[Sequence[int]]]] = None) -> int:
@@ -119,6 +121,7 @@ class VLLMBlockTracker(xo.StatelessActor):
         (vLLM handed its blocks out to be overwritten; None: any slot of the tier, its
         engine went): their entries go (with vLLM's whole cache, the rank's host indexes
         too: a peer stops probing them at its next poll)."""
+        slots = unpacked(slots)
         if slots is None and int(tier) == int(Tier.VLLM):
             self._drop_indexes(rank)
         return self._directory.forget(int(rank), int(tier), None if slots is None else {
@@ -127,14 +130,12 @@ class VLLMBlockTracker(xo.StatelessActor):
     def move(self, rank: int, entries: Any, tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """A demotion: register the lower copies, then claim ``slots`` (one call)."""
-        rows = entries.tolist() if isinstance(entries, np.ndarray) else entries
         return self._directory.move(
-            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
-            tier, group, [int(s) for s in slots], int(incarnation))
+            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in _rows(entries)],
+            tier, group, [int(s) for s in unpacked(slots)], int(incarnation))
 
     def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
-        keys = keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
-        return self._directory.query(group, keys, exclude_rank)
+        return self._directory.query(group, _rows(keys), exclude_rank)
 
     def query_many(self, groups: Sequence[int], requests: Sequence[Any],
                    exclude_rank: Optional[int] = None, lease: bool = True
@@ -142,23 +143,29 @@ class VLLMBlockTracker(xo.StatelessActor):
         """One scheduler step's lookups: for each request's keys, the longest prefix held
         by other ranks in every group, leased unless ``lease`` is false
         (:meth:`BlockDirectory.query_many`)."""
-        reqs = [r.tolist() if isinstance(r, np.ndarray) else list(r) for r in requests]
+        reqs = [_rows(r) for r in unpacked(requests)]
         return self._directory.query_many([int(g) for g in groups], reqs, exclude_rank,
                                           bool(lease))
 
     def lease(self, holder: int, locations: Sequence[Any]) -> List[int]:
         """Leases for ``holder``'s load of ``locations``, taken when it allocated the
         destinations (:meth:`BlockDirectory.lease`)."""
-        return self._directory.lease(int(holder), [Location(*loc) for loc in locations])
+        return self._directory.lease(int(holder), [Location(*loc) for loc in _rows(locations)])
 
     def release(self, lease_ids: Sequence[int]) -> int:
-        return self._directory.release(lease_ids)
+        return self._directory.release([int(i) for i in unpacked(lease_ids)])
 
     def stats(self) -> Dict[str, int]:
         d = self._directory
         out = asdict(d.stats)
         out.update(blocks=d.num_blocks, keys=d.num_keys, outstanding_leases=d.outstanding_leases)
         return out
+
+
+def _rows(arg: Any) -> List[Any]:
+    """A bulk argument as a list (it may come :class:`Packed`, or as an array)."""
+    value = unpacked(arg)
+    return value.tolist() if isinstance(value, np.ndarray) else list(value)
 
 
 async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:

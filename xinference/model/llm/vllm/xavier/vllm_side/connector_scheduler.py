@@ -30,6 +30,7 @@ from ..mechanism.host_holders import HostHolders
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
 from ..planning.counters import elapsed_us
+from ..planning.directory_types import Packed
 from ..planning.hash_seed import user_seed
 from ..planning.in_place import InPlaceBook
 from ..planning.lease_release import BatchingReleaser, directory_sender
@@ -158,7 +159,7 @@ class XavierConnectorScheduler:
     def _send_lookups(self, batch: Sequence[Any]) -> concurrent.futures.Future[List[QueryResult]]:
         ref = self._directory.get()  # unchecked: a ref without a lookup
         groups = self.side.shards.directory_groups
-        requests = [list(keys) for _, keys in batch]
+        requests = [list(keys) for _, keys in batch]  # (lists of ints: serialized fast)
         rank = self.options.rank
         # no lease with the answer: a step leases what it loads (_take_leases)
         return self._bridge.start(lambda: ref.query_many(groups, requests, rank, False))
@@ -204,8 +205,7 @@ class XavierConnectorScheduler:
         for)."""
         ref = self._directory.get()
         rank = self.options.rank
-        rows = locations.tolist()
-        return self._bridge.start(lambda: ref.lease(rank, rows))
+        return self._bridge.start(lambda: ref.lease(rank, locations))  # (an array: one buffer)
 
     def is_ready(self) -> bool:
         """Whether this rank's worker has attached to its transfer actor (the actor is
@@ -283,7 +283,7 @@ class XavierConnectorScheduler:
             ref = self._directory.get()
             rank = self.options.rank
             try:
-                self._bridge.call(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),
+                self._bridge.call(lambda: ref.forget(rank, int(Tier.VLLM), Packed(forgotten)),
                                   timeout=READY_CALL_S)
             except Exception as exc:  # the entries then fail their readers' checks
                 logger.warning("xavier: rank %d: forgetting the published blocks at a "
@@ -355,7 +355,7 @@ class XavierConnectorScheduler:
         if forgotten and not local:
             ref = self._directory.get()
             rank = self.options.rank
-            self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), forgotten),
+            self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), Packed(forgotten)),
                                 "forgetting reused in-place blocks")
         return meta
 

@@ -1,5 +1,7 @@
 """The worker's :class:`~..planning.directory_link.DirectoryLink`: the ``VLLMBlockTracker``
-actor, called through the bridge off the step thread."""
+actor, called through the bridge off the step thread; rows and slots go
+:class:`~..planning.directory_types.Packed` (what xoscar serializes item by item costs the
+engine's process CPU beside its steps)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from typing import Any, List, Optional, Sequence
 
 from ..mechanism.host_index import HostIndex, HostIndexLink
 from ..planning.directory_link import DirectoryLink, Entry, ShardLink
+from ..planning.directory_types import Packed
 from ..planning.routes import host_id
 from ..planning.shards import Shards
 from .actor_bridge import ActorBridge, LazyActor
@@ -33,16 +36,16 @@ class TrackerLink:
             raise
 
     def register(self, rank: int, entries: Sequence[Entry], incarnation: int = 0) -> int:
-        return int(self._call("register", rank, [tuple(int(x) for x in e) for e in entries],
+        return int(self._call("register", rank, Packed([tuple(map(int, e)) for e in entries]),
                               int(incarnation)))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
-        return list(self._call("claim", rank, tier, group, [int(s) for s in slots]))
+        return list(self._call("claim", rank, tier, group, Packed([int(s) for s in slots])))
 
     def move(self, rank: int, entries: Sequence[Entry], tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
-        return list(self._call("move", rank, [tuple(int(x) for x in e) for e in entries],
-                               tier, group, [int(s) for s in slots], int(incarnation)))
+        return list(self._call("move", rank, Packed([tuple(map(int, e)) for e in entries]),
+                               tier, group, Packed([int(s) for s in slots]), int(incarnation)))
 
     def forget_in_place(self, rank: int, groups: Optional[Sequence[int]] = None) -> int:
         return int(self._call("forget_in_place", rank,
