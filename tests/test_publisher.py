@@ -5,6 +5,7 @@ before the first local one, every block the index says the engine still holds re
 again before the first one after them that is not local."""
 
 import threading
+import time
 from typing import List
 
 from tests.support.host_indexes import VLLM, Engine, names
@@ -173,3 +174,53 @@ def test_a_tensor_parallel_worker_forgets_its_own_shard_only():
     finally:
         for e in engines:
             e.close()
+
+
+def test_publications_queued_behind_a_slow_directory_call_go_in_one_call_in_order():
+    """A busy directory answers late: the publications that queued meanwhile are registered
+    in ONE call (fewer, larger calls as its load rises), in order; a switch among them
+    still comes after every registration before it; each is reported done once."""
+
+    class Slow:  # the link, its registrations held until the test lets them go
+        def __init__(self, inner):
+            self.inner, self.calls, self.gate = inner, [], threading.Event()
+
+        def register(self, rank, entries, incarnation=0):
+            self.calls.append(len(entries))
+            assert self.gate.wait(30)
+            return self.inner.register(rank, entries, incarnation)
+
+        def __getattr__(self, name):  # LocalPublishing: the host index link's
+            return getattr(self.inner, name)
+
+    w = World()
+    w.publisher.close(30)
+    slow = Slow(w.link)
+    w.publisher = Publisher(RANK, slow, incarnation=77, sink=w.counters, done=w._finished)
+    try:
+        inc, row = w.engine.index.incarnation, w.engine.row
+        held = [names(2), names(3), names(1), names(2), names(2)]
+        pubs = [Publication([(0, k, VLLM, 10 * n + i, int(row[10 * n + i]))
+                             for i, k in enumerate(h)], [], None, incarnation=inc,
+                            local=(n == 3)) for n, h in enumerate(held)]
+        w.publisher.put(pubs[0])
+        deadline = time.monotonic() + 30
+        while not slow.calls:  # the publisher is inside its first call
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for pub in pubs[1:]:
+            w.publisher.put(pub)
+        slow.gate.set()
+        with w._all_done:
+            assert w._all_done.wait_for(lambda: len(w.done) == 5, 30)
+        assert w.done == pubs
+        # 2; then 3 + 1 together; the local one's switch after them; the switch back
+        # (its republication) before the last one's own call
+        assert slow.calls == [2, 4, 2]
+        c = w.counters.snapshot()
+        assert c["directory_calls_coalesced"] == 1 and c["in_place_kept_local"] == 2
+        assert c["in_place_registered"] == 10 and c.get("in_place_register_failures", 0) == 0
+        assert w.in_directory(held[4]) == 2 and w.in_directory(held[1]) == 3
+        assert w.in_directory(held[3]) == 2  # registered again when the launch spread out
+    finally:
+        w.close()

@@ -163,7 +163,8 @@ class VLLMBlockTracker(xo.StatelessActor):
 
 
 def _rows(arg: Any) -> List[Any]:
-    """A bulk argument as a list (it may come :class:`~.planning.directory_types.Packed`, or as an array)."""
+    """A bulk argument as a list (it may come
+    :class:`~.planning.directory_types.Packed`, or as an array)."""
     value = unpacked(arg)
     return value.tolist() if isinstance(value, np.ndarray) else list(value)
 

@@ -5,7 +5,9 @@ A :class:`Publication` is one call's entries and the event that marks their byte
 exported copies into Xavier's tier (the storage's own incarnation), or blocks of vLLM's
 own cache whose forward just completed (published in place: ``incarnation`` names the
 engine's block generations).  :class:`Publisher` registers them in order, after their
-event, one directory call each; a failure is counted (a later miss, never wrong KV).
+event; those that queued while the directory answered the last call go in one call
+(``directory_calls_coalesced``: a busy directory gets fewer, larger calls, and the engine's
+process makes fewer); a failure is counted (a later miss, never wrong KV).
 
 While the whole launch is on this host the scheduler marks in-place publications
 ``local``: they go into the worker's host index only, where every peer looks
@@ -35,6 +37,9 @@ from ..planning.trace_spans import span
 from .block_copy import slab_as
 
 logger = package_logger(__name__)
+
+#: at most this many queued publications are taken together (one directory call)
+MAX_COALESCED = 64
 
 
 @dataclass
@@ -73,35 +78,84 @@ class Publisher:
 
     def _loop(self) -> None:
         while True:
-            pub = self._queue.get()
-            if pub is None:
+            batch = [self._queue.get()]
+            while batch[-1] is not None and len(batch) < MAX_COALESCED:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._publish([pub for pub in batch if pub is not None])
+            if batch[-1] is None:
                 return
+
+    def _publish(self, batch: List[Publication]) -> None:
+        """Register ``batch`` in order, each after its event (and its CPU tier's scatter).
+        Consecutive registrations in the directory of one incarnation go in one call:
+        what queued while the directory answered the last one (a busy directory gets
+        fewer, larger calls; an idle one is called as each publication comes)."""
+        run: List[Publication] = []  # waiting for one directory call
+        for pub in batch:
             in_place = pub.incarnation is not None
+            incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
             try:
                 if pub.event is not None:
                     pub.event.synchronize()
                 for dst, slots, host in pub.scatter:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
-                incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
                 if in_place and pub.local != self._local:
+                    run = self._register(run)  # (what came before the switch, first)
                     self._local = self._switched(pub.local)
-                local = in_place and self._local
-                with span(self.rank, "publish", blocks=len(pub.entries), local=int(local)):
-                    if local:
+            except Exception as exc:
+                self._failed([pub], exc)
+                continue
+            if in_place and self._local:
+                run = self._register(run)
+                try:
+                    with span(self.rank, "publish", blocks=len(pub.entries), local=1):
                         self._sink.add("in_place_kept_local", self._local_link().register_local(
                             self.rank, pub.entries, incarnation))
-                    elif pub.entries:  # (none: a switch only)
-                        self._directory.register(self.rank, pub.entries, incarnation)
-                self._sink.add("in_place_registered" if in_place else "export_published",
-                               len(pub.entries))
-            except Exception as exc:  # unpublished blocks are only a later miss
-                self._sink.add("in_place_register_failures" if in_place
-                               else "export_publish_failures", len(pub.entries))
-                logger.warning("rank %d: publishing %d blocks failed: %r", self.rank,
-                               len(pub.entries), exc)
-            finally:
-                self._done(pub)
+                    self._sink.add("in_place_registered", len(pub.entries))
+                    self._done(pub)
+                except Exception as exc:
+                    self._failed([pub], exc)
+                continue
+            if run and self._incarnation_of(run[0]) != incarnation:
+                run = self._register(run)
+            run.append(pub)
+        self._register(run)
+
+    def _incarnation_of(self, pub: Publication) -> int:
+        return self._incarnation if pub.incarnation is None else pub.incarnation
+
+    def _register(self, run: List[Publication]) -> List[Publication]:
+        """One directory call for ``run`` (publications of one incarnation, in order);
+        returns an empty run."""
+        if not run:
+            return []
+        entries = [e for pub in run for e in pub.entries]
+        try:
+            if entries:  # (none: a switch only)
+                with span(self.rank, "publish", blocks=len(entries), local=0,
+                          publications=len(run)):
+                    self._directory.register(self.rank, entries, self._incarnation_of(run[0]))
+                self._sink.add("directory_calls_coalesced", len(run) - 1)
+        except Exception as exc:  # unpublished blocks are only a later miss
+            self._failed(run, exc)
+            return []
+        for pub in run:
+            self._sink.add("in_place_registered" if pub.incarnation is not None
+                           else "export_published", len(pub.entries))
+            self._done(pub)
+        return []
+
+    def _failed(self, pubs: List[Publication], exc: Exception) -> None:
+        for pub in pubs:
+            self._sink.add("in_place_register_failures" if pub.incarnation is not None
+                           else "export_publish_failures", len(pub.entries))
+            self._done(pub)
+        logger.warning("rank %d: publishing %d blocks failed: %r", self.rank,
+                       sum(len(pub.entries) for pub in pubs), exc)
 
     def _local_link(self) -> LocalPublishing:
         if not isinstance(self._directory, LocalPublishing):
