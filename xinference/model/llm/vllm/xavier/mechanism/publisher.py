@@ -77,13 +77,19 @@ class Publisher:
         self._queue.put(pub)
 
     def _loop(self) -> None:
+        carried: Optional[Publication] = None  # taken, its event not complete: next batch
         while True:
-            batch = [self._queue.get()]
+            batch = [carried if carried is not None else self._queue.get()]
+            carried = None
             while batch[-1] is not None and len(batch) < MAX_COALESCED:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    pub = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                if pub is not None and pub.event is not None and not pub.event.query():
+                    carried = pub  # (waiting for it would hold back those before it)
+                    break
+                batch.append(pub)
             self._publish([pub for pub in batch if pub is not None])
             if batch[-1] is None:
                 return
