@@ -33,7 +33,13 @@ Pure Python, no actor: what the supervisor's directory actor would spend.  Three
   lookup is taken by a step drawn at random among the replica's :data:`STEPS_PER_S`, which
   waits for its answer plus ``--rtt-ms`` (the xoscar round trip: the H100 C1 rows' wait per
   lookup with an idle directory, 0.85-0.95 ms), within the step's wait budget; an upper
-  bound, since the request is never reached before its lookup could be answered.
+  bound, since the request is never reached before its lookup could be answered.  Three
+  runs (session 40): the directory's work alone (``simulation``, as sessions 28-38
+  reported it); the same plus what each call costs the actor's process (xoscar's
+  deserialization of the arguments as the engines send them, and ``--dispatch-ms`` a call:
+  ``simulation_with_call_costs``); and with each replica's publisher making one call at a
+  time, what it publishes meanwhile in its next (``simulation_coalesced``).  Each step
+  that reuses blocks is a ``forget`` (the scheduler) and a ``register`` (the publisher).
 
 ``--code CHECKOUT`` measures another checkout's ``planning/`` (two versions of the
 directory compared in one session, on one machine).
@@ -135,10 +141,25 @@ def lookup_ms(holders: int, keys_n: int, tier: str, reps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0
-               ) -> Dict[str, float]:
-    """One simulated second of ``replicas`` replicas (see the module docstring)."""
+def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0,
+               dispatch_ms: float = 0.0, coalesce: bool = False) -> Dict[str, float]:
+    """One simulated second of ``replicas`` replicas (see the module docstring), event by
+    event: each call arrives at a random time of the second and the actor serves them one
+    at a time in arrival order.  A call costs what the directory's method takes here, plus
+    (``dispatch_ms`` > 0) what the actor's process spends receiving it: xoscar's
+    deserialization of its arguments as the engines send them (timed here) and
+    ``dispatch_ms`` (``directory_call_bench.py``'s empty call).  Each step of a replica
+    that reuses blocks sends a ``forget`` (its scheduler) and a ``register`` (its
+    publisher).  ``coalesce``: a replica's publisher has one call out at a time; what it
+    publishes meanwhile goes in its next call, made when the last is answered."""
+    import heapq
+
+    from xoscar.serialization import deserialize, serialize
+
+    from xinference.model.llm.vllm.xavier.planning.directory_types import Packed
+
     d = BlockDirectory()
+    rng = secrets.SystemRandom()
     prefix = [secrets.randbits(192) for _ in range(keys_n)]
     owned: Dict[int, List[Any]] = {}  # rank -> its blocks (name, slot), oldest first
     for rank in range(1, replicas + 1):
@@ -147,56 +168,98 @@ def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0
             prefix + [secrets.randbits(192) for _ in range(held - keys_n)])]
         d.register(rank, [(0, k, VLLM, i, 1) for k, i in own], 7)
         owned[rank] = own
-    calls = []  # (kind, rank) in the order they would arrive, spread over the second
+    arrivals: List[Any] = []  # (time, order, kind, rank)
     for rank in range(1, replicas + 1):
-        calls += [("register", rank)] * REGISTER_CALLS_PER_S
-        calls += [("lookup", rank)] * round(LOOKUPS_PER_S)
-    secrets.SystemRandom().shuffle(calls)
-    spent = {"register": 0.0, "lookup": 0.0, "after_host_hit": 0.0}
-    count = {"register": 0, "lookup": 0}
-    served: List[Any] = []  # (kind, seconds) in the order the actor runs them
-    for kind, rank in calls:
+        for _ in range(REGISTER_CALLS_PER_S):
+            at = rng.random()
+            arrivals += [(at, len(arrivals), "forget", rank), (at, len(arrivals) + 1,
+                                                               "publish", rank)]
+        arrivals += [(rng.random(), len(arrivals) + i, "lookup", rank)
+                     for i in range(round(LOOKUPS_PER_S))]
+    heapq.heapify(arrivals)
+    received = (lambda args: deserialize(*serialize(args))) if dispatch_ms > 0 else None
+    pending: Dict[int, List[Any]] = {}  # rank -> rows published while its call is out
+    out: Dict[int, bool] = {}  # rank -> a register call of its publisher is out
+    calls: List[Any] = []  # (issued, order, kind, rank, rows)
+    pub_rows: Dict[Any, Any] = {}  # (rank, time) -> the rows its step publishes
+    spent = {"register": 0.0, "forget": 0.0, "lookup": 0.0, "after_host_hit": 0.0}
+    count = {"register": 0, "forget": 0, "lookup": 0, "publications": 0}
+    free_at, answered = 0.0, []
+
+    def step_rows(rank: int) -> Any:
+        """A step's reuse: the oldest blocks after the prefix go, new ones take their slots."""
+        own = owned[rank]
+        gone = own[keys_n:keys_n + BLOCKS_PER_REGISTER]
+        del own[keys_n:keys_n + BLOCKS_PER_REGISTER]
+        new = [(secrets.randbits(192), slot) for _, slot in gone]
+        own += new
+        return gone, [(0, k, VLLM, slot, 2) for k, slot in new]
+
+    while arrivals or calls:
+        if arrivals and (not calls or arrivals[0][0] <= max(free_at, calls[0][0])):
+            at, order, kind, rank = heapq.heappop(arrivals)
+            if kind == "publish":
+                count["publications"] += 1
+                if coalesce and out.get(rank):
+                    pending.setdefault(rank, []).extend(pub_rows.pop((rank, at)))
+                    continue
+                out[rank] = True
+                heapq.heappush(calls, (at, order, "register", rank, pub_rows.pop((rank, at))))
+            elif kind == "forget":
+                gone, rows = step_rows(rank)
+                pub_rows[(rank, at)] = rows
+                heapq.heappush(calls, (at, order, "forget", rank, gone))
+            else:
+                heapq.heappush(calls, (at, order, "lookup", rank, None))
+            continue
+        issued, order, kind, rank, rows = heapq.heappop(calls)
+        t0 = time.perf_counter()
         if kind == "register":
-            # the oldest blocks after the prefix go (vLLM reused their slots for new ones)
-            own = owned[rank]
-            gone = own[keys_n:keys_n + BLOCKS_PER_REGISTER]
-            del own[keys_n:keys_n + BLOCKS_PER_REGISTER]
-            new = [(secrets.randbits(192), slot) for _, slot in gone]
-            own += new
-            t0 = time.perf_counter()
-            d.forget(rank, VLLM, {0: [(slot, 2) for _, slot in gone]})
-            d.register(rank, [(0, k, VLLM, slot, 2) for k, slot in new], 7)
+            args: Any = (rank, Packed(rows), 7)
+            if received is not None:
+                args = received(args)
+            d.register(rank, args[1].value, 7)
+        elif kind == "forget":
+            args = (rank, VLLM, Packed({0: [(slot, 2) for _, slot in rows]}))
+            if received is not None:
+                args = received(args)
+            d.forget(rank, VLLM, args[2].value)
         else:
-            t0 = time.perf_counter()
-            hit = d.query_prefix([0], prefix, exclude_rank=rank, lease=False)
+            args = ([0], [prefix], rank, False)
+            if received is not None:
+                args = received(args)
+            hit = d.query_prefix([0], args[1][0], exclude_rank=rank, lease=False)
             assert hit.num_hits == keys_n
             t1 = time.perf_counter()
             # with a same-host holder, the host index answers the prefix and the directory
             # is asked only from the block after it (here: the prompt's own, a miss)
             d.query_prefix([0], [secrets.randbits(192)], exclude_rank=rank, lease=False)
-            spent["after_host_hit"] += time.perf_counter() - t1
+            spent["after_host_hit"] += time.perf_counter() - t1 + dispatch_ms / 1e3
             t0 += time.perf_counter() - t1
-        spent[kind] += time.perf_counter() - t0
+        took = time.perf_counter() - t0 + dispatch_ms / 1e3
+        spent[kind] += took
         count[kind] += 1
-        served.append((kind, time.perf_counter() - t0))
-    busy = spent["register"] + spent["lookup"]
-    # the same calls arriving at random over the second, served one at a time in arrival
-    # order (the actor): how long a lookup's answer takes, queueing included
-    arrivals = sorted(secrets.SystemRandom().random() for _ in served)
-    free_at, answered = 0.0, []
-    for at, (kind, seconds) in zip(arrivals, served):
-        free_at = max(at, free_at) + seconds
+        free_at = max(issued, free_at) + took
         if kind == "lookup":
-            answered.append(free_at - at)
+            answered.append(free_at - issued)
+        elif kind == "register":
+            out[rank] = False
+            if pending.get(rank):  # what it published meanwhile: its next call, now
+                out[rank] = True
+                heapq.heappush(calls, (free_at, order, "register", rank, pending.pop(rank)))
+    busy = spent["register"] + spent["forget"] + spent["lookup"]
     waits = step_waits(answered, replicas, rtt_ms)
     answered.sort()
     return {"replicas": replicas, "held_per_replica": held, "entries": replicas * held,
+            "dispatch_ms": dispatch_ms, "coalesce": coalesce,
             "busy_s_per_simulated_s": busy,
-            "busy_s_if_same_host_peers_hold_the_prefix": spent["register"]
+            "busy_s_if_same_host_peers_hold_the_prefix": spent["register"] + spent["forget"]
             + spent["after_host_hit"],
             "register_ms_per_call": 1e3 * spent["register"] / count["register"],
+            "forget_ms_per_call": 1e3 * spent["forget"] / count["forget"],
             "lookup_ms_per_call": 1e3 * spent["lookup"] / count["lookup"],
-            "register_calls": count["register"], "lookups": count["lookup"],
+            "publications": count["publications"], "register_calls": count["register"],
+            "forget_calls": count["forget"], "lookups": count["lookup"],
             "lookup_answer_ms_p50": 1e3 * answered[len(answered) // 2],
             "lookup_answer_ms_p99": 1e3 * answered[int(len(answered) * 0.99)],
             "lookup_answer_ms_max": 1e3 * answered[-1],
@@ -230,6 +293,9 @@ def main() -> None:
     ap.add_argument("--held", type=int, default=8192, help="blocks each replica holds")
     ap.add_argument("--rtt-ms", type=float, default=1.0,
                     help="a lookup's round trip to the directory, on top of its service")
+    ap.add_argument("--dispatch-ms", type=float, default=0.25,
+                    help="the actor process's CPU for a call beyond its arguments "
+                         "(directory_call_bench.py's empty call: 0.2-0.3 ms on the CPU machine)")
     ap.add_argument("--code", default=HERE, help="the checkout whose directory is measured")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "doc",
                                                   "results", "directory_scale_bench.json"))
@@ -251,8 +317,13 @@ def main() -> None:
             rows.append({"holders": holders, "keys": a.keys, "tier": tier, "p50_ms": ms})
             print(f"{holders:4d} holders, {a.keys} keys ({tier}): {ms:7.2f} ms per lookup")
     out["lookups"] = rows
-    out["simulation"] = simulation(a.replicas, a.held, a.keys, a.rtt_ms)
-    print("simulation:", {k: round(v, 3) for k, v in out["simulation"].items()})
+    # the directory's work alone (as sessions 28-38 measured it), then with what each call
+    # costs the actor's process on top, then with the publishers' calls coalesced
+    for name, dispatch, coalesce in (("simulation", 0.0, False),
+                                     ("simulation_with_call_costs", a.dispatch_ms, False),
+                                     ("simulation_coalesced", a.dispatch_ms, True)):
+        out[name] = simulation(a.replicas, a.held, a.keys, a.rtt_ms, dispatch, coalesce)
+        print(f"{name}:", {k: round(v, 3) for k, v in out[name].items()}, flush=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {a.out}")
