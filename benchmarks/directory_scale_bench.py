@@ -38,7 +38,8 @@ Pure Python, no actor: what the supervisor's directory actor would spend.  Three
   reported it); the same plus what each call costs the actor's process (xoscar's
   deserialization of the arguments as the engines send them, and ``--dispatch-ms`` a call:
   ``simulation_with_call_costs``); and with each replica's publisher making one call at a
-  time, what it publishes meanwhile in its next (``simulation_coalesced``).  Each step
+  time, what it publishes meanwhile in its next, and its scheduler's forgets likewise
+  (``simulation_coalesced``).  Each step
   that reuses blocks is a ``forget`` (the scheduler) and a ``register`` (the publisher).
 
 ``--code CHECKOUT`` measures another checkout's ``planning/`` (two versions of the
@@ -151,7 +152,8 @@ def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0,
     ``dispatch_ms`` (``directory_call_bench.py``'s empty call).  Each step of a replica
     that reuses blocks sends a ``forget`` (its scheduler) and a ``register`` (its
     publisher).  ``coalesce``: a replica's publisher has one call out at a time; what it
-    publishes meanwhile goes in its next call, made when the last is answered."""
+    publishes meanwhile goes in its next call, made when the last is answered; its
+    scheduler's forgets likewise (:mod:`~.planning.coalesced_forgets`)."""
     import heapq
 
     from xoscar.serialization import deserialize, serialize
@@ -180,6 +182,8 @@ def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0,
     received = (lambda args: deserialize(*serialize(args))) if dispatch_ms > 0 else None
     pending: Dict[int, List[Any]] = {}  # rank -> rows published while its call is out
     out: Dict[int, bool] = {}  # rank -> a register call of its publisher is out
+    forget_pending: Dict[int, List[Any]] = {}  # the same for its scheduler's forgets
+    forget_out: Dict[int, bool] = {}
     calls: List[Any] = []  # (issued, order, kind, rank, rows)
     pub_rows: Dict[Any, Any] = {}  # (rank, time) -> the rows its step publishes
     spent = {"register": 0.0, "forget": 0.0, "lookup": 0.0, "after_host_hit": 0.0}
@@ -208,6 +212,10 @@ def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0,
             elif kind == "forget":
                 gone, rows = step_rows(rank)
                 pub_rows[(rank, at)] = rows
+                if coalesce and forget_out.get(rank):
+                    forget_pending.setdefault(rank, []).extend(gone)
+                    continue
+                forget_out[rank] = True
                 heapq.heappush(calls, (at, order, "forget", rank, gone))
             else:
                 heapq.heappush(calls, (at, order, "lookup", rank, None))
@@ -247,6 +255,12 @@ def simulation(replicas: int, held: int, keys_n: int, rtt_ms: float = 1.0,
             if pending.get(rank):  # what it published meanwhile: its next call, now
                 out[rank] = True
                 heapq.heappush(calls, (free_at, order, "register", rank, pending.pop(rank)))
+        else:
+            forget_out[rank] = False
+            if forget_pending.get(rank):
+                forget_out[rank] = True
+                heapq.heappush(calls, (free_at, order, "forget", rank,
+                                       forget_pending.pop(rank)))
     busy = spent["register"] + spent["forget"] + spent["lookup"]
     waits = step_waits(answered, replicas, rtt_ms)
     answered.sort()

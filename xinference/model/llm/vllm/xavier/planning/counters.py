@@ -77,7 +77,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "export_launch_us", "export_published", "export_publish_failures",
     # publications registered together with the one before them (queued while the
     # directory answered it: one call for them all)
-    "directory_calls_coalesced",
+    "directory_calls_coalesced", "forgets_coalesced",
     # background room in the top tier
     "room_rounds", "room_demoted", "room_evicted", "room_claims_refused",
     "room_skipped_no_lower_slot", "room_us",

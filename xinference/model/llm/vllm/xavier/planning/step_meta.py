@@ -58,6 +58,9 @@ class StepStats:
     #: 1 while the mapped indexes are the whole launch's (misses answered without a
     #: lookup: :mod:`~..mechanism.host_holders`), 0 when not, -1: no index
     host_index_whole_launch: int = -1
+    #: steps whose forgets went in one directory call with an earlier step's (one call
+    #: out at a time: :mod:`.coalesced_forgets`)
+    forgets_coalesced: int = 0
     #: vLLM's cache read in place: blocks published, published blocks vLLM handed out
     #: again (their entries forgotten), those of them saved into Xavier's tier, and those
     #: not saved since a same-host peer held them in its vLLM cache then, or since

@@ -29,6 +29,7 @@ import numpy as np
 from ..mechanism.host_holders import HostHolders
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
+from ..planning.coalesced_forgets import CoalescedForgets
 from ..planning.counters import elapsed_us
 from ..planning.directory_types import Packed
 from ..planning.hash_seed import user_seed
@@ -99,6 +100,8 @@ class XavierConnectorScheduler:
         self._releaser = releaser = BatchingReleaser(
             directory_sender(self._directory, bridge.start), bridge.schedule)
         self._release_failures_counted = 0
+        self._forgets = CoalescedForgets(self._send_forget)  # one call out at a time
+        self._forgets_coalesced = 0
         self._empty_steps = EmptySteps()  # which steps are StepMeta.idle
         #: same-host peers' host indexes (``xavier_host_index``), as the directory announces
         #: them (asked every ``HOST_POLL_S``, never waited for)
@@ -353,11 +356,14 @@ class XavierConnectorScheduler:
         meta.stats.in_place_reused += book.reused - self._reused_counted
         self._reused_counted = book.reused
         if forgotten and not local:
-            ref = self._directory.get()
-            rank = self.options.rank
-            self._bridge.submit(lambda: ref.forget(rank, int(Tier.VLLM), Packed(forgotten)),
-                                "forgetting reused in-place blocks")
+            self._forgets.add(forgotten)
+            meta.stats.forgets_coalesced += self._forgets.coalesced - self._forgets_coalesced
+            self._forgets_coalesced = self._forgets.coalesced
         return meta
+
+    def _send_forget(self, forgotten: Any) -> concurrent.futures.Future[Any]:
+        ref, rank = self._directory.get(), self.options.rank
+        return self._bridge.start(lambda: ref.forget(rank, int(Tier.VLLM), Packed(forgotten)))
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepMeta:
         """ONE step's metadata from vLLM's scheduler output (not modified)."""
