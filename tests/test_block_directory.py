@@ -372,6 +372,26 @@ def test_forget_drops_a_ranks_in_place_entries_whatever_their_generation():
     assert d.forget(1, VLLM) == 2 and d.query(0, [13], exclude_rank=3).num_hits == 1
 
 
+def test_a_late_forget_keeps_the_block_registered_in_its_slot_since():
+    """The scheduler forgets a handed-out block (its slot's generation now) from vLLM's
+    scheduling loop; the worker registers the block vLLM computed there after the forward,
+    from another process, over another connection -- and a busy directory can take that
+    first (the scheduler keeps one forget call out at a time).  The late forget drops only
+    what is older than the generation it names; a forget arriving later still (an older
+    generation) neither drops the newer block nor lowers the stale floor."""
+    d = BlockDirectory()
+    d.register(1, [(0, 10, VLLM, 5, 1), (0, 11, VLLM, 6, 1)])
+    d.register(1, [(0, 20, VLLM, 5, 2)])  # slot 5 handed out and filled again: first
+    assert d.forget(1, VLLM, {0: [(5, 2), (6, 2)]}) == 1  # only block 11 (slot 6) goes
+    assert d.query(0, [20], exclude_rank=3).locations == (Location(1, VLLM, 0, 5, 2, 0),)
+    assert d.query(0, [11], exclude_rank=3).num_hits == 0
+    d.register(1, [(0, 30, VLLM, 5, 3)])
+    assert d.forget(1, VLLM, {0: [(5, 2)]}) == 0  # an older forget, later still: kept
+    assert d.query(0, [30], exclude_rank=3).num_hits == 1
+    assert d.forget(1, VLLM, {0: [(5, 4)]}) == 1
+    assert d.register(1, [(0, 30, VLLM, 5, 3)]) == 0  # below the floor: stale
+
+
 def test_a_loader_leases_its_reads_when_it_allocates_them_and_only_what_still_holds():
     """A lookup can answer without leases (``lease=False``: a request waiting in vLLM's
     queue pins nothing); the loader leases the locations it reads when vLLM allocated the

@@ -224,3 +224,61 @@ def test_publications_queued_behind_a_slow_directory_call_go_in_one_call_in_orde
         assert w.in_directory(held[3]) == 2  # registered again when the launch spread out
     finally:
         w.close()
+
+
+def test_a_publication_whose_forward_is_still_running_holds_back_none_before_it():
+    """The publications that queued behind a slow directory call are registered together,
+    but one whose event (its forward, on the GPU) has not completed is left for the next
+    call: waiting for it would hold back the registrations before it.  (A CUDA event
+    cannot be made on the CPU machine: a stand-in with its two methods.)"""
+
+    class Forward:  # torch.cuda.Event's query / synchronize
+        def __init__(self):
+            self.done = threading.Event()
+
+        def query(self):
+            return self.done.is_set()
+
+        def synchronize(self):
+            assert self.done.wait(30)
+
+    class Slow:
+        def __init__(self, inner):
+            self.inner, self.calls, self.gate = inner, [], threading.Event()
+
+        def register(self, rank, entries, incarnation=0):
+            self.calls.append(len(entries))
+            assert self.gate.wait(30)
+            return self.inner.register(rank, entries, incarnation)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    w = World()
+    w.publisher.close(30)
+    slow = Slow(w.link)
+    w.publisher = Publisher(RANK, slow, incarnation=77, sink=w.counters, done=w._finished)
+    try:
+        inc, row = w.engine.index.incarnation, w.engine.row
+        held = [names(1), names(2), names(3), names(4)]
+        running = Forward()
+        pubs = [Publication([(0, k, VLLM, 10 * n + i, int(row[10 * n + i]))
+                             for i, k in enumerate(h)], [], running if n == 2 else None,
+                            incarnation=inc) for n, h in enumerate(held)]
+        w.publisher.put(pubs[0])
+        deadline = time.monotonic() + 30
+        while not slow.calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for pub in pubs[1:]:
+            w.publisher.put(pub)
+        slow.gate.set()  # the second call: pubs[1] alone, not waiting for pubs[2]'s forward
+        with w._all_done:
+            assert w._all_done.wait_for(lambda: len(w.done) == 2, 30)
+        assert slow.calls == [1, 2] and w.in_directory(held[1]) == 2
+        running.done.set()
+        with w._all_done:
+            assert w._all_done.wait_for(lambda: len(w.done) == 4, 30)
+        assert w.done == pubs and slow.calls[2:] == [7]  # (it and the one after it)
+    finally:
+        w.close()

@@ -6,6 +6,7 @@ directory as the same rows a plain list would.  What packing saves:
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -90,3 +91,32 @@ def test_packed_rows_reach_the_directory_as_the_rows_themselves(tracker_address)
 def test_unpacked_takes_a_packed_value_or_the_argument_itself():
     assert unpacked(Packed([1, 2])) == [1, 2]
     assert unpacked([1, 2]) == [1, 2] and unpacked(None) is None
+
+
+def test_a_writer_link_announces_its_host_index_before_any_publication(tracker_address):
+    """As the engine registered: until its index is announced, every same-host peer counts
+    its rank as one of another host (and registers its whole vLLM cache in the directory
+    again).  Control: before the link is made, the directory lists no index of the rank."""
+    from xinference.model.llm.vllm.xavier.planning.routes import host_id
+    from xinference.model.llm.vllm.xavier.planning.shards import Shards
+    from xinference.model.llm.vllm.xavier.vllm_side.tracker_link import writer_link
+
+    from .support.host_indexes import Engine
+
+    bridge = ActorBridge.shared()
+    tracker = LazyActor(bridge, tracker_address, "tracker", checked=False)
+    ref = tracker.get()
+    bridge.call(lambda: ref.register_rank(4, 1))
+    engine = Engine(rank=4)
+    try:
+        def listed():
+            return [p for r, _, p in bridge.call(lambda: ref.host_indexes(host_id())) if r == 4]
+
+        assert listed() == []
+        writer_link(bridge, tracker, 4, Shards(num_groups=1, tp_size=1), 0, engine.index)
+        deadline = time.monotonic() + 10
+        while listed() != [engine.index.path]:  # (sent without waiting)
+            assert time.monotonic() < deadline, "the index was never announced"
+            time.sleep(0.05)
+    finally:
+        engine.close()

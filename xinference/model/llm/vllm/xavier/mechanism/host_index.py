@@ -324,13 +324,13 @@ class HostIndexLink:
     a registration of blocks of vLLM's own cache (``Tier.VLLM``, this engine's incarnation)
     is written into the index first, then passed on; everything else is passed on as is.
     Called by the publisher thread once the forward that computed the blocks completed.
-    ``announce`` tells the directory where the index is: at once when the link is made
-    (:meth:`announce`: the engine just registered its rank, and until its index is
-    announced every same-host peer sees a launch not all on this host), after a
-    registration (the directory takes announcements of registered ranks only: a rank its
-    liveness check dropped and took back is registered again by that registration), then
-    at most every :data:`ANNOUNCE_PERIOD_S` (a re-created directory learns it again).  A
-    failed write or announcement is logged and only costs peers a directory lookup."""
+    ``announce`` tells the directory where the index is: after the first registration
+    (the directory takes announcements of registered ranks only: a rank its liveness check
+    dropped and took back is registered again by that registration), then at most every
+    :data:`ANNOUNCE_PERIOD_S` (a re-created directory learns it again); the worker also
+    announces it once as the link is made, without waiting
+    (:func:`~..vllm_side.tracker_link.writer_link`).  A failed write or announcement is
+    logged and only costs peers a directory lookup."""
 
     def __init__(self, link: DirectoryLink, index: HostIndex,
                  announce: Callable[[], None],
@@ -383,18 +383,14 @@ class HostIndexLink:
             logger.warning("rank %d: the host index (%d blocks): %r", rank, len(rows), exc)
             return None
 
-    def announce(self, rank: int) -> None:
-        """Tell the directory where the index is now (logged if it fails)."""
-        self._announced_at = self._clock()
-        try:
-            self._announce()
-        except Exception as exc:
-            logger.warning("rank %d: announcing the host index: %r", rank, exc)
-
     def _announce_now(self, rank: int) -> None:
-        if (self._announced_at is None
-                or self._clock() - self._announced_at > ANNOUNCE_PERIOD_S):
-            self.announce(rank)
+        now = self._clock()
+        if self._announced_at is None or now - self._announced_at > ANNOUNCE_PERIOD_S:
+            self._announced_at = now
+            try:
+                self._announce()
+            except Exception as exc:
+                logger.warning("rank %d: announcing the host index: %r", rank, exc)
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._link.claim(rank, tier, group, slots)

@@ -59,6 +59,15 @@ class Publication:
     local: bool = False
 
 
+def _complete(pub: Publication) -> bool:
+    """Whether ``pub``'s event has completed (an error: treated as complete, so that its
+    ``synchronize`` reports it where the publication is failed and counted)."""
+    try:
+        return pub.event is None or bool(pub.event.query())
+    except Exception:
+        return True
+
+
 class Publisher:
     """The thread that registers :class:`Publication` s in order (see the module
     docstring); ``done(pub)`` runs after each, registered or not."""
@@ -86,7 +95,7 @@ class Publisher:
                     pub = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if pub is not None and pub.event is not None and not pub.event.query():
+                if pub is not None and not _complete(pub):
                     carried = pub  # (waiting for it would hold back those before it)
                     break
                 batch.append(pub)
@@ -109,22 +118,24 @@ class Publisher:
                 for dst, slots, host in pub.scatter:
                     for d, h in zip(dst, host):
                         d.index_copy_(0, slots, slab_as(h, len(slots), d))
-                if in_place and pub.local != self._local:
-                    run = self._register(run)  # (what came before the switch, first)
-                    self._local = self._switched(pub.local)
             except Exception as exc:
                 self._failed([pub], exc)
                 continue
+            if in_place and pub.local != self._local:
+                run = self._register(run)  # (what came before the switch, first)
+                self._local = self._switched(pub.local)
             if in_place and self._local:
                 run = self._register(run)
                 try:
                     with span(self.rank, "publish", blocks=len(pub.entries), local=1):
-                        self._sink.add("in_place_kept_local", self._local_link().register_local(
-                            self.rank, pub.entries, incarnation))
-                    self._sink.add("in_place_registered", len(pub.entries))
-                    self._done(pub)
+                        kept = self._local_link().register_local(self.rank, pub.entries,
+                                                                 incarnation)
                 except Exception as exc:
                     self._failed([pub], exc)
+                    continue
+                self._sink.add("in_place_kept_local", kept)
+                self._sink.add("in_place_registered", len(pub.entries))
+                self._done(pub)
                 continue
             if run and self._incarnation_of(run[0]) != incarnation:
                 run = self._register(run)

@@ -16,19 +16,19 @@ synchronous and runs to completion inside the actor: each is atomic.
   bytes: a loader checks the identity against the source's own generations after its copy
   (``doc/validated-reads.md``); the directory's bookkeeping only keeps such misses rare.
 * :meth:`BlockDirectory.register` records blocks a rank has written and fenced.
-* :meth:`BlockDirectory.query` returns the longest prefix of a request's keys
-  that OTHER ranks hold, choosing one source per key (device memory first, then the
-  least-leased), and takes a lease on every returned slot of Xavier's own tiers -- unless
-  asked not to (``lease=False``: the connector's lookups); then the loader leases what it
-  reads once vLLM allocated the destinations (:meth:`BlockDirectory.lease`).  A
-  location in a rank's own vLLM cache (``Tier.VLLM``, read in place) gets none
-  (:data:`~.load_batch.NO_LEASE`): vLLM reuses its blocks without asking anyone, and the
-  reader's check after its copy is what makes such a read safe.
-* :meth:`BlockDirectory.forget` drops locations a rank no longer holds, whatever their
-  generation.
-* :meth:`BlockDirectory.claim` is how a storage evicts: it proposes slots to reuse, the
-  directory removes the unleased ones (never returned again) and refuses the leased ones:
-  a slot under lease is never reused, and a query never returns a slot being reused.
+* :meth:`BlockDirectory.query` returns the longest prefix of a request's keys that OTHER
+  ranks hold, choosing one source per key (device memory first, then the least-leased),
+  and takes a lease on every returned slot of Xavier's own tiers -- unless asked not to
+  (``lease=False``: the connector's lookups; the loader leases what it reads once vLLM
+  allocated the destinations, :meth:`BlockDirectory.lease`).  A location in a rank's own
+  vLLM cache (``Tier.VLLM``, read in place) gets none (:data:`~.load_batch.NO_LEASE`): vLLM
+  reuses its blocks without asking anyone; the reader's check after its copy makes such a
+  read safe.
+* :meth:`BlockDirectory.forget` drops the entries of slots a rank handed out, older than
+  the generation it names.  :meth:`BlockDirectory.claim` is how a storage evicts: it
+  proposes slots to reuse, the directory removes the unleased ones (never returned again)
+  and refuses the leased ones: a slot under lease is never reused, and a query never
+  returns a slot being reused.
 * :meth:`BlockDirectory.unregister_rank` purges a rank: the leases on its slots die (a
   load from a dead rank fails and vLLM recomputes), and so do the leases it holds on other
   ranks' slots (a dead loader no longer pins them).
@@ -154,15 +154,13 @@ class BlockDirectory:
     def register(self, rank: int, entries: Iterable[Tuple[int, int, int, int, int]],
                  incarnation: int = 0) -> int:
         """Record ``(group, key, tier, slot, generation)`` blocks written and fenced on
-        ``rank`` by its storage ``incarnation``.
-
-        Within one incarnation a slot's newer generation replaces the older entry and an
-        older one is ignored (counted as stale).  An entry of another incarnation than the
-        slot's is replaced whatever its generation (the newest registration wins: a
-        restarted source numbers its slots anew, without claiming them here; if a dead
-        storage's late registration wins instead, its reads fail the loader's check and
-        miss).  Returns how many entries were recorded.
-        """
+        ``rank`` by its storage ``incarnation``.  Within one incarnation a slot's newer
+        generation replaces the older entry and an older one is ignored (counted as
+        stale).  An entry of another incarnation than the slot's is replaced whatever its
+        generation (the newest registration wins: a restarted source numbers its slots
+        anew, without claiming them here; if a dead storage's late registration wins
+        instead, its reads fail the loader's check and miss).  Returns how many entries
+        were recorded."""
         ent.check_int("rank", rank, ent.LIMITS["rank"])
         ent.check_int("incarnation", incarnation, ent.LIMITS["incarnation"])
         self.sweep()
@@ -245,11 +243,10 @@ class BlockDirectory:
                slots: Optional[Mapping[int, Sequence[Tuple[int, int]]]] = None,
                groups: Optional[Sequence[int]] = None) -> int:
         """``rank`` no longer holds ``slots`` (group -> ``(slot, generation now)``) of ``tier``
-        (None: any slot of it -- of ``groups`` only, if given -- dropped at once like a
-        departed rank's): their entries go,
-        leased or not (vLLM's cache read in place: a lease never stopped vLLM); a
-        registration of an older generation of such a slot, arriving late, is refused as
-        stale.  Returns the entries dropped."""
+        (None: any slot of it, of ``groups`` if given, dropped at once): their entries go,
+        leased or not (vLLM never asks a lease); a registration of an older generation of
+        such a slot, arriving late, is refused as stale, and one of that generation or newer
+        that came first (the block vLLM computed there since) is kept; returns how many went."""
         self.sweep()
         places = self._places.get(rank, _EMPTY)
         if slots is None:
@@ -265,10 +262,13 @@ class BlockDirectory:
             bits = (int(tier) << _PLACE_TIER) | (int(group) << _PLACE_GROUP)
             for slot, (_, gen) in zip(checked, group_slots):
                 where = bits | slot
+                prev = places.get(where)
                 if gen:
-                    floors[where] = int(gen)
-                prev = places.pop(where, None)
+                    floors[where] = max(int(gen), floors.get(where, 0))
+                    if prev is not None and ent.identity_of(prev)[0] >= gen:
+                        continue  # the new block, registered before this (late) forget
                 if prev is not None:
+                    del places[where]
                     short = (((prev >> ent.NAME_SHIFT) & ROW_KEY_MASK) << 16) | int(group)
                     if records.get(short) is prev:  # (its only copy: unlinked inline)
                         del records[short]

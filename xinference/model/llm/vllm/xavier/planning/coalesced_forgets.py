@@ -23,8 +23,11 @@ logger = package_logger(__name__)
 
 #: ``group -> [(slot, generation now)]`` of blocks vLLM handed out
 Forgotten = Dict[int, List[Tuple[int, int]]]
-#: starts ``forget(forgotten)`` on the directory and returns its future
+#: starts ``forget(forgotten)`` on the directory and returns its future, which completes
+#: (answered, failed or timed out) within :data:`CALL_TIMEOUT_S`
 SendForget = Callable[[Forgotten], "concurrent.futures.Future[Any]"]
+#: the longest one forget call may stay out (the next waits for it)
+CALL_TIMEOUT_S = 30.0
 
 
 class CoalescedForgets:
@@ -80,6 +83,6 @@ class CoalescedForgets:
         self._start(following)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until no call is out and none waits (tests, shutdown)."""
+        """Wait until no call is out and none waits (tests)."""
         with self._lock:
             return self._idle.wait_for(lambda: not self._out and not self._pending, timeout)

@@ -76,7 +76,8 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
     "export_launch_us", "export_published", "export_publish_failures",
     # publications registered together with the one before them (queued while the
-    # directory answered it: one call for them all)
+    # directory answered it: one call for them all), and steps whose forgets went with an
+    # earlier step's (the scheduler keeps one forget call out at a time)
     "directory_calls_coalesced", "forgets_coalesced",
     # background room in the top tier
     "room_rounds", "room_demoted", "room_evicted", "room_claims_refused",

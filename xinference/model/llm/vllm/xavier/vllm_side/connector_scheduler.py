@@ -9,6 +9,7 @@ leave as ONE :class:`~..planning.step_meta.StepMeta`.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from typing import (
@@ -29,6 +30,7 @@ import numpy as np
 from ..mechanism.host_holders import HostHolders
 from ..planning.block_directory import QueryResult
 from ..planning.block_names import block_name
+from ..planning.coalesced_forgets import CALL_TIMEOUT_S as FORGET_CALL_TIMEOUT_S
 from ..planning.coalesced_forgets import CoalescedForgets
 from ..planning.counters import elapsed_us
 from ..planning.directory_types import Packed
@@ -363,7 +365,8 @@ class XavierConnectorScheduler:
 
     def _send_forget(self, forgotten: Any) -> concurrent.futures.Future[Any]:
         ref, rank = self._directory.get(), self.options.rank
-        return self._bridge.start(lambda: ref.forget(rank, int(Tier.VLLM), Packed(forgotten)))
+        return self._bridge.start(lambda: asyncio.wait_for(
+            ref.forget(rank, int(Tier.VLLM), Packed(forgotten)), FORGET_CALL_TIMEOUT_S))
 
     def build_step(self, scheduler_output: SchedulerOutput) -> StepMeta:
         """ONE step's metadata from vLLM's scheduler output (not modified)."""

@@ -55,20 +55,29 @@ class TrackerLink:
         """Worker ``tp_rank`` of ``rank`` writes its host index at ``path`` on this host."""
         self._call("announce_index", rank, tp_rank, host_id(), path)
 
+    def announce_index_soon(self, rank: int, tp_rank: int, path: str) -> None:
+        """:meth:`announce_index` without waiting (a failure is logged; the first
+        publication announces it again).  Made as the engine registered: until its index
+        is announced, its rank counts as one of another host for every same-host peer,
+        which then registers its whole vLLM cache in the directory again
+        (:mod:`~..mechanism.publisher`) -- a replica that started, or came back, and
+        served nothing yet would keep them so."""
+        ref, host = self._tracker.get(), host_id()
+        self._bridge.submit(lambda: ref.announce_index(rank, tp_rank, host, path),
+                            f"announcing the host index of rank {rank}")
+
 
 def writer_link(bridge: ActorBridge, tracker: LazyActor, rank: int, shards: Shards,
                 tp_rank: int, index: Optional[HostIndex]) -> DirectoryLink:
     """The storage writer's link: the tracker, with the worker's host index written first
-    (``index``, announced at once), translated to its shard's directory groups (tensor
-    parallel)."""
+    (``index``, announced now without waiting), translated to its shard's directory
+    groups (tensor parallel)."""
     direct = TrackerLink(bridge, tracker)
     link: DirectoryLink = direct
     if index is not None:
         path = index.path
-        indexed = HostIndexLink(direct, index,
-                                lambda: direct.announce_index(rank, tp_rank, path))
-        indexed.announce(rank)  # the rank just registered: its peers see it on this host
-        link = indexed
+        link = HostIndexLink(direct, index, lambda: direct.announce_index(rank, tp_rank, path))
+        direct.announce_index_soon(rank, tp_rank, path)
     if shards.tp_size > 1:
         link = ShardLink(link, shards, tp_rank)
     return link
