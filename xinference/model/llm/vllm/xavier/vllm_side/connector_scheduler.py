@@ -64,6 +64,10 @@ READY_RECHECK_S = 0.5
 READY_CALL_S = 2.0
 #: how often the scheduler asks the directory where same-host peers' host indexes are
 HOST_POLL_S = 1.0
+#: the longest a replica's first lookup waits for its first answer of which host indexes
+#: this host has (once; a peer's blocks published while the launch is on one host are in
+#: those indexes only; 2 s was not enough on CI's loaded machine, most likely)
+FIRST_HOST_POLL_S = 10.0
 #: longest the engine's start waits for the launch's block-hash seed from the directory
 SEED_CALL_S = 30.0
 
@@ -178,7 +182,7 @@ class XavierConnectorScheduler:
     def _poll_host_indexes(self) -> None:
         """Map the host indexes the directory announced last; ask again every
         ``HOST_POLL_S`` (the answer is taken by a later call, never waited for -- but the
-        first, at most ``READY_CALL_S``: a replica that just started must see its peers'
+        first, at most ``FIRST_HOST_POLL_S``: a replica that just started must see its peers'
         indexes before its first lookup, since blocks published while the launch is on
         one host are in those indexes only)."""
         if self._holders is None:
@@ -186,7 +190,11 @@ class XavierConnectorScheduler:
         fut = self._host_poll
         if fut is not None and not self._waited_first_poll:
             self._waited_first_poll = True  # (once: a directory that does not answer)
-            concurrent.futures.wait([fut], timeout=READY_CALL_S)
+            if concurrent.futures.wait([fut], timeout=FIRST_HOST_POLL_S).not_done:
+                logger.warning("xavier: rank %d: which host indexes this host has was not "
+                               "known within %.0f s: blocks its peers published into them "
+                               "only are missed until it is", self.options.rank,
+                               FIRST_HOST_POLL_S)
         now = time.monotonic()
         if fut is not None and not fut.done() and now > self._next_host_poll + HOST_POLL_S:
             fut.cancel()  # unanswered for two periods (a directory gone): ask again
