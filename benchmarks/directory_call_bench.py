@@ -16,37 +16,22 @@ one actor) and the wall time; the mean of ``--calls`` calls, each form twice in 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import secrets
 import sys
-import threading
 import time
 from typing import Any, Callable, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
-import xoscar as xo  # noqa: E402
 
-from tests.support.pools import actor_pool, sub_pool_addresses  # noqa: E402
+from tests.support.pools import actor_served  # noqa: E402
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.directory_types import Packed  # noqa: E402
 from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge, LazyActor  # noqa: E402
 from xinference.model.llm.vllm.xavier.vllm_side.tracker_link import TrackerLink  # noqa: E402
-
-
-def serve(holder: Dict[str, Any], ready: threading.Event, stop: threading.Event) -> None:
-    async def main() -> None:
-        async with actor_pool(n_process=1) as pool:
-            address = sub_pool_addresses(pool)[0]
-            await xo.create_actor(VLLMBlockTracker, address=address, uid="tracker")
-            holder["address"] = address
-            ready.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
-    asyncio.run(main())
 
 
 def cpu_s(process: psutil.Process) -> float:
@@ -99,12 +84,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--out")
     args = ap.parse_args()
-    holder: Dict[str, Any] = {}
-    ready, stop = threading.Event(), threading.Event()
-    threading.Thread(target=serve, args=(holder, ready, stop), daemon=True).start()
-    assert ready.wait(120), "the pool did not start"
+    with actor_served(VLLMBlockTracker, "tracker", in_sub_pool=True) as address:
+        run(args, address)
+
+
+def run(args: argparse.Namespace, address: str) -> None:
     bridge = ActorBridge.shared()
-    tracker = LazyActor(bridge, holder["address"], "tracker", checked=False)
+    tracker = LazyActor(bridge, address, "tracker", checked=False)
     ref, link = tracker.get(), TrackerLink(bridge, tracker)
     bridge.call(lambda: ref.register_rank(1, 1))
     [directory] = psutil.Process().children()  # the sub pool
@@ -117,7 +103,6 @@ def main() -> None:
                 print(f"{n:5d} rows  {name:18s} {got['cpu_ms']:7.3f} ms CPU here  "
                       f"{got['directory_cpu_ms']:7.3f} ms CPU in the directory's process  "
                       f"{got['wall_ms']:7.3f} ms wall", flush=True)
-    stop.set()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"calls": args.calls, "results": results}, f, indent=1)

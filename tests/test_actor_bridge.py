@@ -1,7 +1,6 @@
 """Synchronous callers reaching real xoscar actors through the bridge's loop thread."""
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -9,7 +8,7 @@ import xoscar as xo
 
 from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge, LazyActor
 
-from .support.pools import actor_pool
+from .support.pools import actor_served
 
 
 class Echo(xo.StatelessActor):
@@ -20,25 +19,8 @@ class Echo(xo.StatelessActor):
 
 @pytest.fixture(scope="module")
 def pool_address():
-    ready, stop = threading.Event(), threading.Event()
-    holder = {}
-
-    def serve():
-        async def main():
-            async with actor_pool(n_process=0) as pool:
-                holder["address"] = pool.external_address
-                await xo.create_actor(Echo, address=pool.external_address, uid="echo")
-                ready.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-        asyncio.run(main())
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    assert ready.wait(60)
-    yield holder["address"]
-    stop.set()
-    t.join(30)
+    with actor_served(Echo, "echo") as address:
+        yield address
 
 
 def test_lazy_actor_found_later_and_called_synchronously(pool_address):

@@ -59,6 +59,31 @@ class World:
         self.engine.close()
 
 
+class Slow:
+    """The link of a busy directory: its registrations held until the test lets them go
+    (``gate``), their sizes recorded (``calls``)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.gate = inner, [], threading.Event()
+
+    def register(self, rank, entries, incarnation=0):
+        self.calls.append(len(entries))
+        assert self.gate.wait(30)
+        return self.inner.register(rank, entries, incarnation)
+
+    def __getattr__(self, name):  # LocalPublishing: the host index link's
+        return getattr(self.inner, name)
+
+
+def slow_world():
+    """A :class:`World` whose publisher registers through :class:`Slow`."""
+    w = World()
+    w.publisher.close(30)
+    slow = Slow(w.link)
+    w.publisher = Publisher(RANK, slow, incarnation=77, sink=w.counters, done=w._finished)
+    return w, slow
+
+
 def test_local_publications_skip_the_directory_and_the_switches_keep_it_true():
     w = World()
     try:
@@ -181,22 +206,7 @@ def test_publications_queued_behind_a_slow_directory_call_go_in_one_call_in_orde
     in ONE call (fewer, larger calls as its load rises), in order; a switch among them
     still comes after every registration before it; each is reported done once."""
 
-    class Slow:  # the link, its registrations held until the test lets them go
-        def __init__(self, inner):
-            self.inner, self.calls, self.gate = inner, [], threading.Event()
-
-        def register(self, rank, entries, incarnation=0):
-            self.calls.append(len(entries))
-            assert self.gate.wait(30)
-            return self.inner.register(rank, entries, incarnation)
-
-        def __getattr__(self, name):  # LocalPublishing: the host index link's
-            return getattr(self.inner, name)
-
-    w = World()
-    w.publisher.close(30)
-    slow = Slow(w.link)
-    w.publisher = Publisher(RANK, slow, incarnation=77, sink=w.counters, done=w._finished)
+    w, slow = slow_world()
     try:
         inc, row = w.engine.index.incarnation, w.engine.row
         held = [names(2), names(3), names(1), names(2), names(2)]
@@ -242,22 +252,7 @@ def test_a_publication_whose_forward_is_still_running_holds_back_none_before_it(
         def synchronize(self):
             assert self.done.wait(30)
 
-    class Slow:
-        def __init__(self, inner):
-            self.inner, self.calls, self.gate = inner, [], threading.Event()
-
-        def register(self, rank, entries, incarnation=0):
-            self.calls.append(len(entries))
-            assert self.gate.wait(30)
-            return self.inner.register(rank, entries, incarnation)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    w = World()
-    w.publisher.close(30)
-    slow = Slow(w.link)
-    w.publisher = Publisher(RANK, slow, incarnation=77, sink=w.counters, done=w._finished)
+    w, slow = slow_world()
     try:
         inc, row = w.engine.index.incarnation, w.engine.row
         held = [names(1), names(2), names(3), names(4)]

@@ -4,13 +4,10 @@ a scheduler sends so (forgotten blocks; a load's locations as an array) reaches 
 directory as the same rows a plain list would.  What packing saves:
 ``benchmarks/directory_call_bench.py``."""
 
-import asyncio
-import threading
 import time
 
 import numpy as np
 import pytest
-import xoscar as xo
 
 from xinference.model.llm.vllm.xavier.block_tracker import VLLMBlockTracker
 from xinference.model.llm.vllm.xavier.planning.directory_types import Packed, unpacked
@@ -19,7 +16,7 @@ from xinference.model.llm.vllm.xavier.vllm_side.actor_bridge import ActorBridge,
 from xinference.model.llm.vllm.xavier.vllm_side.tracker_link import TrackerLink
 
 from .support.host_indexes import names
-from .support.pools import actor_pool, sub_pool_addresses
+from .support.pools import actor_served
 
 GPU, VLLM = int(Tier.GPU), int(Tier.VLLM)
 
@@ -28,26 +25,8 @@ GPU, VLLM = int(Tier.GPU), int(Tier.VLLM)
 def tracker_address():
     """A directory actor in a sub pool: every call from this process crosses processes
     (serialized, as an engine's calls to the supervisor are)."""
-    ready, stop = threading.Event(), threading.Event()
-    holder = {}
-
-    def serve():
-        async def main():
-            async with actor_pool(n_process=1) as pool:
-                address = sub_pool_addresses(pool)[0]
-                await xo.create_actor(VLLMBlockTracker, address=address, uid="tracker")
-                holder["address"] = address
-                ready.set()
-                while not stop.is_set():
-                    await asyncio.sleep(0.05)
-        asyncio.run(main())
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    assert ready.wait(120)
-    yield holder["address"]
-    stop.set()
-    t.join(30)
+    with actor_served(VLLMBlockTracker, "tracker", in_sub_pool=True) as address:
+        yield address
 
 
 def test_packed_rows_reach_the_directory_as_the_rows_themselves(tracker_address):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
-from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
+import threading
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Union
 
 import xoscar as xo
 
@@ -40,6 +42,36 @@ async def actor_pool(n_process: int = 1, scheme: str = "",
         yield pool
     finally:
         await pool.stop()
+
+
+@contextlib.contextmanager
+def actor_served(actor_cls: Any, uid: str, in_sub_pool: bool = False) -> Iterator[str]:
+    """``actor_cls`` created under ``uid`` in a pool whose loop runs on a thread of this
+    process (its main pool; ``in_sub_pool``: a spawned sub pool of it, so that every call
+    from here crosses processes and is serialized); yields the actor's address."""
+    ready, stop = threading.Event(), threading.Event()
+    holder: Dict[str, str] = {}
+
+    def serve() -> None:
+        async def main() -> None:
+            async with actor_pool(n_process=1 if in_sub_pool else 0) as pool:
+                address = (sub_pool_addresses(pool)[0] if in_sub_pool
+                           else pool.external_address)
+                await xo.create_actor(actor_cls, address=address, uid=uid)
+                holder["address"] = address
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.05)
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(120), f"the pool serving {uid} did not start"
+    try:
+        yield holder["address"]
+    finally:
+        stop.set()
+        t.join(30)
 
 
 def nixl_available() -> bool:
