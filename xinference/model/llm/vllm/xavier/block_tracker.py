@@ -107,10 +107,7 @@ class VLLMBlockTracker(xo.StatelessActor):
     def register(self, rank: int, entries: Any, incarnation: int = 0) -> int:
         """``entries``: rows ``(group, key, tier, slot, generation)`` (list or int64 array)
         written by the storage ``incarnation`` of ``rank``."""
-        rows = _rows(entries)
-        return self._directory.register(
-            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in rows],
-            int(incarnation))
+        return self._directory.register(rank, _entries(entries), int(incarnation))
 
     def claim(self, rank: int, tier: int, group: int, slots: Sequence[int]) -> List[int]:
         return self._directory.claim(rank, tier, group, [int(s) for s in unpacked(slots)])
@@ -130,9 +127,8 @@ class VLLMBlockTracker(xo.StatelessActor):
     def move(self, rank: int, entries: Any, tier: int, group: int,
              slots: Sequence[int], incarnation: int = 0) -> List[int]:
         """A demotion: register the lower copies, then claim ``slots`` (one call)."""
-        return self._directory.move(
-            rank, [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in _rows(entries)],
-            tier, group, [int(s) for s in unpacked(slots)], int(incarnation))
+        return self._directory.move(rank, _entries(entries), tier, group,
+                                    [int(s) for s in unpacked(slots)], int(incarnation))
 
     def query(self, group: int, keys: Any, exclude_rank: Optional[int] = None) -> QueryResult:
         return self._directory.query(group, _rows(keys), exclude_rank)
@@ -167,6 +163,11 @@ def _rows(arg: Any) -> List[Any]:
     :class:`~.planning.directory_types.Packed`, or as an array)."""
     value = unpacked(arg)
     return value.tolist() if isinstance(value, np.ndarray) else list(value)
+
+
+def _entries(arg: Any) -> List[Tuple[int, int, int, int, int]]:
+    """Rows ``(group, key, tier, slot, generation)`` of a bulk argument, as plain ints."""
+    return [(int(g), int(k), int(t), int(s), int(n)) for g, k, t, s, n in _rows(arg)]
 
 
 async def drop_leftover_actors(supervisor: Any, model_uid: str) -> int:
