@@ -598,24 +598,28 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     ``max_reserved``, vLLM's ``kv_cache_bytes``), its replica actors' processes' (where
     the transfer actor and Xavier's GPU tier live) and, per Xavier replica, the GPU memory
     Xavier adds beyond vLLM's own (``adds_bytes``): its workers' and actor's peak reserved
-    minus those of a plain replica with the same KV cache (``None`` when none has; CUDA
-    contexts are not counted)."""
+    minus those of a plain replica, each worker's KV cache left out of both sides (vLLM
+    sizes a replica's KV cache from the memory free at its start, so two pairs' caches
+    may differ by a few MiB: session 41's peers run); ``None`` without a plain worker of
+    the same TP shape.  CUDA contexts are not counted."""
     per_pair: Dict[str, List[List[Dict[str, int]]]] = {}
     actors: Dict[str, List[Dict[str, int]]] = {}  # the replica actors' own processes
     for kind, r in pairs.items():
         per_pair[kind] = [await x.device_memory() for x in r.replicas]
         actors[kind] = [await x.actor_device_memory() for x in r.replicas]
-    plain = [w for rep in per_pair.get("plain", []) for w in rep]
-    base = {w["kv_cache_bytes"]: w["max_reserved"] for w in plain}  # by KV cache size
+    plain = per_pair.get("plain", [])
+    # a plain worker's device memory beyond its KV cache, the largest of the pair's
+    base = max((w["max_reserved"] - w["kv_cache_bytes"] for rep in plain for w in rep),
+               default=0)
     base_actor = max((a["max_reserved"] for a in actors.get("plain", [])), default=0)
+    workers = {len(rep) for rep in plain}  # workers per plain replica (TP)
     adds: Dict[str, List[Optional[int]]] = {}
     for kind, reps in per_pair.items():
-        if kind == "plain" or not any(base.values()):  # no plain pair, or no CUDA
+        if kind == "plain" or not base:  # no plain pair, or no CUDA
             continue
-        adds[kind] = [int(sum(w["max_reserved"] for w in rep)
-                          - sum(base[w["kv_cache_bytes"]] for w in rep)
+        adds[kind] = [int(sum(w["max_reserved"] - w["kv_cache_bytes"] - base for w in rep)
                           + actor["max_reserved"] - base_actor)
-                      if all(w["kv_cache_bytes"] in base for w in rep) else None
+                      if len(rep) in workers else None
                       for rep, actor in zip(reps, actors[kind])]
     print("[serving_bench] device memory (max reserved, GiB): "
           + ", ".join(f"{k} {[round(w['max_reserved'] / 2**30, 2) for rep in v for w in rep]}"
