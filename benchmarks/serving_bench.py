@@ -46,8 +46,8 @@ over the two replicas (``local-hit``: each user stays on one).  The row's follow
 the later turns; ``conc`` is the number of users, ``prefix`` the system prompt.
 
 ``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
-for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` when asked): what Xavier costs
-when there is nothing to share.
+for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` / ``batched-dropsaves`` /
+``batched-dirpub`` when asked): what Xavier costs when there is nothing to share.
 
 GPU runs use CUDA graphs (vLLM's default); ``--eager`` turns them off.
 
@@ -548,7 +548,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
                 for mode in unique_modes + ["batched"] + [m for m in modes
-                                                          if m == DROPSAVES_MODE]:
+                                                          if m in (DROPSAVES_MODE, DIRPUB_MODE)]:
                     seed += 1
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,
@@ -615,7 +615,8 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     workers = {len(rep) for rep in plain}  # workers per plain replica (TP)
     adds: Dict[str, List[Optional[int]]] = {}
     for kind, reps in per_pair.items():
-        if kind == "plain" or not base:  # no plain pair, or no CUDA
+        if kind == "plain" or not any(w["max_reserved"] for rep in plain for w in rep):
+            # no plain pair, or no CUDA
             continue
         adds[kind] = [int(sum(w["max_reserved"] - w["kv_cache_bytes"] - base for w in rep)
                           + actor["max_reserved"] - base_actor)
