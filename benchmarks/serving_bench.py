@@ -601,7 +601,9 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     minus those of a plain replica, each worker's KV cache left out of both sides (vLLM
     sizes a replica's KV cache from the memory free at its start, so two pairs' caches
     may differ by a few MiB: session 41's peers run); ``None`` without a plain worker of
-    the same TP shape.  CUDA contexts are not counted."""
+    the same TP shape.  What Xavier's memory costs vLLM's KV cache is reported beside it
+    (``kv_cache_vs_plain_bytes``: each replica's KV cache minus the plain pair's smallest).
+    CUDA contexts are not counted."""
     per_pair: Dict[str, List[List[Dict[str, int]]]] = {}
     actors: Dict[str, List[Dict[str, int]]] = {}  # the replica actors' own processes
     for kind, r in pairs.items():
@@ -614,10 +616,14 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     base_actor = max((a["max_reserved"] for a in actors.get("plain", [])), default=0)
     workers = {len(rep) for rep in plain}  # workers per plain replica (TP)
     adds: Dict[str, List[Optional[int]]] = {}
+    kv_vs_plain: Dict[str, List[Optional[int]]] = {}
+    plain_kv = min((sum(w["kv_cache_bytes"] for w in rep) for rep in plain), default=0)
     for kind, reps in per_pair.items():
         if kind == "plain" or not any(w["max_reserved"] for rep in plain for w in rep):
             # no plain pair, or no CUDA
             continue
+        kv_vs_plain[kind] = [sum(w["kv_cache_bytes"] for w in rep) - plain_kv
+                             if len(rep) in workers else None for rep in reps]
         adds[kind] = [int(sum(w["max_reserved"] - w["kv_cache_bytes"] - base for w in rep)
                           + actor["max_reserved"] - base_actor)
                       if len(rep) in workers else None
@@ -628,7 +634,12 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
           + "; Xavier adds (GiB): "
           + ", ".join(f"{k} {[None if a is None else round(a / 2**30, 2) for a in v]}"
                       for k, v in adds.items()), flush=True)
-    return {"workers": per_pair, "actors": actors, "adds_bytes": adds}
+    if kv_vs_plain:
+        print("[serving_bench] KV cache against plain's (MiB): "
+              + ", ".join(f"{k} {[None if d is None else round(d / 2**20) for d in v]}"
+                          for k, v in kv_vs_plain.items()), flush=True)
+    return {"workers": per_pair, "actors": actors, "adds_bytes": adds,
+            "kv_cache_vs_plain_bytes": kv_vs_plain}
 
 
 async def check_tokens(plain: Replicas, row: Dict[str, Any], prompts: Sequence[List[int]],
