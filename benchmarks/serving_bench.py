@@ -618,9 +618,9 @@ async def device_memory_report(pairs: Dict[str, Replicas]) -> Dict[str, Any]:
     adds: Dict[str, List[Optional[int]]] = {}
     kv_vs_plain: Dict[str, List[Optional[int]]] = {}
     plain_kv = min((sum(w["kv_cache_bytes"] for w in rep) for rep in plain), default=0)
+    measured = any(w["max_reserved"] for rep in plain for w in rep)  # a plain pair, on CUDA
     for kind, reps in per_pair.items():
-        if kind == "plain" or not any(w["max_reserved"] for rep in plain for w in rep):
-            # no plain pair, or no CUDA
+        if kind == "plain" or not measured:
             continue
         kv_vs_plain[kind] = [sum(w["kv_cache_bytes"] for w in rep) - plain_kv
                              if len(rep) in workers else None for rep in reps]
