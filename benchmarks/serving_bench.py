@@ -353,6 +353,9 @@ ROOMWIDE_MODE = "batched-roomwide"
 #: ... with every block published in place registered in the directory too, though the
 #: whole launch is on this host (``XAVIER_LOCAL_PUBLISH=0``, as before session 39)
 DIRPUB_MODE = "batched-dirpub"
+#: ... with the workers' background work (room rounds, directory registrations) run at
+#: once instead of after a quiet spell (``XAVIER_QUIET_MS=0``, as before session 42)
+QUIET0_MODE = "batched-quiet0"
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
@@ -360,7 +363,8 @@ VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             UVA0_MODE: {"XAVIER_UVA": "0"},
                                             GIL100_MODE: {"XAVIER_SWITCH_INTERVAL_US": "100"},
                                             ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"},
-                                            DIRPUB_MODE: {"XAVIER_LOCAL_PUBLISH": "0"}}
+                                            DIRPUB_MODE: {"XAVIER_LOCAL_PUBLISH": "0"},
+                                            QUIET0_MODE: {"XAVIER_QUIET_MS": "0"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
@@ -548,7 +552,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
                 for mode in unique_modes + ["batched"] + [m for m in modes
-                                                          if m in (DROPSAVES_MODE, DIRPUB_MODE)]:
+                                                          if m in (DROPSAVES_MODE, DIRPUB_MODE,
+                                                                   QUIET0_MODE)]:
                     seed += 1
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,

@@ -15,6 +15,7 @@ from xinference.model.llm.vllm.xavier.mechanism import storage_writer as writer_
 from xinference.model.llm.vllm.xavier.mechanism.block_copy import block_view
 from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
+from xinference.model.llm.vllm.xavier.mechanism.quiet_gate import QuietGate
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
 from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
@@ -308,3 +309,74 @@ def test_a_slot_s_generation_is_bumped_in_the_shared_file_before_its_bytes_are_w
     del cpu
     reader.close()
     w.close()
+
+
+def gated_writer(quiet_s: float, seed: int = 8):
+    """A writer with a background room (16 GPU slots, target 4 free) and a CPU tier below,
+    its directory calls and rounds behind a quiet gate of ``quiet_s``."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
+    lay = layout_of(cache, BLOCK_DIM)
+    per_block = max(g.block_bytes for g in lay.groups) * len(lay.groups)
+    cuda = DEVICE == "cuda"
+    st = SnapshotStorage(1, lay, [TierConfig(Tier.GPU, 16 * per_block, device=DEVICE,
+                                             shared_memory=not cuda),
+                                  TierConfig(Tier.CPU, 16 * per_block, shared_memory=True)])
+    d = BlockDirectory()
+    d.register_rank(1)
+    counters = Counters()
+    gate = QuietGate(quiet_s, 30.0, counters)
+    writer = StorageWriter(1, lay, {t: st.caches(t) for t in st.tiers}, LocalDirectory(d),
+                           torch.device(DEVICE), stream=torch.cuda.Stream() if cuda else None,
+                           counters=counters, room_blocks=4, quiet=gate)
+    views = {g: [block_view(t, BLOCK_DIM[g]) for t in ts] for g, ts in cache.items()}
+    return writer, st, d, counters, views
+
+
+@pytest.mark.parametrize("quiet_s", [0.3, 0.0])
+def test_room_and_registrations_wait_while_loads_are_launched_then_go(quiet_s):
+    """A worker launching loads every 10 ms: the room's round and the registration of 13
+    exported blocks wait until it is quiet (negative control, the gate off: both at once)."""
+    writer, st, d, counters, views = gated_writer(quiet_s)
+    stop = threading.Event()
+
+    def launching() -> None:
+        while not stop.is_set():
+            writer.quiet.busy()
+            time.sleep(0.01)
+    busy = threading.Thread(target=launching, daemon=True)
+    busy.start()
+    writer.export(views, [(0, 100 + i, i) for i in range(13)])  # 3 free: below the target
+    time.sleep(1.0)
+    during = (d.num_blocks, counters.get("room_rounds"))
+    stop.set()
+    busy.join()
+    deadline = time.monotonic() + 10
+    while (d.num_blocks < 13 or writer.free(Tier.GPU, 0) < 4) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    after = (d.num_blocks, counters.get("room_rounds"), writer.free(Tier.GPU, 0))
+    writer.close()
+    st.close()
+    if quiet_s:
+        assert during == (0, 0), "registration or room round ran while loads were launched"
+        assert counters.get("background_deferrals") >= 1
+    else:
+        assert during[0] == 13 and during[1] >= 1
+    assert after[0] == 13 and after[1] >= 1 and after[2] >= 4
+
+
+def test_a_flush_or_a_tier_short_of_room_does_not_wait_for_quiet():
+    writer, st, d, counters, views = gated_writer(5.0)
+    writer.quiet.busy()
+    writer.export(views, [(0, 100 + i, i) for i in range(10)])  # 6 free: not short
+    t0 = time.monotonic()
+    assert writer.flush(10)  # hurried: the registration and the round now
+    assert time.monotonic() - t0 < 3.0 and d.num_blocks == 10
+    writer.quiet.busy()
+    writer.export(views, [(0, 200 + i, 10 + i) for i in range(5)], after_forward=False)
+    deadline = time.monotonic() + 3.0  # 1 free, under half the target: the room goes now
+    while writer.free(Tier.GPU, 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.free(Tier.GPU, 0) >= 4
+    writer.close()
+    st.close()

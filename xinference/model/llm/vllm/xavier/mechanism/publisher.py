@@ -35,6 +35,7 @@ from ..planning.directory_link import DirectoryLink, Entry, LocalPublishing
 from ..planning.log_names import package_logger
 from ..planning.trace_spans import span
 from .block_copy import slab_as
+from .quiet_gate import QuietGate
 
 logger = package_logger(__name__)
 
@@ -70,12 +71,15 @@ def _complete(pub: Publication) -> bool:
 
 class Publisher:
     """The thread that registers :class:`Publication` s in order (see the module
-    docstring); ``done(pub)`` runs after each, registered or not."""
+    docstring); ``done(pub)`` runs after each, registered or not.  A directory call first
+    waits for ``quiet`` (:mod:`.quiet_gate`: not inside a hit's wait); the host index's
+    writes do not."""
 
     def __init__(self, rank: int, directory: DirectoryLink, incarnation: int,
-                 sink: CounterSink, done: Callable[[Publication], None]) -> None:
+                 sink: CounterSink, done: Callable[[Publication], None],
+                 quiet: Optional[QuietGate] = None) -> None:
         self.rank, self._directory, self._incarnation = rank, directory, incarnation
-        self._sink, self._done = sink, done
+        self._sink, self._done, self._quiet = sink, done, quiet
         self._local = False  # in-place publications go into the host index only
         self._queue: queue.Queue[Optional[Publication]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -153,6 +157,8 @@ class Publisher:
         entries = [e for pub in run for e in pub.entries]
         try:
             if entries:  # (none: a switch only)
+                if self._quiet is not None:
+                    self._quiet.wait()
                 with span(self.rank, "publish", blocks=len(entries), local=0,
                           publications=len(run)):
                     self._directory.register(self.rank, entries, self._incarnation_of(run[0]))

@@ -4,32 +4,29 @@ The storage's memory belongs to the rank's ``TransferActor`` (:mod:`.snapshot_st
 the worker maps every tier and keeps the books (a :class:`~..planning.slot_allocator.
 SlotAllocator` per tier and group: each slot's key, LRU order, generations).
 
-:meth:`StorageWriter.export` runs on the worker's step thread after the forward that
-computed the blocks, and never waits:
+:meth:`StorageWriter.export` runs on the worker's step thread and never waits: blocks
+already stored (any tier) are only touched (LRU); free slots of the top tier are taken in
+O(1) (a block that finds none is skipped: a later miss, ``export_skipped_no_slot``); the
+copies are queued on the engine's copy stream after the forward that computed them (one
+fused gather per group on CUDA), and the caller's stream waits for them, so vLLM cannot
+overwrite a block before it was read.  A step's victims (``after_forward=False``) are
+copied on a stream of their own, not after the forward in flight (which writes none: vLLM
+defers freeing a block a step in flight may write).  The publisher thread registers the
+blocks after the copies' event (one call per export): never visible before their bytes.
 
-1. blocks already stored (any tier) are only touched (LRU);
-2. free slots of the top tier are taken in O(1); a block that finds none is skipped (a
-   later miss, never a stalled step: ``export_skipped_no_slot``);
-3. the copies are queued on the engine's copy stream after the forward (one fused gather
-   per group on CUDA), and the caller's stream is made to wait for them, so vLLM cannot
-   hand a block to a new request and overwrite it before it was read.  A step's victims
-   (``after_forward=False``) are copied on a stream of their own, not after the forward in
-   flight (which writes none: vLLM defers freeing a block a step in flight may write);
-4. the publisher thread waits for the copies' event, then registers the blocks with the
-   block directory (one call per export): a block is never visible before its bytes.
+The room thread keeps free slots in the top tier ahead of the exports: it demotes LRU
+victims one tier down (in chunks, on a stream of its own, after the last export's
+copies), registers them there and claims the victims from the directory (a leased slot is
+refused and kept).  Victims whose publication is pending are never taken (a claim must
+not overtake the registration it would undo).  Its rounds and the publisher's directory
+calls wait until no load or save was launched for a while (:mod:`.quiet_gate`), unless
+the top tier is short of room.
 
-The room thread keeps free slots in the top tier ahead of the exports: it takes LRU
-victims, copies them into the next tier down (when there is one; in chunks, on a stream
-of its own, after the last export's copies) and registers them there, then claims the
-victims from the directory (a slot under lease is refused and kept), so that the next
-export finds free slots.  Victims whose publication is still pending are never taken (a
-claim must not overtake the registration it would undo).
-
-A CPU engine's CPU tier is written by the step thread directly.  A CUDA engine's page-locked
-CPU tier is written in place through CUDA views (:mod:`.uva`) by gathers on a stream (a
-demotion from few thread blocks: :func:`~..planning.options.room_copy_programs`); without
-views (``XAVIER_UVA=0``) by a device gather and a copy into page-locked rows, scattered on
-the host after."""
+A CPU engine's CPU tier is written by the step thread directly; a CUDA engine's
+page-locked one in place through CUDA views (:mod:`.uva`), by demotions from few thread
+blocks (:func:`~..planning.options.room_copy_programs`), or without views
+(``XAVIER_UVA=0``) by a device gather and a copy into page-locked rows, scattered on the
+host after."""
 
 from __future__ import annotations
 
@@ -57,6 +54,7 @@ from . import block_copy_triton
 from .block_copy import block_view, copy_rows, gather_to_pinned, slab_as
 from .kv_schema import KVLayout
 from .publisher import Publication, Publisher
+from .quiet_gate import QuietGate
 from .slot_generations import SlotGenerations
 from .uva import cuda_views
 
@@ -90,18 +88,14 @@ class StorageWriter:
                  directory: DirectoryLink, device: torch.device,
                  stream: Optional[torch.cuda.Stream] = None,
                  counters: Optional[CounterSink] = None, room_blocks: int = 512,
-                 background_room: bool = True,
-                 generations: Optional[SlotGenerations] = None) -> None:
+                 background_room: bool = True, generations: Optional[SlotGenerations] = None,
+                 quiet: Optional[QuietGate] = None) -> None:
         if not tiers:
             raise ValueError("tiers: at least one storage tier is needed")
-        self.rank = rank
-        self.layout = layout
-        self.device = device
-        self.stream = stream
+        self.rank, self.layout, self.device, self.stream = rank, layout, device, stream
         self.sink: CounterSink = counters if counters is not None else Counters()
         self._directory = directory
-        #: what the directory's rows name as their storage (readers check it)
-        self.incarnation = generations.incarnation if generations is not None else 0
+        self.incarnation = generations.incarnation if generations is not None else 0  # (rows')
         self._order = sorted(tiers)
         #: page-locked host tiers of a CUDA engine, kept alive while their CUDA views are
         #: written and read in place (:mod:`.uva`)
@@ -130,19 +124,18 @@ class StorageWriter:
         self._save_stream = None if stream is None else torch.cuda.Stream(device, priority=-1)
         self._last_save_event: Optional[torch.cuda.Event] = None
         self._room_target = min(room_blocks, self._slots[self._order[0]] // 4)
-        self._wake = threading.Event()
-        self._idle = threading.Event()  # the room thread is not in a round (set: idle)
-        self._idle.set()
-        self._unpublished = 0
-        self._closed = False
-        self._room_stream: Optional[torch.cuda.Stream] = (
-            torch.cuda.Stream(device=device) if device.type == "cuda" else None)
+        self._wake, self._idle = threading.Event(), threading.Event()  # (idle: set)
+        self._idle.set()  # the room thread is not in a round
+        self._unpublished, self._closed = 0, False
+        self._room_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        #: holds the room's rounds and the publisher's directory calls back (module docstring)
+        self.quiet = quiet if quiet is not None else QuietGate(0.0, 0.0, self.sink)
         self._publisher = Publisher(rank, directory, self.incarnation, self.sink,
-                                    self._published)
-        self._room: Optional[threading.Thread] = None
-        if background_room and self._room_target > 0:
-            self._room = threading.Thread(target=self._room_loop, daemon=True,
-                                          name=f"xavier-room-{rank}")
+                                    self._published, self.quiet)
+        self._room = threading.Thread(target=self._room_loop, daemon=True,
+                                      name=f"xavier-room-{rank}") if (
+            background_room and self._room_target > 0) else None
+        if self._room is not None:
             self._room.start()
         self._gauges()
 
@@ -151,7 +144,7 @@ class StorageWriter:
     def tiers(self) -> List[Tier]:
         return list(self._order)
 
-    def slots(self, tier: Tier) -> int:
+    def slots(self, tier: Tier) -> int:  # (per group)
         return self._slots[Tier(tier)]
 
     def used(self, tier: Tier) -> int:
@@ -183,6 +176,8 @@ class StorageWriter:
         if self._closed:
             raise RuntimeError(f"export: the storage writer of rank {self.rank} is closed")
         res = ExportResult()
+        if not after_forward:  # victims: a hit's load may follow (:mod:`.quiet_gate`)
+            self.quiet.busy()
         top = self._order[0]
         placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
         entries: List[Entry] = []
@@ -208,12 +203,12 @@ class StorageWriter:
                     self._unpublished += 1
                 self._publisher.put(pub)
         res.exported = len(entries)
-        self.sink.add("export_calls")
-        self.sink.add("export_exported", res.exported)
-        self.sink.add("export_already_stored", res.already_stored)
-        self.sink.add("export_skipped_no_slot", res.skipped_no_slot)
+        for name, value in (("export_calls", 1), ("export_exported", res.exported),
+                            ("export_already_stored", res.already_stored),
+                            ("export_skipped_no_slot", res.skipped_no_slot)):
+            self.sink.add(name, value)
         if res.exported or res.skipped_no_slot:
-            self._wake.set()
+            self._wake.set()  # (the room round itself waits: :mod:`.quiet_gate`)
         self._gauges()
         return res
 
@@ -276,7 +271,8 @@ class StorageWriter:
             self._wake.clear()
             if self._closed:
                 return
-            self._idle.clear()
+            self._idle.clear()  # (before the wait: a flush then waits for the round)
+            self.quiet.wait(urgent=self._short_of_room)
             try:
                 self.make_room()
             except Exception as exc:  # the next round tries again; exports skip meanwhile
@@ -314,6 +310,11 @@ class StorageWriter:
             self.sink.add("room_us", int(1e6 * (time.perf_counter() - t0)))
         self._gauges()
         return freed
+
+    def _short_of_room(self) -> bool:  # (a group's top tier: under half the room target)
+        with self._lock:
+            return any(a.free < min(self._room_target, a.num_slots) // 2
+                       for a in self._alloc[self._order[0]].values())
 
     def _pending_keys(self, group: int) -> FrozenSet[int]:
         """Keys of ``group`` exported but not yet published (never victims)."""
@@ -415,23 +416,22 @@ class StorageWriter:
 
     def _gauges(self) -> None:
         for tier in self._order:
-            name = tier.name.lower()
+            self.sink.set(f"storage_{tier.name.lower()}_used_blocks", self.used(tier))
             with self._lock:
-                used = sum(a.used for a in self._alloc[tier].values())
                 free = sum(a.free for a in self._alloc[tier].values())
-            self.sink.set(f"storage_{name}_used_blocks", used)
-            self.sink.set(f"storage_{name}_free_blocks", free)
+            self.sink.set(f"storage_{tier.name.lower()}_free_blocks", free)
 
     # ------------------------------------------------------------------ close
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every export so far is published and the room thread is idle."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with self._lock:
-                pending = self._unpublished
-            if pending == 0 and self._idle.is_set():
-                return True
-            time.sleep(0.005)
+        with self.quiet.hurried():
+            while time.monotonic() < end:
+                with self._lock:
+                    pending = self._unpublished
+                if pending == 0 and self._idle.is_set():
+                    return True
+                time.sleep(0.005)
         return False
 
     def close(self, timeout: float = 30.0) -> None:
@@ -441,6 +441,7 @@ class StorageWriter:
         self.flush(timeout)
         self._closed = True
         self._wake.set()
+        self.quiet.close()
         self._publisher.close(timeout)
         if self._room is not None:
             self._room.join(timeout)

@@ -84,6 +84,9 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "room_skipped_no_lower_slot", "room_us",
     # of room_us: copies between tiers (complete on return), directory calls (claim, move)
     "room_copy_us", "room_directory_us",
+    # background work (room rounds, the publisher's directory calls) held back until the
+    # worker launched no load or save for xavier_quiet_ms (mechanism/quiet_gate.py)
+    "background_deferrals", "background_deferred_us",
     # worker steps the connector held longer than 10 / 50 / 250 ms (its scheduler half's
     # time building the step plus its worker half's in it: :mod:`.step_hold`)
     *HOLD_COUNTER_NAMES,

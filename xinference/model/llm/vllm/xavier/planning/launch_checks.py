@@ -28,10 +28,12 @@ from .options import (
     ENV_IN_PLACE,
     ENV_LOAD_POLICY,
     ENV_LOCAL_PUBLISH,
+    ENV_QUIET_MS,
     ENV_SAVE_VICTIMS,
     ENV_SWITCH_INTERVAL,
     check_env_names,
     parse_load_policy,
+    parse_quiet_ms,
     parse_save_victims,
     parse_switch,
     parse_switch_interval,
@@ -120,6 +122,8 @@ def normalize_launch(kwargs: MutableMapping[str, Any], replica: Any,
         parse_load_policy(env[ENV_LOAD_POLICY])
     if ENV_SAVE_VICTIMS in env:
         parse_save_victims(env[ENV_SAVE_VICTIMS])
+    if ENV_QUIET_MS in env:
+        parse_quiet_ms(env[ENV_QUIET_MS])
     room_copy_programs(env)
     for name, option in ((ENV_IN_PLACE, "xavier_in_place"), (ENV_BATCHED, "xavier_batched_loads"),
                          (ENV_HOST_INDEX, "xavier_host_index"),

@@ -32,6 +32,10 @@ ENV_LOAD_POLICY = "XAVIER_LOAD_POLICY"
 ENV_HOST_INDEX = "XAVIER_HOST_INDEX"
 ENV_ROOM_COPY_PROGRAMS = "XAVIER_ROOM_COPY_PROGRAMS"
 ENV_LOCAL_PUBLISH = "XAVIER_LOCAL_PUBLISH"
+ENV_QUIET_MS = "XAVIER_QUIET_MS"
+#: ``xavier_quiet_ms``: a worker's background directory calls and demotions wait until it
+#: launched no load and no save for this long, at most 4x it (``mechanism/quiet_gate.py``)
+DEFAULT_QUIET_MS = 30
 #: thread blocks of the room thread's demotions into a CUDA engine's CPU tier (through its
 #: CUDA view): a full-grid copy into page-locked memory made a decode step beside it 3.8x
 #: slower, 4 blocks 1.2x at 85 % of the bandwidth (H100, benchmarks/room_interference.py)
@@ -52,7 +56,7 @@ DEFAULT_SWITCH_INTERVAL_US = 500
 KNOWN_ENV = (ENV_GPU_BUDGET, ENV_CPU_BUDGET, ENV_BATCHED, ENV_SWITCH_INTERVAL, ENV_IN_PLACE,
              ENV_SAVE_VICTIMS, ENV_LOAD_POLICY, ENV_HOST_INDEX, "XAVIER_LOG_LEVEL",
              "XAVIER_COPY_KERNEL", "XAVIER_UVA", "XAVIER_TEST_HOOKS", "XAVIER_STEP_TRACE",
-             ENV_ROOM_COPY_PROGRAMS, ENV_LOCAL_PUBLISH)
+             ENV_ROOM_COPY_PROGRAMS, ENV_LOCAL_PUBLISH, ENV_QUIET_MS)
 #: names of this project's own test and benchmark tooling (besides ``XAVIER_TEST_*``)
 TOOLING_ENV = ("XAVIER_TINY_MODEL_DIR", "XAVIER_TINY_HYBRID_MODEL_DIR", "XAVIER_TINY_MLA_MODEL_DIR",
                "XAVIER_RELIABILITY_JSON", "XAVIER_BENCH_MODES",
@@ -114,6 +118,10 @@ class XavierOptions:
     #: (``xavier_local_publish`` / ``XAVIER_LOCAL_PUBLISH``, default true;
     #: :mod:`~..mechanism.publisher`)
     local_publish: bool = True
+    #: a worker's background directory calls and demotions wait until it launched no load
+    #: and no save for this long (``xavier_quiet_ms`` / ``XAVIER_QUIET_MS``, default
+    #: :data:`DEFAULT_QUIET_MS`; 0: they run at once): not inside a hit's wait
+    quiet_ms: int = DEFAULT_QUIET_MS
 
     @property
     def transfer_actor_uid(self) -> str:
@@ -158,6 +166,8 @@ class XavierOptions:
             "xavier_host_index", env.get(ENV_HOST_INDEX, True)))
         local_publish = parse_switch("xavier_local_publish", cfg.get(
             "xavier_local_publish", env.get(ENV_LOCAL_PUBLISH, True)))
+        quiet_ms = parse_quiet_ms(cfg.get("xavier_quiet_ms", env.get(ENV_QUIET_MS,
+                                                                     DEFAULT_QUIET_MS)))
         slab = cfg.get("transfer_block_num", 512)
         if isinstance(slab, bool) or not isinstance(slab, int) or slab < 1:
             raise ValueError(f"xavier_transfer_block_num: must be a positive int, got {slab!r}")
@@ -169,7 +179,7 @@ class XavierOptions:
                    world_size=int(cfg.get("world_size") or 0), batched_loads=batched,
                    slab_blocks=slab, in_place=in_place,
                    save_victims=save_victims, load_policy=load_policy,
-                   host_index=host_index, local_publish=local_publish)
+                   host_index=host_index, local_publish=local_publish, quiet_ms=quiet_ms)
 
     def to_extra_config(self) -> Dict[str, Any]:
         return {EXTRA_KEY: asdict(self)}
@@ -184,6 +194,19 @@ class XavierOptions:
             return cls(**dict(data))
         except TypeError as exc:
             raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None
+
+
+def parse_quiet_ms(value: Any) -> int:
+    """``xavier_quiet_ms`` as whole milliseconds from 0 (off) to 1000; anything else raises
+    ``ValueError`` naming the option."""
+    try:
+        ms = -1 if isinstance(value, bool) else int(str(value).strip())
+    except ValueError:
+        ms = -1
+    if not 0 <= ms <= 1000:
+        raise ValueError(f"xavier_quiet_ms: expected whole milliseconds from 0 (off) to 1000, "
+                         f"got {value!r}")
+    return ms
 
 
 def parse_switch_interval(value: Any) -> int:

@@ -14,17 +14,15 @@ xoscar call sits on a step's path for same-host traffic.  :class:`WorkerDataPlan
 * tells vLLM which requests' loads are done and which blocks failed (:meth:`finished`),
   ordering vLLM's stream after the copies first;
 * exports each step's newly full blocks (:meth:`export`) without waiting;
-* writes its counters into a shared-memory file the transfer actor reads; the actor bumps
-  ``world_epoch`` there when the world changed (a rank died or came back): the next load
-  drops the mappings of every rank whose address changed.
+* writes its counters into a shared-memory file the transfer actor reads (which bumps
+  ``world_epoch`` there when a rank died or came back: the next load remaps).
 
 In a tensor-parallel replica each worker has a plane for its shard of the KV heads: its
 storage, its rows of each step (``StepMeta.for_shard``), shard ``tp_rank`` of every peer.
 
-A request opted out of sharing never reaches it.  Test-only switches (faults, digests)
-live outside the package (``tests/support/worker_hooks.py``): the plane calls a
-:class:`PlaneHooks` observer only when ``XAVIER_TEST_HOOKS`` (``module:Class``) names one
-in the engine's environment; a production worker has none.
+A request opted out of sharing never reaches it.  Test-only switches (faults, digests) live
+in ``tests/support/worker_hooks.py``: a :class:`PlaneHooks` observer is called only when
+``XAVIER_TEST_HOOKS`` (``module:Class``) names one in the engine's environment.
 """
 
 from __future__ import annotations
@@ -42,6 +40,7 @@ from ..mechanism.gpu_transfer import GPUTransfer
 from ..mechanism.in_place import InPlaceShare, SharedHostCaches
 from ..mechanism.kv_schema import KVLayout, layout_of
 from ..mechanism.load_handle import LoadHandle, wait_for_any, wait_until_reportable
+from ..mechanism.quiet_gate import QuietGate
 from ..mechanism.slot_generations import SlotGenerations
 from ..mechanism.snapshot_storage import open_tier
 from ..mechanism.storage_writer import StorageWriter
@@ -111,8 +110,7 @@ class WorkerDataPlane:
         self.counters = SharedCounters.create()
         self.layout: KVLayout = layout_of(caches, block_dims, tp_size)
         self.device = next(t for layers in caches.values() for _, t in layers).device
-        slabs = SlabConfig(full_rows=options.slab_blocks,
-                           small_rows=min(32, options.slab_blocks))
+        slabs = SlabConfig(full_rows=options.slab_blocks, small_rows=min(32, options.slab_blocks))
         self.engine = GPUTransfer(self.rank, slab_config=slabs, counters=self.counters)
         self.engine.set_local_caches(caches, block_dims)
         self.writer: Optional[StorageWriter] = None
@@ -121,8 +119,7 @@ class WorkerDataPlane:
         #: only where vLLM defers frees, and with vLLM's cache read in place (else the
         #: exports, on the loads' stream, wait for every forward anyway)
         self.unordered = defers_block_frees and options.in_place
-        #: whether vLLM's ask for finished loads waits for the quick ones (:meth:`finished`):
-        #: when their copies wait for no forward in flight (unordered, or none overlaps)
+        #: :meth:`finished` waits for quick loads when no copy waits for a forward in flight
         self.report_waits = self.unordered or not overlapped
         self._attached = False
         self._own_releases: List[Any] = []
@@ -216,10 +213,11 @@ class WorkerDataPlane:
             self._own_releases.append(release)
         generations = SlotGenerations.open(desc["generations"])
         self._own_releases.append(generations.close)
+        quiet_s = self.options.quiet_ms / 1000  # (background work: not inside a hit's wait)
         self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
                                     stream=self.engine.stream, counters=self.counters,
-                                    room_blocks=self.options.slab_blocks,
-                                    generations=generations)
+                                    room_blocks=self.options.slab_blocks, generations=generations,
+                                    quiet=QuietGate(quiet_s, 4 * quiet_s, self.counters))
         self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
@@ -243,6 +241,8 @@ class WorkerDataPlane:
         :meth:`finished` can report them in the step that launched them."""
         if not step.has_loads:
             return
+        if self.writer is not None:
+            self.writer.quiet.busy()
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             after: Optional[List[torch.cuda.Event]] = None  # None: after the forward too

@@ -1,0 +1,90 @@
+"""The quiet gate on its own (real threads and clocks): background work waits while the
+worker keeps launching, goes once it is quiet, at the latest after the longest deferral,
+and at once when urgent, hurried, closed or switched off."""
+
+import threading
+import time
+
+import pytest
+
+from xinference.model.llm.vllm.xavier.mechanism.quiet_gate import QuietGate
+from xinference.model.llm.vllm.xavier.planning.counters import Counters
+
+
+def keep_busy(gate: QuietGate, seconds: float, every: float = 0.01) -> threading.Thread:
+    """A worker launching a load every ``every`` s for ``seconds`` (its own thread)."""
+    def run() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            gate.busy()
+            time.sleep(every)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_work_waits_until_the_worker_was_quiet_for_quiet_s():
+    counters = Counters()
+    gate = QuietGate(0.15, 5.0, counters)
+    busy = keep_busy(gate, 0.5)
+    t0 = time.monotonic()
+    waited = gate.wait()
+    done = time.monotonic()
+    busy.join()
+    # released ~quiet_s after the last launch (the busy thread's end), not before it
+    assert done - t0 >= 0.5 and waited >= 0.5
+    assert waited < 3.0
+    assert counters.get("background_deferrals") == 1
+    assert counters.get("background_deferred_us") >= 500_000
+
+
+def test_a_worker_that_never_goes_quiet_holds_work_back_no_longer_than_max_defer():
+    gate = QuietGate(0.2, 0.4, Counters())
+    busy = keep_busy(gate, 3.0)
+    waited = gate.wait()
+    assert 0.35 <= waited < 2.0
+    gate.close()
+    busy.join()
+
+
+def test_quiet_already_means_no_wait():
+    counters = Counters()
+    gate = QuietGate(0.05, 1.0, counters)
+    gate.busy()
+    time.sleep(0.1)
+    assert gate.wait() < 0.02
+    assert counters.get("background_deferrals") == 0
+
+
+@pytest.mark.parametrize("release", ["urgent", "hurried", "close"])
+def test_urgent_hurried_or_closed_work_goes_at_once(release):
+    gate = QuietGate(0.5, 10.0, Counters())
+    busy = keep_busy(gate, 1.5)
+    got = []
+    if release == "urgent":
+        got.append(gate.wait(urgent=lambda: True))
+    else:
+        waiter = threading.Thread(target=lambda: got.append(gate.wait()), daemon=True)
+        waiter.start()
+        time.sleep(0.1)
+        assert not got  # (held back until released)
+        if release == "hurried":
+            with gate.hurried():
+                waiter.join(2.0)
+        else:
+            gate.close()
+            waiter.join(2.0)
+            assert gate.wait() < 0.01  # closed for good
+    assert got and got[0] < 0.45
+    busy.join()
+
+
+def test_quiet_0_turns_it_off():
+    gate = QuietGate(0.0, 0.0, Counters())
+    gate.busy()
+    assert gate.wait() == 0.0
+
+
+def test_negative_durations_are_refused_by_name():
+    with pytest.raises(ValueError, match="quiet_s"):
+        QuietGate(-1, 1, Counters())

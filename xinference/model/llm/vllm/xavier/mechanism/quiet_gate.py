@@ -1,0 +1,87 @@
+"""Background work held back while a hit is on its way to its first forward (issue #34).
+
+A cross-replica hit at C1 waits through three of vLLM's steps between the step that
+launches its load and its own forward.  The victim saves of the loading step wake the
+worker's background threads right then: the room thread demotes and claims (a directory
+call), the publisher registers the saves (another); both run Python in the engine's
+process, in the window the hit waits through, and took the GIL from vLLM's step thread
+there (session 31: a load launch of 8.6 ms wall for 3.1 ms CPU; session 36: a hit's wait
+20.3 ms with saves, 9.6 ms without).
+
+:class:`QuietGate` lets that work wait until the worker has launched no load and no save
+for ``quiet_s``, at most ``max_defer_s`` a wait, so that it lands after the hit's forward
+instead of inside its wait.  Nothing depends on it for correctness: it only moves when
+the background threads run.  Work that cannot wait (the top tier short of free slots,
+:meth:`QuietGate.wait`'s ``urgent``; a flush, :meth:`QuietGate.hurried`; close) goes at
+once.  ``quiet_s`` 0 turns it off (``xavier_quiet_ms`` / ``XAVIER_QUIET_MS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator
+
+from ..planning.counters import CounterSink
+
+
+class QuietGate:
+    """See the module docstring.  ``sink`` counts ``background_deferrals`` (waits that
+    held work back) and ``background_deferred_us`` (their time)."""
+
+    def __init__(self, quiet_s: float, max_defer_s: float, sink: CounterSink,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if quiet_s < 0 or max_defer_s < 0:
+            raise ValueError(f"quiet_s / max_defer_s: expected >= 0, got {quiet_s} / "
+                             f"{max_defer_s}")
+        self.quiet_s, self.max_defer_s = quiet_s, max_defer_s
+        self._sink, self._clock = sink, clock
+        self._cond = threading.Condition()
+        self._busy_at = float("-inf")
+        self._hurry = 0
+        self._closed = False
+
+    def busy(self) -> None:
+        """The worker launched a load or a save now (vLLM's step thread; never waits)."""
+        self._busy_at = self._clock()  # (a float store: atomic under the GIL)
+
+    def wait(self, urgent: Callable[[], bool] = lambda: False) -> float:
+        """Block the calling background thread until the worker has been quiet for
+        ``quiet_s``, ``max_defer_s`` passed, ``urgent()`` is true, a flush hurries or the
+        gate closed; returns the seconds waited."""
+        if self.quiet_s <= 0:
+            return 0.0
+        start = self._clock()
+        deadline = start + self.max_defer_s
+        with self._cond:
+            while not self._closed and not self._hurry:
+                now = self._clock()
+                quiet_at = self._busy_at + self.quiet_s
+                if now >= quiet_at or now >= deadline or urgent():
+                    break
+                # (re-checked at least every quiet_s / 4: urgent() may turn true)
+                self._cond.wait(min(quiet_at, deadline, now + self.quiet_s / 4) - now)
+        waited = max(0.0, self._clock() - start)
+        if waited > 0.0005:
+            self._sink.add("background_deferrals")
+            self._sink.add("background_deferred_us", int(1e6 * waited))
+        return waited
+
+    @contextlib.contextmanager
+    def hurried(self) -> Iterator[None]:
+        """While inside, nothing waits (a flush wants the background work done now)."""
+        with self._cond:
+            self._hurry += 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._hurry -= 1
+
+    def close(self) -> None:
+        """Release every waiter, for good (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
