@@ -3,6 +3,7 @@ peers (retries after a failed mapping, world updates) through :class:`PeerMaps`.
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -476,12 +477,15 @@ def test_loads_skip_the_forward_in_flight_only_where_vllms_scheduler_defers_free
 
 def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
     """The plane hands the engine the step's victim-save event (and nothing queued on
-    vLLM's stream) when it may skip the forward in flight; else the default order."""
+    vLLM's stream) when it may skip the forward in flight; else the default order.  Each
+    launch tells the writer's quiet gate (its background work waits)."""
     cache, _, _ = engine_cache(16)
     for unordered, expected in ((True, ["saved"]), (False, None)):
         plane = plane_of()
         plane.unordered = unordered
-        plane._attached, plane.writer = True, object()
+        busy: list = []
+        plane._attached = True
+        plane.writer = SimpleNamespace(quiet=SimpleNamespace(busy=lambda b=busy: b.append(1)))
         plane.engine.map_storage(1, Tier.CPU, cache)
         monkeypatch.setattr(plane.peers, "follow_world", lambda: None)
         monkeypatch.setattr(plane.peers, "ensure_mapped", lambda ranks: set())
@@ -491,7 +495,7 @@ def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
                                 ordered_after))
         rows = np.array([[0, 7, 1, int(Tier.CPU), 3, 5, 0, 0]], np.int64)
         plane.load(StepMeta(LoadBatch(("r",), np.array([0, 1]), rows)), "saved")
-        assert seen == [expected]
+        assert seen == [expected] and busy == [1]
         plane.writer = None
         plane.close()
 
