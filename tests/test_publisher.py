@@ -8,9 +8,12 @@ import threading
 import time
 from typing import List
 
+import pytest
+
 from tests.support.host_indexes import VLLM, Engine, names
 from xinference.model.llm.vllm.xavier.mechanism.host_index import HostIndexLink, name_words
 from xinference.model.llm.vllm.xavier.mechanism.publisher import Publication, Publisher
+from xinference.model.llm.vllm.xavier.mechanism.quiet_gate import QuietGate
 from xinference.model.llm.vllm.xavier.planning.counters import Counters
 from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
 
@@ -276,4 +279,46 @@ def test_a_publication_whose_forward_is_still_running_holds_back_none_before_it(
             assert w._all_done.wait_for(lambda: len(w.done) == 4, 30)
         assert w.done == pubs and slow.calls[2:] == [7]  # (it and the one after it)
     finally:
+        w.close()
+
+
+@pytest.mark.parametrize("quiet_s", [0.3, 0.0])
+def test_a_deferred_directory_run_holds_back_no_host_index_write(quiet_s):
+    """A worker launching loads every 10 ms (its quiet gate shut): a save's registration
+    for the directory waits, a later in-place publication for the host index is written at
+    once (it overtakes the run: another storage's rows), and the run goes once the worker
+    is quiet.  Negative control: the gate off registers the run at once."""
+    w = World()
+    w.publisher.close(30)
+    gate = QuietGate(quiet_s, 30.0, w.counters)
+    w.publisher = Publisher(RANK, w.link, incarnation=77, sink=w.counters, done=w._finished,
+                            quiet=gate)
+    w.publish(names(1), 5, local=True)  # (the switch to local: before the experiment)
+    stop = threading.Event()
+
+    def launching() -> None:
+        while not stop.is_set():
+            gate.busy()
+            time.sleep(0.01)
+    busy = threading.Thread(target=launching, daemon=True)
+    busy.start()
+    try:
+        saved, held = names(3), names(2)
+        w.publisher.put(Publication([(0, k, 0, i, 1) for i, k in enumerate(saved)], []))
+        time.sleep(0.2)
+        w.publish(held, 10, local=True)  # (waits until it is done)
+        local_at = list(w.done[1:])
+        in_directory = w.in_directory(saved)
+        stop.set()
+        busy.join()
+        with w._all_done:
+            assert w._all_done.wait_for(lambda: len(w.done) == 3, 30)
+        assert w.in_index(held) == 2 and w.in_directory(saved) == 3
+        if quiet_s:
+            assert len(local_at) == 1 and local_at[0].local and in_directory == 0
+            assert w.counters.get("background_deferrals") == 1
+        else:
+            assert len(local_at) == 2 and in_directory == 3
+    finally:
+        stop.set()
         w.close()

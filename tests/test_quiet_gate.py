@@ -1,6 +1,7 @@
 """The quiet gate on its own (real threads and clocks): background work waits while the
-worker keeps launching, goes once it is quiet, at the latest after the longest deferral,
-and at once when urgent, hurried, closed or switched off."""
+worker keeps launching, goes once it is quiet, at the latest ``max_defer_s`` after it was
+first held back, and at once when urgent, hurried, closed or switched off; a waiter with
+other work is let out by a poke and waits again under the same deadline."""
 
 import threading
 import time
@@ -23,17 +24,20 @@ def keep_busy(gate: QuietGate, seconds: float, every: float = 0.01) -> threading
     return t
 
 
+def timed(wait) -> tuple:
+    t0 = time.monotonic()
+    go = wait()
+    return go, time.monotonic() - t0
+
+
 def test_work_waits_until_the_worker_was_quiet_for_quiet_s():
     counters = Counters()
     gate = QuietGate(0.15, 5.0, counters)
     busy = keep_busy(gate, 0.5)
-    t0 = time.monotonic()
-    waited = gate.wait()
-    done = time.monotonic()
+    go, waited = timed(gate.wait)
     busy.join()
     # released ~quiet_s after the last launch (the busy thread's end), not before it
-    assert done - t0 >= 0.5 and waited >= 0.5
-    assert waited < 3.0
+    assert go and 0.5 <= waited < 3.0
     assert counters.get("background_deferrals") == 1
     assert counters.get("background_deferred_us") >= 500_000
 
@@ -41,8 +45,8 @@ def test_work_waits_until_the_worker_was_quiet_for_quiet_s():
 def test_a_worker_that_never_goes_quiet_holds_work_back_no_longer_than_max_defer():
     gate = QuietGate(0.2, 0.4, Counters())
     busy = keep_busy(gate, 3.0)
-    waited = gate.wait()
-    assert 0.35 <= waited < 2.0
+    go, waited = timed(gate.wait)
+    assert go and 0.35 <= waited < 2.0
     gate.close()
     busy.join()
 
@@ -52,7 +56,8 @@ def test_quiet_already_means_no_wait():
     gate = QuietGate(0.05, 1.0, counters)
     gate.busy()
     time.sleep(0.1)
-    assert gate.wait() < 0.02
+    go, waited = timed(gate.wait)
+    assert go and waited < 0.02
     assert counters.get("background_deferrals") == 0
 
 
@@ -62,9 +67,9 @@ def test_urgent_hurried_or_closed_work_goes_at_once(release):
     busy = keep_busy(gate, 1.5)
     got = []
     if release == "urgent":
-        got.append(gate.wait(urgent=lambda: True))
+        got.append(timed(lambda: gate.wait(urgent=lambda: True)))
     else:
-        waiter = threading.Thread(target=lambda: got.append(gate.wait()), daemon=True)
+        waiter = threading.Thread(target=lambda: got.append(timed(gate.wait)), daemon=True)
         waiter.start()
         time.sleep(0.1)
         assert not got  # (held back until released)
@@ -74,15 +79,34 @@ def test_urgent_hurried_or_closed_work_goes_at_once(release):
         else:
             gate.close()
             waiter.join(2.0)
-            assert gate.wait() < 0.01  # closed for good
-    assert got and got[0] < 0.45
+            assert timed(gate.wait)[1] < 0.01  # closed for good
+    assert got and got[0][0] and got[0][1] < 0.45
+    busy.join()
+
+
+def test_a_poked_waiter_with_other_work_comes_out_then_keeps_its_deadline():
+    """The publisher's case: a run for the directory waits; a host-index write queued
+    behind it pokes the gate and is done first; the run still goes max_defer_s after it
+    was first held back, not after the last poke."""
+    gate = QuietGate(0.3, 0.8, Counters())
+    busy = keep_busy(gate, 3.0)
+    other = threading.Event()
+    threading.Timer(0.2, lambda: (other.set(), gate.poke())).start()
+    since = time.monotonic()
+    go, waited = timed(lambda: gate.wait(interrupt=other.is_set, since=since))
+    assert not go and 0.15 < waited < 0.5  # out for the other work, well before 0.3 s quiet
+    other.clear()
+    go, _ = timed(lambda: gate.wait(interrupt=other.is_set, since=since))
+    assert go and 0.7 < time.monotonic() - since < 2.0  # since + max_defer_s
+    gate.close()
     busy.join()
 
 
 def test_quiet_0_turns_it_off():
     gate = QuietGate(0.0, 0.0, Counters())
     gate.busy()
-    assert gate.wait() == 0.0
+    go, waited = timed(gate.wait)
+    assert go and waited < 0.01
 
 
 def test_negative_durations_are_refused_by_name():

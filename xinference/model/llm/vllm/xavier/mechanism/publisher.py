@@ -7,7 +7,9 @@ own cache whose forward just completed (published in place: ``incarnation`` name
 engine's block generations).  :class:`Publisher` registers them in order, after their
 event; those that queued while the directory answered the last call go in one call
 (``directory_calls_coalesced``: a busy directory gets fewer, larger calls, and the engine's
-process makes fewer); a failure is counted (a later miss, never wrong KV).
+process makes fewer); a failure is counted (a later miss, never wrong KV).  The directory
+calls wait until the worker launched no load or save for a while (:mod:`.quiet_gate`: not
+inside the steps a cross-replica hit waits through); host-index writes do not wait for them.
 
 While the whole launch is on this host the scheduler marks in-place publications
 ``local``: they go into the worker's host index only, where every peer looks
@@ -80,6 +82,9 @@ class Publisher:
                  quiet: Optional[QuietGate] = None) -> None:
         self.rank, self._directory, self._incarnation = rank, directory, incarnation
         self._sink, self._done, self._quiet = sink, done, quiet
+        #: runs of publications for the directory, waiting for the worker to be quiet
+        self._runs: List[List[Publication]] = []
+        self._deferred_since = 0.0
         self._local = False  # in-place publications go into the host index only
         self._queue: queue.Queue[Optional[Publication]] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -88,6 +93,8 @@ class Publisher:
 
     def put(self, pub: Publication) -> None:
         self._queue.put(pub)
+        if self._quiet is not None:
+            self._quiet.poke()  # (a deferred run waits: this one may go first)
 
     def _loop(self) -> None:
         carried: Optional[Publication] = None  # taken, its event not complete: next batch
@@ -105,14 +112,18 @@ class Publisher:
                 batch.append(pub)
             self._publish([pub for pub in batch if pub is not None])
             if batch[-1] is None:
+                self._register_deferred()
                 return
+            if self._runs and self._may_register(carried):
+                self._register_deferred()  # (else: what queued meanwhile first)
 
     def _publish(self, batch: List[Publication]) -> None:
-        """Register ``batch`` in order, each after its event (and its CPU tier's scatter).
-        Consecutive registrations in the directory of one incarnation go in one call:
-        what queued while the directory answered the last one (a busy directory gets
-        fewer, larger calls; an idle one is called as each publication comes)."""
-        run: List[Publication] = []  # waiting for one directory call
+        """Take ``batch`` in order, each after its event (and its CPU tier's scatter): into
+        the host index at once, or into the runs deferred for the directory (consecutive
+        ones of one incarnation: one call each).  The runs go when the worker is quiet
+        (:meth:`_loop`); what queued meanwhile joins them (a busy directory or worker gets
+        fewer, larger calls; an idle one is called as each publication comes).  A write
+        into the host index may overtake a deferred run (another storage's rows)."""
         for pub in batch:
             in_place = pub.incarnation is not None
             incarnation = self._incarnation if pub.incarnation is None else pub.incarnation
@@ -126,10 +137,9 @@ class Publisher:
                 self._failed([pub], exc)
                 continue
             if in_place and pub.local != self._local:
-                run = self._register(run)  # (what came before the switch, first)
+                self._register_deferred()  # (what came before the switch, first)
                 self._local = self._switched(pub.local)
             if in_place and self._local:
-                run = self._register(run)
                 try:
                     with span(self.rank, "publish", blocks=len(pub.entries), local=1):
                         kept = self._local_link().register_local(self.rank, pub.entries,
@@ -141,36 +151,49 @@ class Publisher:
                 self._sink.add("in_place_registered", len(pub.entries))
                 self._done(pub)
                 continue
-            if run and self._incarnation_of(run[0]) != incarnation:
-                run = self._register(run)
-            run.append(pub)
-        self._register(run)
+            if not self._runs:
+                self._deferred_since = time.monotonic()
+            if not self._runs or self._incarnation_of(self._runs[-1][0]) != incarnation:
+                self._runs.append([])
+            self._runs[-1].append(pub)
+
+    def _may_register(self, carried: Optional[Publication]) -> bool:
+        """Whether the deferred runs go now: once the worker is quiet; False when other
+        work came first (a publication queued, or ``carried``'s forward completed)."""
+        if self._quiet is None:
+            return True
+        if carried is not None:
+            pub = carried
+            return self._quiet.wait(since=self._deferred_since, interrupt=lambda: _complete(pub))
+        return self._quiet.wait(since=self._deferred_since,
+                                interrupt=lambda: not self._queue.empty())
+
+    def _register_deferred(self) -> None:
+        runs, self._runs = self._runs, []
+        for run in runs:
+            self._register(run)
 
     def _incarnation_of(self, pub: Publication) -> int:
         return self._incarnation if pub.incarnation is None else pub.incarnation
 
-    def _register(self, run: List[Publication]) -> List[Publication]:
-        """One directory call for ``run`` (publications of one incarnation, in order);
-        returns an empty run."""
+    def _register(self, run: List[Publication]) -> None:
+        """One directory call for ``run`` (publications of one incarnation, in order)."""
         if not run:
-            return []
+            return
         entries = [e for pub in run for e in pub.entries]
         try:
             if entries:  # (none: a switch only)
-                if self._quiet is not None:
-                    self._quiet.wait()
                 with span(self.rank, "publish", blocks=len(entries), local=0,
                           publications=len(run)):
                     self._directory.register(self.rank, entries, self._incarnation_of(run[0]))
                 self._sink.add("directory_calls_coalesced", len(run) - 1)
         except Exception as exc:  # unpublished blocks are only a later miss
             self._failed(run, exc)
-            return []
+            return
         for pub in run:
             self._sink.add("in_place_registered" if pub.incarnation is not None
                            else "export_published", len(pub.entries))
             self._done(pub)
-        return []
 
     def _failed(self, pubs: List[Publication], exc: Exception) -> None:
         for pub in pubs:

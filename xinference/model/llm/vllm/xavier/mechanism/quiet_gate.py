@@ -13,7 +13,9 @@ for ``quiet_s``, at most ``max_defer_s`` a wait, so that it lands after the hit'
 instead of inside its wait.  Nothing depends on it for correctness: it only moves when
 the background threads run.  Work that cannot wait (the top tier short of free slots,
 :meth:`QuietGate.wait`'s ``urgent``; a flush, :meth:`QuietGate.hurried`; close) goes at
-once.  ``quiet_s`` 0 turns it off (``xavier_quiet_ms`` / ``XAVIER_QUIET_MS``).
+once.  A waiter with other work (the publisher: a host-index write queued behind the
+deferred directory call) is let out by :meth:`QuietGate.poke` and waits again under the
+same deadline.  ``quiet_s`` 0 turns it off (``xavier_quiet_ms`` / ``XAVIER_QUIET_MS``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from ..planning.counters import CounterSink
 
@@ -46,27 +48,41 @@ class QuietGate:
         """The worker launched a load or a save now (vLLM's step thread; never waits)."""
         self._busy_at = self._clock()  # (a float store: atomic under the GIL)
 
-    def wait(self, urgent: Callable[[], bool] = lambda: False) -> float:
-        """Block the calling background thread until the worker has been quiet for
-        ``quiet_s``, ``max_defer_s`` passed, ``urgent()`` is true, a flush hurries or the
-        gate closed; returns the seconds waited."""
+    def wait(self, urgent: Callable[[], bool] = lambda: False,
+             interrupt: Callable[[], bool] = lambda: False,
+             since: Optional[float] = None) -> bool:
+        """Block the calling background thread until its work may go: the worker has been
+        quiet for ``quiet_s``, ``max_defer_s`` passed ``since`` (default: now; the clock's
+        time the work was first held back), ``urgent()`` is true, a flush hurries or the
+        gate closed -- True; or until ``interrupt()`` is true first (re-checked when
+        :meth:`poke` d) -- False: the caller does other work and waits again."""
         if self.quiet_s <= 0:
-            return 0.0
+            return True
         start = self._clock()
-        deadline = start + self.max_defer_s
+        since = start if since is None else since
+        go = True
         with self._cond:
             while not self._closed and not self._hurry:
                 now = self._clock()
-                quiet_at = self._busy_at + self.quiet_s
+                quiet_at, deadline = self._busy_at + self.quiet_s, since + self.max_defer_s
                 if now >= quiet_at or now >= deadline or urgent():
+                    break
+                if interrupt():
+                    go = False
                     break
                 # (re-checked at least every quiet_s / 4: urgent() may turn true)
                 self._cond.wait(min(quiet_at, deadline, now + self.quiet_s / 4) - now)
-        waited = max(0.0, self._clock() - start)
-        if waited > 0.0005:
+        end = self._clock()
+        if end - start > 0.0005:
+            self._sink.add("background_deferred_us", int(1e6 * (end - start)))
+        if go and end - since > 0.0005:
             self._sink.add("background_deferrals")
-            self._sink.add("background_deferred_us", int(1e6 * waited))
-        return waited
+        return go
+
+    def poke(self) -> None:
+        """Make the waiters check their ``interrupt`` now (never waits for them)."""
+        with self._cond:
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def hurried(self) -> Iterator[None]:
