@@ -31,7 +31,6 @@ import pytest
 
 from xinference.model.llm.vllm.xavier import replica_routing
 
-from .support.heavy_lock import HeavyLock
 from .support.processes import alive, engine_cores
 from .support.xinference_server import (
     DEVICE,
@@ -292,29 +291,27 @@ def test_rest_launch_of_tensor_parallel_replicas_shares_every_shard(tiny_model_d
     body["xavier_routing"] = "round_robin"  # Xinference's cycle: the two go to both
     if DEVICE == "cuda":  # each replica on both GPUs
         body["gpu_idx"] = [0, 1]
-    # four vLLM workers: never beside the tp_pair world of the other xdist worker (OOM)
-    with HeavyLock("xinference-local TP launch"):
-        assert server.launch(body) == {"model_uid": MODEL}
-        # each replica's transfer actor took one storage per worker (shard)
-        workers = server.log_lines("registered (cpu" if DEVICE == "cpu" else "registered (cuda")
-        for rank in (1, 2):
-            for k in (0, 1):
-                assert sum(f"rank {rank}: engine worker {k}/2" in line
-                           for line in workers) == 1, (rank, k, workers)
-        assert len(server.log_lines("init_xavier: workers attached=True")) == 2
-        addresses = rank_addresses(server)
-        usages = two_requests_sharing_a_prefix(server, "tp request", 9000)
-        c = {r: server.counters(addresses[r], r) for r in (1, 2)}
-        total = {k: sum(c[r].get(k, 0) for r in (1, 2)) for k in (
-            "requests_with_hits", "hit_blocks", "batch_calls", "blocks_written",
-            "load_failures")}
-        print("xavier counters, both replicas:", total, "usages:", usages)
-        assert total["requests_with_hits"] == 1
-        assert total["hit_blocks"] >= 2500 // 4 // 16
-        assert total["blocks_written"] == 2 * total["hit_blocks"]  # both shards of each
-        assert total["batch_calls"] == 2  # one load call per worker
-        assert total["load_failures"] == 0
+    assert server.launch(body) == {"model_uid": MODEL}
+    # each replica's transfer actor took one storage per worker (shard)
+    workers = server.log_lines("registered (cpu" if DEVICE == "cpu" else "registered (cuda")
+    for rank in (1, 2):
+        for k in (0, 1):
+            assert sum(f"rank {rank}: engine worker {k}/2" in line
+                       for line in workers) == 1, (rank, k, workers)
+    assert len(server.log_lines("init_xavier: workers attached=True")) == 2
+    addresses = rank_addresses(server)
+    usages = two_requests_sharing_a_prefix(server, "tp request", 9000)
+    c = {r: server.counters(addresses[r], r) for r in (1, 2)}
+    total = {k: sum(c[r].get(k, 0) for r in (1, 2)) for k in (
+        "requests_with_hits", "hit_blocks", "batch_calls", "blocks_written",
+        "load_failures")}
+    print("xavier counters, both replicas:", total, "usages:", usages)
+    assert total["requests_with_hits"] == 1
+    assert total["hit_blocks"] >= 2500 // 4 // 16
+    assert total["blocks_written"] == 2 * total["hit_blocks"]  # both shards of each
+    assert total["batch_calls"] == 2  # one load call per worker
+    assert total["load_failures"] == 0
 
-        assert server.call("DELETE", f"/v1/models/{MODEL}") is None
-        assert server.engines_gone() == []
-        assert server.call("GET", "/v1/models")["data"] == []
+    assert server.call("DELETE", f"/v1/models/{MODEL}") is None
+    assert server.engines_gone() == []
+    assert server.call("GET", "/v1/models")["data"] == []

@@ -33,7 +33,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from . import run_table
 from .engines import EngineOptions
-from .heavy_lock import HeavyLock
 from .loop_thread import LoopThread
 from .pools import gpus_from_env
 from .xavier_replicas import Replicas
@@ -68,8 +67,6 @@ class WorldSpec:
     name: str
     model_fixture: str
     replicas_kwargs: Callable[[str], Dict[str, Any]] = field(compare=False)
-    #: its engines take the machine's heavy lock for their life (:mod:`.heavy_lock`)
-    heavy: bool = False
 
 
 def _qwen_pair(model_dir: str) -> Dict[str, Any]:
@@ -143,7 +140,7 @@ SPECS: Dict[str, WorldSpec] = {
     "qwen_pair": WorldSpec("qwen-pair", "tiny_model_dir", _qwen_pair),
     "nixl_pair": WorldSpec("nixl-pair", "tiny_model_dir", _nixl_pair),
     "hybrid_pair": WorldSpec("hybrid-pair", "tiny_hybrid_model_dir", _hybrid_pair),
-    "tp_pair": WorldSpec("tp-pair", "tiny_model_dir", _tp_pair, heavy=True),
+    "tp_pair": WorldSpec("tp-pair", "tiny_model_dir", _tp_pair),
     "mla_pair": WorldSpec("mla-pair", "tiny_mla_model_dir", _mla_pair),
     "churn_pair": WorldSpec("churn-pair", "tiny_model_dir", _churn_pair),
 }
@@ -166,18 +163,10 @@ class World:
         from .xavier_replicas import replicas_in_loop_thread
 
         self.spec = spec
-        self._heavy = HeavyLock(f"world {spec.name}") if spec.heavy else None
-        if self._heavy is not None:
-            self._heavy.acquire()
         t0 = time.monotonic()
-        try:
-            self._gen: Iterator[Tuple[LoopThread, Replicas]] = replicas_in_loop_thread(
-                model_dir, **spec.replicas_kwargs(model_dir))
-            self.lt, self.replicas = next(self._gen)
-        except BaseException:
-            if self._heavy is not None:
-                self._heavy.release()
-            raise
+        self._gen: Iterator[Tuple[LoopThread, Replicas]] = replicas_in_loop_thread(
+            model_dir, **spec.replicas_kwargs(model_dir))
+        self.lt, self.replicas = next(self._gen)
         self.start_s = time.monotonic() - t0
         self.tests = 0
         self.broken: Optional[str] = None
@@ -232,9 +221,6 @@ class World:
             next(self._gen)
         except StopIteration:
             pass
-        finally:
-            if self._heavy is not None:
-                self._heavy.release()
 
 
 #: started shared parts by fixture name: worlds, and the others :func:`shared` keeps
