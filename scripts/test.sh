@@ -9,9 +9,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck source=/dev/null
 . "${VENV:-.venv}/bin/activate"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-# two pytest-xdist workers: one runs the engine worlds' users, one after the other (they
-# share their engines: tests/support/worlds.py), the other the engine tests of group
-# "apart" (tests/support/run_order.py), then both every other test
+# two pytest-xdist workers: one runs every engine test, one after the other (they share
+# their engines: tests/support/worlds.py), the other every other test meanwhile
 select=(-n 2 --dist loadgroup)
 if [[ "${1:-}" == "--fast" ]]; then
     shift

@@ -134,9 +134,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """On a pytest-xdist worker with ``--dist loadgroup``: every engine test must carry its
-    group in its node id (pytest-xdist adds ``@engines`` or ``@apart``) or the engine tests
-    are spread over the workers, each starting worlds of its own; fail the run at once,
-    saying so."""
+    group in its node id (pytest-xdist adds ``@engines``) or the engine tests are spread
+    over the workers, each starting worlds of its own; fail the run at once, saying so."""
     config = session.config
     if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
         return

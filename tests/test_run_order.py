@@ -20,16 +20,13 @@ CONFTEST = textwrap.dedent('''
     sys.path.insert(0, {root!r})
     from tests.support import run_order
 
-    SHARED = ("world_a", "world_b", "xinference_server")
+    SHARED = ("world_a", "world_b")
 
     @pytest.fixture
     def world_a(): return "a"
 
     @pytest.fixture
     def world_b(): return "b"
-
-    @pytest.fixture
-    def xinference_server(): return "server"
 
     @pytest.fixture
     def engine_process(): return "own engine"
@@ -64,20 +61,14 @@ TESTS = textwrap.dedent('''
     def test_b_2(world_b): pass
     @pytest.mark.engine
     def test_marked(): pass
-    def test_server_1(xinference_server): pass
-    @pytest.mark.engine
-    @pytest.mark.apart
-    def test_apart(): pass
     @pytest.mark.parametrize("i", range(6))
     def test_plain_many(i): pass
 ''')
 
 #: the engine tests in the order the run must keep: world_a's users (the breaking one last),
-#: world_b's, the server's, then those with engines of their own (collection order)
-ENGINE_ORDER = ["test_a_1", "test_a_2", "test_a_breaks", "test_b_1", "test_b_2",
-                "test_server_1", "test_own", "test_marked", "test_apart"]
-#: of those, the group ``apart`` (the server's users, the test marked ``apart``)
-APART = ["test_server_1", "test_apart"]
+#: world_b's, then those with engines of their own (collection order)
+ENGINE_ORDER = ["test_a_1", "test_a_2", "test_a_breaks", "test_b_1", "test_b_2", "test_own",
+                "test_marked"]
 
 
 def run(tmp_path: Path, *args: str) -> List[List[str]]:
@@ -100,20 +91,15 @@ def test_without_workers_the_engine_tests_follow_the_others_each_part_in_one_str
     assert ran == plain + ENGINE_ORDER and len(plain) == 8
 
 
-def test_with_two_workers_each_group_runs_on_one_worker_in_order_each_next_item_the_next(
+def test_with_two_workers_one_runs_every_engine_test_in_order_each_next_item_the_next(
         tmp_path: Path) -> None:
-    """What ``worlds.close_unneeded`` relies on: on the worker running a group's tests,
-    each one's ``nextitem`` is the group's next test (a world closes after its last user);
-    the engine worlds' users on one worker, group ``apart`` on the other."""
+    """What ``worlds.close_unneeded`` relies on: on the worker running the engine tests,
+    each one's ``nextitem`` is the next engine test (a world closes after its last user)."""
     rows = run(tmp_path, "-n", "2", "--dist", "loadgroup")
-    workers = set()
-    for group in ([n for n in ENGINE_ORDER if n not in APART], APART):
-        ran = [(worker, name, nxt) for worker, name, nxt in rows if name in group]
-        assert len({worker for worker, _, _ in ran}) == 1, ran
-        workers.add(ran[0][0])
-        assert [name for _, name, _ in ran] == group
-        nexts: Dict[str, str] = {name: nxt for _, name, nxt in ran}
-        for this, after in zip(group, group[1:]):
-            assert nexts[this] == after
-    assert len(workers) == 2, rows
-    assert len(rows) == 17
+    engine = [(worker, name, nxt) for worker, name, nxt in rows if name in ENGINE_ORDER]
+    assert len({worker for worker, _, _ in engine}) == 1, engine
+    assert [name for _, name, _ in engine] == ENGINE_ORDER
+    nexts: Dict[str, str] = {name: nxt for _, name, nxt in engine}
+    for this, after in zip(ENGINE_ORDER, ENGINE_ORDER[1:]):
+        assert nexts[this] == after
+    assert len(rows) == 15

@@ -22,7 +22,7 @@ from .support.pools import actor_pool, sub_pool_addresses
 from .support.processes import engine_cores, tokens
 from .support.xavier_replicas import ReplicaActor
 
-pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.apart]
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 
 MODEL_UID = "qwen-tiny"
 

@@ -9,13 +9,8 @@ heavy.
 * within each, the order of collection.
 
 Users of a shared part and of ``engine_process`` get the ``engine`` marker, and every engine
-test a pytest-xdist group: ``apart`` for the users of the shared ``xinference_server`` and the
-tests marked ``apart`` (they start every engine they need and share none), ``engines`` for
-the others.  With ``--dist loadgroup`` (``scripts/test.sh``) pytest-xdist hands each group
-whole to one worker, the larger first (it orders its queue by tests per group), so one
-worker runs the engine worlds' users one after the other in this order while the other
-runs group ``apart``; then both run the tests that start nothing.  The groups share no
-part: a world lives on the worker that runs its users.
+test the pytest-xdist group ``engines``: with ``--dist loadgroup`` (``scripts/test.sh``) one
+worker runs them all, one after the other in this order, while the other runs the rest.
 """
 
 from __future__ import annotations
@@ -24,12 +19,8 @@ from typing import List, Sequence, Tuple
 
 import pytest
 
-#: the pytest-xdist groups of the engine tests (the module's docstring)
+#: the pytest-xdist group of every engine test
 ENGINE_GROUP = "engines"
-APART_GROUP = "apart"
-GROUPS = (ENGINE_GROUP, APART_GROUP)
-#: the shared part whose users run in :data:`APART_GROUP` (an Xinference server)
-APART_FIXTURE = "xinference_server"
 
 
 def order_for_sharing(items: List[pytest.Item], shared_fixtures: Sequence[str]) -> None:
@@ -51,20 +42,12 @@ def order_for_sharing(items: List[pytest.Item], shared_fixtures: Sequence[str]) 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
     for item in items:
         if item.get_closest_marker("engine") is not None:
-            item.add_marker(pytest.mark.xdist_group(group_of(item)))
-
-
-def group_of(item: pytest.Item) -> str:
-    """The pytest-xdist group of engine test ``item`` (the module's docstring)."""
-    if (item.get_closest_marker("apart") is not None
-            or APART_FIXTURE in getattr(item, "fixturenames", ())):
-        return APART_GROUP
-    return ENGINE_GROUP
+            item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP))
 
 
 def ungrouped_engine_tests(items: Sequence[pytest.Item]) -> List[str]:
     """The engine tests whose node id lacks the group pytest-xdist adds with ``--dist
-    loadgroup`` (``…@engines``, ``…@apart``): they would be spread over the workers."""
+    loadgroup`` (``…@engines``): they would be spread over the workers."""
     return [item.nodeid for item in items
             if item.get_closest_marker("engine") is not None
-            and not any(item.nodeid.endswith("@" + group) for group in GROUPS)]
+            and not item.nodeid.endswith("@" + ENGINE_GROUP)]
