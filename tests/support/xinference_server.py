@@ -64,19 +64,25 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.auth_key = secrets.token_hex(16)
+        # Xinference's own start-up check gives its cluster 5 checks 5 s apart; on a loaded
+        # 2-core machine (engine tests of the other xdist worker starting) that was too
+        # short (session 42's CI55: "Cluster is not available after multiple attempts")
         env = dict(os.environ, XINFERENCE_HOME=home, PYTHONUNBUFFERED="1",
-                   XOSCAR_AUTH_KEY=self.auth_key)
+                   XOSCAR_AUTH_KEY=self.auth_key, XINFERENCE_HEALTH_CHECK_FAILURE_THRESHOLD="30")
         self.log = open(os.path.join(home, "xinference-local.log"), "w")
         self.proc = subprocess.Popen(
             LOCAL_CMD + ["--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.token = ""
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
                 self.call("GET", "/status")
                 break
             except Exception:
+                if self.proc.poll() is not None:  # (gave up: its log says why)
+                    raise RuntimeError(f"xinference-local exited ({self.proc.returncode}) "
+                                       f"before answering /status; see {self.log.name}") from None
                 time.sleep(1)
         else:
             raise RuntimeError("xinference-local did not answer /status")
