@@ -282,7 +282,7 @@ def test_a_publication_whose_forward_is_still_running_holds_back_none_before_it(
         w.close()
 
 
-@pytest.mark.parametrize("quiet_s", [0.3, 0.0])
+@pytest.mark.parametrize("quiet_s", [0.8, 0.0])
 def test_a_deferred_directory_run_holds_back_no_host_index_write(quiet_s):
     """A worker launching loads every 10 ms (its quiet gate shut): a save's registration
     for the directory waits, a later in-place publication for the host index is written at
@@ -316,7 +316,7 @@ def test_a_deferred_directory_run_holds_back_no_host_index_write(quiet_s):
         assert w.in_index(held) == 2 and w.in_directory(saved) == 3
         if quiet_s:
             assert len(local_at) == 1 and local_at[0].local and in_directory == 0
-            assert w.counters.get("background_deferrals") == 1
+            assert w.counters.get("background_deferrals") >= 1  # (each wait that held it)
         else:
             assert len(local_at) == 2 and in_directory == 3
     finally:

@@ -333,7 +333,7 @@ def gated_writer(quiet_s: float, seed: int = 8):
     return writer, st, d, counters, views
 
 
-@pytest.mark.parametrize("quiet_s", [0.3, 0.0])
+@pytest.mark.parametrize("quiet_s", [0.8, 0.0])
 def test_room_and_registrations_wait_while_loads_are_launched_then_go(quiet_s):
     """A worker launching loads every 10 ms: the room's round and the registration of 13
     exported blocks wait until it is quiet (negative control, the gate off: both at once)."""

@@ -478,7 +478,8 @@ def test_loads_skip_the_forward_in_flight_only_where_vllms_scheduler_defers_free
 def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
     """The plane hands the engine the step's victim-save event (and nothing queued on
     vLLM's stream) when it may skip the forward in flight; else the default order.  Each
-    launch tells the writer's quiet gate (its background work waits)."""
+    launch, and each victim save, tells the writer's quiet gate (its background work
+    waits)."""
     cache, _, _ = engine_cache(16)
     for unordered, expected in ((True, ["saved"]), (False, None)):
         plane = plane_of()
@@ -496,6 +497,8 @@ def test_the_step_loads_are_ordered_after_the_victim_saves_only(monkeypatch):
         rows = np.array([[0, 7, 1, int(Tier.CPU), 3, 5, 0, 0]], np.int64)
         plane.load(StepMeta(LoadBatch(("r",), np.array([0, 1]), rows)), "saved")
         assert seen == [expected] and busy == [1]
+        plane.writer.export = lambda views, rows, after_forward: SimpleNamespace(event="ev")
+        assert plane.save([(0, 7, 5)]) == "ev" and busy == [1, 1]  # a save marks it too
         plane.writer = None
         plane.close()
 

@@ -152,7 +152,7 @@ class Publisher:
                 self._done(pub)
                 continue
             if not self._runs:
-                self._deferred_since = time.monotonic()
+                self._deferred_since = self._quiet.clock() if self._quiet else 0.0
             if not self._runs or self._incarnation_of(self._runs[-1][0]) != incarnation:
                 self._runs.append([])
             self._runs[-1].append(pub)

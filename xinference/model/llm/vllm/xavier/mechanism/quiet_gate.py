@@ -28,9 +28,13 @@ from typing import Callable, Iterator, Optional
 from ..planning.counters import CounterSink
 
 
+def _never() -> bool:
+    return False
+
+
 class QuietGate:
     """See the module docstring.  ``sink`` counts ``background_deferrals`` (waits that
-    held work back) and ``background_deferred_us`` (their time)."""
+    held work back, each) and ``background_deferred_us`` (their time)."""
 
     def __init__(self, quiet_s: float, max_defer_s: float, sink: CounterSink,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -38,7 +42,9 @@ class QuietGate:
             raise ValueError(f"quiet_s / max_defer_s: expected >= 0, got {quiet_s} / "
                              f"{max_defer_s}")
         self.quiet_s, self.max_defer_s = quiet_s, max_defer_s
-        self._sink, self._clock = sink, clock
+        #: the gate's clock (a waiter's ``since`` is read from it)
+        self.clock = clock
+        self._sink = sink
         self._cond = threading.Condition()
         self._busy_at = float("-inf")
         self._hurry = 0
@@ -46,10 +52,10 @@ class QuietGate:
 
     def busy(self) -> None:
         """The worker launched a load or a save now (vLLM's step thread; never waits)."""
-        self._busy_at = self._clock()  # (a float store: atomic under the GIL)
+        self._busy_at = self.clock()  # (a float store: atomic under the GIL)
 
     def wait(self, urgent: Callable[[], bool] = lambda: False,
-             interrupt: Callable[[], bool] = lambda: False,
+             interrupt: Callable[[], bool] = _never,
              since: Optional[float] = None) -> bool:
         """Block the calling background thread until its work may go: the worker has been
         quiet for ``quiet_s``, ``max_defer_s`` passed ``since`` (default: now; the clock's
@@ -58,25 +64,26 @@ class QuietGate:
         :meth:`poke` d) -- False: the caller does other work and waits again."""
         if self.quiet_s <= 0:
             return True
-        start = self._clock()
+        start = self.clock()
         since = start if since is None else since
-        go = True
+        go, held = True, False
         with self._cond:
             while not self._closed and not self._hurry:
-                now = self._clock()
+                now = self.clock()
                 quiet_at, deadline = self._busy_at + self.quiet_s, since + self.max_defer_s
                 if now >= quiet_at or now >= deadline or urgent():
                     break
                 if interrupt():
                     go = False
                     break
-                # (re-checked at least every quiet_s / 4: urgent() may turn true)
-                self._cond.wait(min(quiet_at, deadline, now + self.quiet_s / 4) - now)
-        end = self._clock()
-        if end - start > 0.0005:
-            self._sink.add("background_deferred_us", int(1e6 * (end - start)))
-        if go and end - since > 0.0005:
+                held = True
+                # (re-checked at least every quiet_s / 4 -- urgent() may turn true -- and
+                # every 2 ms for an interrupt nothing pokes, e.g. an event completing)
+                step = self.quiet_s / 4 if interrupt is _never else min(self.quiet_s / 4, 0.002)
+                self._cond.wait(min(quiet_at, deadline, now + step) - now)
+        if held:  # (a wait that held its work back, whatever ended it)
             self._sink.add("background_deferrals")
+            self._sink.add("background_deferred_us", int(1e6 * (self.clock() - start)))
         return go
 
     def poke(self) -> None:

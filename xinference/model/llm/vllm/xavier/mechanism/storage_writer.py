@@ -176,8 +176,6 @@ class StorageWriter:
         if self._closed:
             raise RuntimeError(f"export: the storage writer of rank {self.rank} is closed")
         res = ExportResult()
-        if not after_forward:  # victims: a hit's load may follow (:mod:`.quiet_gate`)
-            self.quiet.busy()
         top = self._order[0]
         placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
         entries: List[Entry] = []
@@ -271,7 +269,7 @@ class StorageWriter:
             self._wake.clear()
             if self._closed:
                 return
-            self._idle.clear()  # (before the wait: a flush then waits for the round)
+            self._idle.clear()  # (before the gate: a flush during it waits for the round)
             self.quiet.wait(urgent=self._short_of_room)
             try:
                 self.make_room()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import numpy as np
 import torch
@@ -121,8 +121,7 @@ class WorkerDataPlane:
         self.unordered = defers_block_frees and options.in_place
         #: :meth:`finished` waits for quick loads when no copy waits for a forward in flight
         self.report_waits = self.unordered or not overlapped
-        self._attached = False
-        self._own_releases: List[Any] = []
+        self._attached, self._own_releases = False, cast(List[Any], [])
         self.peers = PeerMaps(self.rank, options, bridge, self._transfer, self.engine,
                               self.counters, pin=self.device.type == "cuda", tp_rank=tp_rank,
                               layout=self.layout)
@@ -227,6 +226,7 @@ class WorkerDataPlane:
         event); not behind the forward in flight, which writes none of them."""
         if not rows or self.writer is None or self.saves_dropped:
             return None
+        self.writer.quiet.busy()  # (a hit's load may follow: :mod:`~..mechanism.quiet_gate`)
         with span(self.rank, "save", blocks=len(rows)):
             result = self.writer.export(self.engine_views, rows, after_forward=not self.unordered)
         if self.hooks is not None:
