@@ -414,9 +414,10 @@ class StorageWriter:
 
     def _gauges(self) -> None:
         for tier in self._order:
-            self.sink.set(f"storage_{tier.name.lower()}_used_blocks", self.used(tier))
-            with self._lock:
+            with self._lock:  # (one hold for both figures: on every export)
+                used = sum(a.used for a in self._alloc[tier].values())
                 free = sum(a.free for a in self._alloc[tier].values())
+            self.sink.set(f"storage_{tier.name.lower()}_used_blocks", used)
             self.sink.set(f"storage_{tier.name.lower()}_free_blocks", free)
 
     # ------------------------------------------------------------------ close

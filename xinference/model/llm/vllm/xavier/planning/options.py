@@ -196,13 +196,18 @@ class XavierOptions:
             raise ValueError(f"kv_connector_extra_config.{EXTRA_KEY}: {exc}") from None
 
 
+def _whole_number(value: Any) -> int:
+    """``value`` as an int (a bool or anything else that is not a whole number: -1)."""
+    try:
+        return -1 if isinstance(value, bool) else int(str(value).strip())
+    except ValueError:
+        return -1
+
+
 def parse_quiet_ms(value: Any) -> int:
     """``xavier_quiet_ms`` as whole milliseconds from 0 (off) to 1000; anything else raises
     ``ValueError`` naming the option."""
-    try:
-        ms = -1 if isinstance(value, bool) else int(str(value).strip())
-    except ValueError:
-        ms = -1
+    ms = _whole_number(value)
     if not 0 <= ms <= 1000:
         raise ValueError(f"xavier_quiet_ms: expected whole milliseconds from 0 (off) to 1000, "
                          f"got {value!r}")
@@ -212,10 +217,7 @@ def parse_quiet_ms(value: Any) -> int:
 def parse_switch_interval(value: Any) -> int:
     """``xavier_switch_interval_us`` as an int from 0 (keep Python's) to 1000000 µs; anything
     else raises ``ValueError`` naming the option."""
-    try:
-        us = -1 if isinstance(value, bool) else int(str(value).strip())
-    except ValueError:
-        us = -1
+    us = _whole_number(value)
     if not 0 <= us <= 1_000_000:
         raise ValueError("xavier_switch_interval_us: expected whole microseconds from 0 "
                          f"(Python's default) to 1000000, got {value!r}")
