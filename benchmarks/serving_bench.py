@@ -47,7 +47,8 @@ the later turns; ``conc`` is the number of users, ``prefix`` the system prompt.
 
 ``--unique`` adds rows of a workload with no shareable prefix (every prompt distinct),
 for ``plain``, ``batched`` (and ``noop-connector`` / ``none`` / ``batched-dropsaves`` /
-``batched-dirpub`` when asked): what Xavier costs when there is nothing to share.
+``batched-quiet0`` / ``batched-dirpub`` when asked): what Xavier costs when there is
+nothing to share.
 
 GPU runs use CUDA graphs (vLLM's default); ``--eager`` turns them off.
 
@@ -115,6 +116,7 @@ from tests.support.engines import EngineOptions  # noqa: E402
 from tests.support.scenarios import delta as counter_delta  # noqa: E402
 from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
+from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_QUIET_MS, ENV_QUIET_MS  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.trace_spans import ENV_STEP_TRACE  # noqa: E402
 
 BLOCK = 16
@@ -353,9 +355,15 @@ ROOMWIDE_MODE = "batched-roomwide"
 #: ... with every block published in place registered in the directory too, though the
 #: whole launch is on this host (``XAVIER_LOCAL_PUBLISH=0``, as before session 39)
 DIRPUB_MODE = "batched-dirpub"
-#: ... with the workers' background work (room rounds, directory registrations) run at
-#: once instead of after a quiet spell (``XAVIER_QUIET_MS=0``, as before session 42)
+#: ``batched`` on the default pair with the workers' background work (room rounds,
+#: directory registrations) run at once instead of after a quiet spell
+#: (``XavierEngine.set_quiet_ms(0)``, as before session 42), on the same warm engines
 QUIET0_MODE = "batched-quiet0"
+#: ``batched`` rows on the default pair with a runtime switch of its replicas: the call that
+#: switches it, its value for the row, and its value after it
+RUNTIME_SWITCHES: Dict[str, Tuple[str, Any, Any]] = {
+    DROPSAVES_MODE: ("set_victim_saves", False, True),
+    QUIET0_MODE: ("set_quiet_ms", 0, int(os.environ.get(ENV_QUIET_MS, DEFAULT_QUIET_MS)))}
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
@@ -363,8 +371,7 @@ VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             UVA0_MODE: {"XAVIER_UVA": "0"},
                                             GIL100_MODE: {"XAVIER_SWITCH_INTERVAL_US": "100"},
                                             ROOMWIDE_MODE: {"XAVIER_ROOM_COPY_PROGRAMS": "0"},
-                                            DIRPUB_MODE: {"XAVIER_LOCAL_PUBLISH": "0"},
-                                            QUIET0_MODE: {"XAVIER_QUIET_MS": "0"}}
+                                            DIRPUB_MODE: {"XAVIER_LOCAL_PUBLISH": "0"}}
 
 
 def offload_fs_config(cpu_bytes: int, fs_dir: str) -> Dict[str, Any]:
@@ -504,19 +511,20 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       "plain" if mode in PLAIN_MODES else
                       mode if mode in PEER_MODES + tuple(VARIANT_PAIRS) else "xavier"]
             if mode not in PLAIN_MODES + PEER_MODES:
-                await _set_mode(r, "batched" if mode in (*VARIANT_PAIRS, DROPSAVES_MODE)
+                await _set_mode(r, "batched" if mode in (*VARIANT_PAIRS, *RUNTIME_SWITCHES)
                                 else mode.split("-si")[0])
             # only "none" opts out; plain engines get no Xavier parameter at all
             n_groups = groups if work == "shared" else len(prompts)
-            if mode == DROPSAVES_MODE:
-                await asyncio.gather(*(x.set_victim_saves(False) for x in r.replicas))
+            switch, during, after = RUNTIME_SWITCHES.get(mode, ("", None, None))
+            if switch:
+                await asyncio.gather(*(getattr(x, switch)(during) for x in r.replicas))
             try:
                 res = await run_mode(r, prompts, n_groups, c, max_tokens,
                                      xavier=not mode.startswith("none"),
                                      sticky=mode == "local-hit")
             finally:
-                if mode == DROPSAVES_MODE:
-                    await asyncio.gather(*(x.set_victim_saves(True) for x in r.replicas))
+                if switch:
+                    await asyncio.gather(*(getattr(x, switch)(after) for x in r.replicas))
             if mode in PEER_MODES:  # vLLM's connector: loaded tokens are the follow-ups'
                 res["external_hit_rate"] = res.pop("followup_cached_tokens") / sum(
                     len(p) for p in prompts)
@@ -552,8 +560,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
                 for mode in unique_modes + ["batched"] + [m for m in modes
-                                                          if m in (DROPSAVES_MODE, DIRPUB_MODE,
-                                                                   QUIET0_MODE)]:
+                                                          if m in (*RUNTIME_SWITCHES,
+                                                                   DIRPUB_MODE)]:
                     seed += 1
                     await measure(mode, unique_workload(seed, groups * per_group,
                                                         max(prefixes) + 64, vocab), c,

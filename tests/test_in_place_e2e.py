@@ -26,6 +26,9 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import ROOM_PERIOD_S
+from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_QUIET_MS
+
 from .support.processes import tokens
 from .support.scenarios import assert_loaded_bytes_exact, delta, leases, leases_settled
 from .support.worlds import CHURN_BLOCKS, World
@@ -262,4 +265,31 @@ def test_a_loader_holds_what_it_loaded_so_the_source_saves_no_second_copy(prefix
     assert again["cached"] == full * BLOCK and again["ids"] == base
     assert ca["rows_from_vllm_cache"] == full and ca["validation_failures"] == 0
     assert ca.get("rows_from_gpu_tier", 0) + ca.get("rows_from_cpu_tier", 0) == 0
+    assert leases_settled(lt, r) == 0
+
+
+def test_the_quiet_spell_is_set_at_runtime_on_every_worker(churn_pair: World):
+    """``XavierEngine.set_quiet_ms`` (the benchmark's ``batched-quiet0`` on the same warm
+    engines): a spell out of range is refused naming ``xavier_quiet_ms``; after a hit's
+    load, the room thread's next round is held back under a long spell (counted) and runs
+    at once with the spell at 0 (the gate off: nothing counted)."""
+    lt, r = churn_pair.pair
+    a, b = r.replicas
+    with pytest.raises(ValueError, match="xavier_quiet_ms"):
+        lt.run(a.set_quiet_ms(1001))
+
+    def deferrals_after_a_hit(spell_ms: int, seed: int) -> int:
+        lt.run(a.set_quiet_ms(spell_ms))
+        prefix, asked, base = _published_prefix(lt, b, a, seed)
+        before = lt.run(a.counters())
+        out = lt.run(a.generate([asked]))[0]
+        assert out["cached"] == PREFIX and out["ids"] == base  # a load: the worker was busy
+        time.sleep(2 * ROOM_PERIOD_S + 0.2)  # (the room thread wakes in that time)
+        return delta(before, lt.run(a.counters())).get("background_deferrals", 0)
+
+    try:
+        assert deferrals_after_a_hit(0, 111) == 0
+        assert deferrals_after_a_hit(1000, 121) > 0  # (the control: the gate holds it back)
+    finally:
+        lt.run(a.set_quiet_ms(DEFAULT_QUIET_MS))
     assert leases_settled(lt, r) == 0

@@ -290,7 +290,7 @@ def test_a_deferred_directory_run_holds_back_no_host_index_write(quiet_s):
     is quiet.  Negative control: the gate off registers the run at once."""
     w = World()
     w.publisher.close(30)
-    gate = QuietGate(quiet_s, 30.0, w.counters)
+    gate = QuietGate(quiet_s, 30.0, sink=w.counters)
     w.publisher = Publisher(RANK, w.link, incarnation=77, sink=w.counters, done=w._finished,
                             quiet=gate)
     w.publish(names(1), 5, local=True)  # (the switch to local: before the experiment)

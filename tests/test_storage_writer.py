@@ -325,7 +325,7 @@ def gated_writer(quiet_s: float, seed: int = 8):
     d = BlockDirectory()
     d.register_rank(1)
     counters = Counters()
-    gate = QuietGate(quiet_s, 30.0, counters)
+    gate = QuietGate(quiet_s, 30.0, sink=counters)
     writer = StorageWriter(1, lay, {t: st.caches(t) for t in st.tiers}, LocalDirectory(d),
                            torch.device(DEVICE), stream=torch.cuda.Stream() if cuda else None,
                            counters=counters, room_blocks=4, quiet=gate)

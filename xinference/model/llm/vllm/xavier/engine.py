@@ -34,7 +34,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from .planning.hash_seed import user_seed
 from .planning.launch_checks import error_text
 from .planning.log_names import package_logger, public_name
-from .planning.options import XavierOptions
+from .planning.options import XavierOptions, parse_quiet_ms
 
 logger = package_logger(__name__)
 
@@ -207,3 +207,13 @@ class XavierEngine(AsyncLLM):
         done = await self.collective_rpc("xavier_set_victim_saves", args=(bool(enabled),))
         if not all(done or [False]):  # a worker without a data plane: nothing was switched
             raise RuntimeError("xavier: set_victim_saves: a worker has no data plane")
+
+    async def set_quiet_ms(self, quiet_ms: int) -> None:
+        """Set ``xavier_quiet_ms`` (0 to 1000; refused otherwise, naming it) on every worker
+        without a restart: the serving benchmark's measure of what the quiet gate changes,
+        on the same warm engines (``batched-quiet0``)."""
+        quiet_ms = parse_quiet_ms(quiet_ms)
+        done = await self.collective_rpc("xavier_set_quiet_ms", args=(quiet_ms,))
+        if not all(done or [False]):
+            raise RuntimeError("xavier: set_quiet_ms: a worker has no attached data plane")
+        self.xavier_options = dataclasses.replace(self.xavier_options, quiet_ms=quiet_ms)

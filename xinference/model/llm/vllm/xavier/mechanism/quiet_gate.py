@@ -23,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 from ..planning.counters import CounterSink
+
+#: a wait's longest deferral, in quiet spells (the worker's gate: ``max_defer_s``)
+MAX_DEFER_QUIETS = 4
 
 
 def _never() -> bool:
@@ -36,12 +39,9 @@ class QuietGate:
     """See the module docstring.  ``sink`` counts ``background_deferrals`` (waits that
     held work back, each) and ``background_deferred_us`` (their time)."""
 
-    def __init__(self, quiet_s: float, max_defer_s: float, sink: CounterSink,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if quiet_s < 0 or max_defer_s < 0:
-            raise ValueError(f"quiet_s / max_defer_s: expected >= 0, got {quiet_s} / "
-                             f"{max_defer_s}")
-        self.quiet_s, self.max_defer_s = quiet_s, max_defer_s
+    def __init__(self, quiet_s: float, max_defer_s: Optional[float] = None, *,
+                 sink: CounterSink, clock: Callable[[], float] = time.monotonic) -> None:
+        self.quiet_s, self.max_defer_s = self._timing(quiet_s, max_defer_s)
         #: the gate's clock (a waiter's ``since`` is read from it)
         self.clock = clock
         self._sink = sink
@@ -49,6 +49,24 @@ class QuietGate:
         self._busy_at = float("-inf")
         self._hurry = 0
         self._closed = False
+
+    def set(self, quiet_s: float, max_defer_s: Optional[float] = None) -> None:
+        """Change the timing without a restart (``XavierEngine.set_quiet_ms``: both timings
+        compared on the same warm engines); waiters re-check at once (0 lets them go)."""
+        timing = self._timing(quiet_s, max_defer_s)
+        with self._cond:
+            self.quiet_s, self.max_defer_s = timing
+            self._cond.notify_all()
+
+    @staticmethod
+    def _timing(quiet_s: float, max_defer_s: Optional[float]) -> Tuple[float, float]:
+        """(quiet_s, max_defer_s); the latter :data:`MAX_DEFER_QUIETS` quiet spells by
+        default."""
+        max_defer_s = MAX_DEFER_QUIETS * quiet_s if max_defer_s is None else max_defer_s
+        if quiet_s < 0 or max_defer_s < 0:
+            raise ValueError(f"quiet_s / max_defer_s: expected >= 0, got {quiet_s} / "
+                             f"{max_defer_s}")
+        return quiet_s, max_defer_s
 
     def busy(self) -> None:
         """The worker launched a load or a save now (vLLM's step thread; never waits)."""

@@ -129,7 +129,7 @@ class StorageWriter:
         self._unpublished, self._closed = 0, False
         self._room_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         #: holds the room's rounds and the publisher's directory calls back (module docstring)
-        self.quiet = quiet if quiet is not None else QuietGate(0.0, 0.0, self.sink)
+        self.quiet = quiet if quiet is not None else QuietGate(0.0, sink=self.sink)
         self._publisher = Publisher(rank, directory, self.incarnation, self.sink,
                                     self._published, self.quiet)
         self._room = threading.Thread(target=self._room_loop, daemon=True,

@@ -45,6 +45,15 @@ class XavierWorkerExtension:
         connector.plane.saves_dropped = not enabled
         return True
 
+    def xavier_set_quiet_ms(self, quiet_ms: int) -> bool:
+        """Set the background work's quiet spell (see ``XavierEngine.set_quiet_ms``); False
+        before the data plane attached (nothing to set)."""
+        connector = _connector()
+        if connector is None or connector.plane is None or connector.plane.writer is None:
+            return False
+        connector.plane.writer.quiet.set(quiet_ms / 1000)
+        return True
+
     def xavier_device_memory(self) -> Dict[str, int]:
         """The worker's device memory as torch's allocator counts it, and vLLM's KV cache
         bytes (``device_memory.device_memory``): what a benchmark compares with a plain

@@ -216,7 +216,7 @@ class WorkerDataPlane:
         self.writer = StorageWriter(self.rank, self.layout, tiers, link, self.device,
                                     stream=self.engine.stream, counters=self.counters,
                                     room_blocks=self.options.slab_blocks, generations=generations,
-                                    quiet=QuietGate(quiet_s, 4 * quiet_s, self.counters))
+                                    quiet=QuietGate(quiet_s, sink=self.counters))
         self.peers.opened(desc)
 
     # ------------------------------------------------------------------ loads
