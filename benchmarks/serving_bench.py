@@ -18,6 +18,8 @@ Output length is fixed (``ignore_eos``).  Modes:
   computed its prefix (a local prefix-cache hit): the floor for any cross-replica hit;
 * ``none``: Xavier's replicas, sharing off (requests opt out:
   ``kv_transfer_params={"xavier": False}``), each replica only has its local prefix cache;
+* ``none-local-hit``: ``local-hit`` on Xavier's replicas with sharing off (the floor within
+  the same engines: for a short device visit with ``--check-groups 0``, no plain pair);
 * ``batched``: Xavier, one load call per scheduler step;
 * ``per_request``: Xavier, one load call per request (the baseline; switched on the same
   warm engines with ``XavierEngine.set_batched_loads(False)``, as ``XAVIER_BATCHED_LOADS=0``
@@ -33,8 +35,10 @@ Output length is fixed (``ignore_eos``).  Modes:
 Every row's answers are checked: after the measured rows, a sample of each row's prompts
 (the follow-up turns of the first ``--check-groups`` groups) is generated again on the
 plain replicas one at a time, and the row reports ``tokens_equal_plain`` (how many of the
-sampled requests produced the same tokens): a fast wrong peer cannot win.  The plain rows'
-own figure is the noise floor (vLLM's batch-dependent arithmetic).
+sampled requests produced the same tokens): a fast wrong peer cannot win.  With
+``--check-groups 0`` and no plain mode asked, no plain pair starts and nothing is checked
+(a timing experiment on a short device visit; its rows say so: no ``tokens_equal_plain``).
+The plain rows' own figure is the noise floor (vLLM's batch-dependent arithmetic).
 
 ``--chat 32,96`` adds rows of a multi-turn chat (issue #34) for ``plain``, ``local-hit``,
 ``none``, ``batched`` and ``vllm-offload-fs`` (those asked for; the peer's ``ext hit`` is
@@ -328,6 +332,8 @@ def _pct(values: Sequence[float], p: float) -> float:
 
 
 PLAIN_MODES = ("plain", "local-hit", "noop-connector")
+#: each group's follow-up on the replica that computed its prefix (a local hit)
+STICKY_MODES = ("local-hit", "none-local-hit")
 #: vLLM's own KV sharing, each on a pair of its own (plain vLLM with vLLM's connector)
 PEER_MODES = ("vllm-offload-fs",)
 #: Xavier copying every computed block into its own tiers (``xavier_in_place`` off: the
@@ -407,8 +413,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     (:func:`device_memory_report`) once the rows are measured."""
     rows: List[Dict[str, Any]] = []
     seed = 1000
-    # the plain pair always runs: its rows, and the token check of every other row
-    want_plain = True
+    # the plain pair runs for its rows and the token check of every other row
+    want_plain = check_groups > 0 or any(m in PLAIN_MODES for m in modes)
     want_noop = "noop-connector" in modes
     variants = [m for m in VARIANT_PAIRS if m in modes]
     want_xavier = any(m not in PLAIN_MODES + PEER_MODES + tuple(VARIANT_PAIRS)
@@ -521,7 +527,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             try:
                 res = await run_mode(r, prompts, n_groups, c, max_tokens,
                                      xavier=not mode.startswith("none"),
-                                     sticky=mode == "local-hit")
+                                     sticky=mode in STICKY_MODES)
             finally:
                 if switch:
                     await asyncio.gather(*(getattr(x, switch)(after) for x in r.replicas))
@@ -557,7 +563,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                         await asyncio.gather(*(x.hook("set_switch_interval_us", o)
                                                for x, o in zip(xs, old)))
         if unique:
-            unique_modes = ["plain"] + [m for m in ("noop-connector", "none") if m in modes]
+            unique_modes = [m for m in ("plain", "noop-connector", "none")
+                            if m in modes or (m == "plain" and "plain" in pairs)]
             for c in sorted({concurrencies[0], concurrencies[-1]}):
                 for mode in unique_modes + ["batched"] + [m for m in modes
                                                           if m in (*RUNTIME_SWITCHES,
@@ -576,7 +583,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                 if mode not in PLAIN_MODES + PEER_MODES:
                     await _set_mode(r, mode)
                 res, sent = await run_chat(r, chat, max_tokens, xavier=mode != "none",
-                                           sticky=mode == "local-hit")
+                                           sticky=mode in STICKY_MODES)
                 if mode in PEER_MODES:  # vLLM's connector counts no Xavier hits: what it
                     # loaded is inside the cached share (local prefix hits included)
                     res["external_hit_rate"] = float("nan")
@@ -597,6 +604,12 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
         if report is not None:
             report["device_memory"] = await device_memory_report(pairs)
             on_row(rows)
+        if "plain" not in pairs:
+            print("[serving_bench] no plain pair: tokens not checked", flush=True)
+            for row in rows:
+                row.pop("_ids", None)
+            on_row(rows)
+            return rows
         print(f"[serving_bench] checking every row's tokens against plain vLLM "
               f"({check_groups} follow-ups per row, one at a time)", flush=True)
         for row, prompts, n_groups in checks:
