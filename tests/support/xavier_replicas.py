@@ -317,7 +317,10 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env(extra_env)
-    async with actor_pool(n_process=n, envs=gpu_envs(gpus, n)) as pool:
+    # (a killed replica's sub pool comes back without its actors, as in Xinference's worker
+    # pool: xoscar's default would create the replica actor again and start an engine that
+    # no test asked for, ~60 s of a test run, most of it in the world's teardown)
+    async with actor_pool(n_process=n, envs=gpu_envs(gpus, n), auto_recover="process") as pool:
         tracker = await xo.create_actor(VLLMBlockTracker, address=pool.external_address,
                                         uid=f"{VLLMBlockTracker.default_uid()}-{MODEL_UID}")
         subs = sub_pool_addresses(pool)
