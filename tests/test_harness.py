@@ -4,10 +4,8 @@ import asyncio
 import json
 import os
 
-import pytest
 import xoscar as xo
 
-from .support.engines import EngineOptions, generate_ids, in_process_llm
 from .support.pools import actor_pool, sub_pool_addresses
 from .support.probe_actor import OverlayProbeActor
 from .support.tiny_model import TinyQwen2, build_tiny_qwen2
@@ -32,15 +30,6 @@ def test_engine_in_child_process_generates_and_caches_prefixes(engine_process):
     assert first["prompt_len"][0] > 32
     # block size 16: the second pass finds every full block of the prompt cached
     assert second["cached"][0] == (first["prompt_len"][0] - 1) // 16 * 16 > first["cached"][0]
-
-
-@pytest.mark.slow
-def test_engine_in_process_matches_child_process(tiny_model_dir, engine_process):
-    prompts = ["import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
-    with in_process_llm(EngineOptions(model=tiny_model_dir)) as llm:
-        local = generate_ids(llm, prompts, max_tokens=12)
-    remote = engine_process.generate(prompts, max_tokens=12)["ids"]
-    assert local == remote
 
 
 def test_actor_pool_has_separate_sub_processes():

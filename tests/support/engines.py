@@ -1,4 +1,4 @@
-"""Real vLLM V1 engines on the tiny model, in this process or in a child process.
+"""Real vLLM V1 engines on the tiny model, in a child process.
 
 CPU settings used everywhere: ``VLLM_CPU_KVCACHE_SPACE`` small (1 GiB by
 default, ``XAVIER_TEST_KV_GIB`` overrides), eager mode, bf16, prefix caching,
@@ -8,14 +8,13 @@ repository on ``PYTHONPATH`` so the overlay and the test support import there.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,44 +50,6 @@ class EngineOptions:
             seed=self.seed)
         kw.update(self.extra)
         return kw
-
-
-def greedy(max_tokens: int = 16) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-@contextlib.contextmanager
-def in_process_llm(opts: EngineOptions) -> Iterator[Any]:
-    """``vllm.LLM`` with the engine core and worker in this process (fast start); the
-    environment it needs is this process's only while it lives (a later test's child
-    processes must not inherit ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    env = cpu_engine_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        from vllm import LLM
-
-        from . import run_table
-
-        run_table.count_in_process_engine()
-        llm = LLM(**opts.llm_kwargs())
-        try:
-            yield llm
-        finally:
-            del llm
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def generate_ids(llm: Any, prompts: Sequence[Any], max_tokens: int = 16) -> List[List[int]]:
-    outs = llm.generate(list(prompts), greedy(max_tokens), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 class EngineProcess:
