@@ -17,7 +17,10 @@ from xinference.model.llm.vllm.xavier.mechanism.gpu_transfer import GPUTransfer
 from xinference.model.llm.vllm.xavier.mechanism.kv_schema import layout_of
 from xinference.model.llm.vllm.xavier.mechanism.quiet_gate import QuietGate
 from xinference.model.llm.vllm.xavier.mechanism.snapshot_storage import SnapshotStorage, TierConfig
-from xinference.model.llm.vllm.xavier.mechanism.storage_writer import StorageWriter
+from xinference.model.llm.vllm.xavier.mechanism.storage_writer import (
+    ROOM_PERIOD_S,
+    StorageWriter,
+)
 from xinference.model.llm.vllm.xavier.planning.block_directory import BlockDirectory
 from xinference.model.llm.vllm.xavier.planning.counters import Counters
 from xinference.model.llm.vllm.xavier.planning.directory_link import LocalDirectory
@@ -363,6 +366,36 @@ def test_room_and_registrations_wait_while_loads_are_launched_then_go(quiet_s):
     else:
         assert during[0] == 13 and during[1] >= 1
     assert after[0] == 13 and after[1] >= 1 and after[2] >= 4
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_room_round_with_nothing_to_free_is_not_held_back(guard):
+    """The room thread wakes every ROOM_PERIOD_S: with the top tier's free slots at the
+    target (2 of 16 exported, registered) its round frees nothing and is not counted as
+    deferred work while loads are launched; the negative control, every round taken for
+    work (the guard off): the same wakes are held back and counted."""
+    writer, st, d, counters, views = gated_writer(5.0)
+    if not guard:
+        writer._room_below = lambda share: share == 1  # (wanted, never short)
+    writer.export(views, [(0, 100 + i, i) for i in range(2)])
+    assert writer.flush(10) and d.num_blocks == 2  # (the registration: not in the count)
+    base = counters.get("background_deferrals")
+    stop = threading.Event()
+
+    def launching() -> None:
+        while not stop.is_set():
+            writer.quiet.busy()
+            time.sleep(0.01)
+    busy = threading.Thread(target=launching, daemon=True)
+    busy.start()
+    time.sleep(2 * ROOM_PERIOD_S + 0.3)
+    writer.quiet.close()  # (lets a held round go)
+    stop.set()
+    busy.join()
+    held = counters.get("background_deferrals") - base
+    writer.close()
+    st.close()
+    assert (held == 0) if guard else (held >= 1)
 
 
 def test_a_flush_or_a_tier_short_of_room_does_not_wait_for_quiet():

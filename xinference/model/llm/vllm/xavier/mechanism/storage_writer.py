@@ -270,7 +270,8 @@ class StorageWriter:
             if self._closed:
                 return
             self._idle.clear()  # (before the gate: a flush during it waits for the round)
-            self.quiet.wait(urgent=self._short_of_room)
+            if self._room_below(1):  # (a round with nothing to free holds nothing back)
+                self.quiet.wait(urgent=lambda: self._room_below(0.5))
             try:
                 self.make_room()
             except Exception as exc:  # the next round tries again; exports skip meanwhile
@@ -309,9 +310,9 @@ class StorageWriter:
         self._gauges()
         return freed
 
-    def _short_of_room(self) -> bool:  # (a group's top tier: under half the room target)
+    def _room_below(self, share: float) -> bool:  # (a group's top tier: free < share x target)
         with self._lock:
-            return any(a.free < min(self._room_target, a.num_slots) // 2
+            return any(a.free < int(share * min(self._room_target, a.num_slots))
                        for a in self._alloc[self._order[0]].values())
 
     def _pending_keys(self, group: int) -> FrozenSet[int]:
