@@ -1,6 +1,7 @@
 """``XavierWorkerExtension``: mixed into vLLM's worker (``worker_extension_cls``, set by
 ``XavierEngine``) so that the model actor reaches the worker's connector with vLLM's
-``collective_rpc``: attach, the load mode, the device-memory report, test hooks."""
+``collective_rpc``: attach, the benchmarks' switches (load mode, victim saves, quiet spell),
+the device-memory report, test hooks."""
 
 from __future__ import annotations
 
