@@ -120,7 +120,6 @@ from tests.support.engines import EngineOptions  # noqa: E402
 from tests.support.scenarios import delta as counter_delta  # noqa: E402
 from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
-from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_QUIET_MS, ENV_QUIET_MS  # noqa: E402
 from xinference.model.llm.vllm.xavier.planning.trace_spans import ENV_STEP_TRACE  # noqa: E402
 
 BLOCK = 16
@@ -366,10 +365,11 @@ DIRPUB_MODE = "batched-dirpub"
 #: (``XavierEngine.set_quiet_ms(0)``, as before session 42), on the same warm engines
 QUIET0_MODE = "batched-quiet0"
 #: ``batched`` rows on the default pair with a runtime switch of its replicas: the call that
-#: switches it, its value for the row, and its value after it
+#: switches it, its value for the row, and its value after it (None: the value the call
+#: returned, the replica's own before the row)
 RUNTIME_SWITCHES: Dict[str, Tuple[str, Any, Any]] = {
     DROPSAVES_MODE: ("set_victim_saves", False, True),
-    QUIET0_MODE: ("set_quiet_ms", 0, int(os.environ.get(ENV_QUIET_MS, DEFAULT_QUIET_MS)))}
+    QUIET0_MODE: ("set_quiet_ms", 0, None)}
 #: batched rows on Xavier pairs of their own, started with these environment settings
 VARIANT_PAIRS: Dict[str, Dict[str, str]] = {COPY_MODE: {"XAVIER_IN_PLACE": "0"},
                                             NOSAVE_MODE: {"XAVIER_SAVE_VICTIMS": "off"},
@@ -406,7 +406,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       chat_shape: Tuple[int, int, int] = (4, 1024, 768)
                       ) -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
-    ``local-hit`` on a pair of plain vLLM engines started beside them; rows interleaved per
+    ``local-hit`` on a pair of plain vLLM engines started beside them (not started with
+    ``check_groups`` 0 and no plain mode asked); rows interleaved per
     (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
     sees the rows so far after each measurement (the JSON is rewritten then: a run cut
     short keeps what it measured).  ``report`` receives ``device_memory``
@@ -434,6 +435,7 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     kw: Dict[str, Any]
     if device == "cuda":
         # two pairs share the GPU when plain rows are asked for
+        # (the plain pair counted even when not started: the same KV cache as a full run's)
         pairs_on_gpu = 1 + want_xavier + want_noop + want_fs + len(variants)
         util = {1: 0.3, 2: 0.2}.get(pairs_on_gpu, 0.13) if (not gpus or tp > 1) else 0.3
         util = gpu_memory_utilization or util
@@ -522,15 +524,17 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
             # only "none" opts out; plain engines get no Xavier parameter at all
             n_groups = groups if work == "shared" else len(prompts)
             switch, during, after = RUNTIME_SWITCHES.get(mode, ("", None, None))
+            before: List[Any] = []
             if switch:
-                await asyncio.gather(*(getattr(x, switch)(during) for x in r.replicas))
+                before = await asyncio.gather(*(getattr(x, switch)(during) for x in r.replicas))
             try:
                 res = await run_mode(r, prompts, n_groups, c, max_tokens,
                                      xavier=not mode.startswith("none"),
                                      sticky=mode in STICKY_MODES)
             finally:
                 if switch:
-                    await asyncio.gather(*(getattr(x, switch)(after) for x in r.replicas))
+                    await asyncio.gather(*(getattr(x, switch)(b if after is None else after)
+                                           for x, b in zip(r.replicas, before)))
             if mode in PEER_MODES:  # vLLM's connector: loaded tokens are the follow-ups'
                 res["external_hit_rate"] = res.pop("followup_cached_tokens") / sum(
                     len(p) for p in prompts)
@@ -768,7 +772,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "robin; --chat-shape TURNS,SYSTEM,MESSAGE tokens (default 4,1024,768)")
     ap.add_argument("--chat-shape", default="4,1024,768")
     ap.add_argument("--unique", action="store_true",
-                    help="add rows of a workload with no shareable prefix (plain, batched)")
+                    help="add rows of a workload with no shareable prefix (plain, batched and "
+                    "the asked modes of none / noop-connector / dropsaves / quiet0 / dirpub)")
     ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs")
     ap.add_argument("--steady-state", action="store_true",
                     help="fill every replica's top storage tier before measuring")
@@ -789,7 +794,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--peer-fs-dir", default="/dev/shm/xavier-bench-vllm-fs",
                     help="vllm-offload-fs: the fs tier's directory, one for both replicas")
     ap.add_argument("--check-groups", type=int, default=8,
-                    help="requests per row generated again on plain vLLM to check tokens")
+                    help="requests per row generated again on plain vLLM to check tokens "
+                    "(0 with no plain mode asked: no plain pair, nothing checked)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -26,7 +26,6 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from xinference.model.llm.vllm.xavier.mechanism.storage_writer import ROOM_PERIOD_S
 from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_QUIET_MS
 
 from .support.processes import tokens
@@ -270,26 +269,29 @@ def test_a_loader_holds_what_it_loaded_so_the_source_saves_no_second_copy(prefix
 
 def test_the_quiet_spell_is_set_at_runtime_on_every_worker(churn_pair: World):
     """``XavierEngine.set_quiet_ms`` (the benchmark's ``batched-quiet0`` on the same warm
-    engines): a spell out of range is refused naming ``xavier_quiet_ms``; after a hit's
-    load, the room thread's next round is held back under a long spell (counted) and runs
-    at once with the spell at 0 (the gate off: nothing counted)."""
+    engines) reaches every worker's quiet gate: a spell out of range is refused naming
+    ``xavier_quiet_ms`` and changes nothing; 0 turns the gate off (a hit still loads, its
+    tokens equal, nothing deferred); another spell sets its deadline to 4 spells.  (What
+    the gate holds back: ``test_storage_writer.py`` and ``test_publisher.py``.)"""
     lt, r = churn_pair.pair
     a, b = r.replicas
+    default = (DEFAULT_QUIET_MS / 1000, 4 * DEFAULT_QUIET_MS / 1000)
+    assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx(default)]
     with pytest.raises(ValueError, match="xavier_quiet_ms"):
         lt.run(a.set_quiet_ms(1001))
-
-    def deferrals_after_a_hit(spell_ms: int, seed: int) -> int:
-        lt.run(a.set_quiet_ms(spell_ms))
-        prefix, asked, base = _published_prefix(lt, b, a, seed)
+    assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx(default)]
+    try:
+        lt.run(a.set_quiet_ms(0))
+        assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx((0.0, 0.0))]
+        prefix, asked, base = _published_prefix(lt, b, a, 111)
         before = lt.run(a.counters())
         out = lt.run(a.generate([asked]))[0]
-        assert out["cached"] == PREFIX and out["ids"] == base  # a load: the worker was busy
-        time.sleep(2 * ROOM_PERIOD_S + 0.2)  # (the room thread wakes in that time)
-        return delta(before, lt.run(a.counters())).get("background_deferrals", 0)
-
-    try:
-        assert deferrals_after_a_hit(0, 111) == 0
-        assert deferrals_after_a_hit(1000, 121) > 0  # (the control: the gate holds it back)
+        assert out["cached"] == PREFIX and out["ids"] == base
+        lt.run(a.flush())
+        assert delta(before, lt.run(a.counters())).get("background_deferrals", 0) == 0
+        lt.run(a.set_quiet_ms(250))
+        assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx((0.25, 1.0))]
     finally:
         lt.run(a.set_quiet_ms(DEFAULT_QUIET_MS))
+    assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx(default)]
     assert leases_settled(lt, r) == 0

@@ -115,7 +115,7 @@ def test_set_at_runtime_releases_a_held_waiter_and_applies_the_new_spell():
     wait again, its deadline MAX_DEFER_QUIETS spells by default."""
     gate = QuietGate(5.0, sink=Counters())
     assert gate.max_defer_s == 20.0  # (MAX_DEFER_QUIETS spells)
-    busy = keep_busy(gate, 1.5)
+    busy = keep_busy(gate, 4.0)
     got = []
     waiter = threading.Thread(target=lambda: got.append(timed(gate.wait)), daemon=True)
     waiter.start()

@@ -375,8 +375,13 @@ def test_a_room_round_with_nothing_to_free_is_not_held_back(guard):
     deferred work while loads are launched; the negative control, every round taken for
     work (the guard off): the same wakes are held back and counted."""
     writer, st, d, counters, views = gated_writer(5.0)
-    if not guard:
-        writer._room_below = lambda share: share == 1  # (wanted, never short)
+    checked = []
+    real = writer._room_below
+
+    def room_below(share: float) -> bool:
+        checked.append(share)
+        return real(share) if guard else share == 1  # (the control: wanted, never short)
+    writer._room_below = room_below
     writer.export(views, [(0, 100 + i, i) for i in range(2)])
     assert writer.flush(10) and d.num_blocks == 2  # (the registration: not in the count)
     base = counters.get("background_deferrals")
@@ -395,18 +400,27 @@ def test_a_room_round_with_nothing_to_free_is_not_held_back(guard):
     held = counters.get("background_deferrals") - base
     writer.close()
     st.close()
+    assert 1 in checked  # (the room thread woke and asked in the window)
     assert (held == 0) if guard else (held >= 1)
 
 
 def test_a_flush_or_a_tier_short_of_room_does_not_wait_for_quiet():
     writer, st, d, counters, views = gated_writer(5.0)
     writer.quiet.busy()
-    writer.export(views, [(0, 100 + i, i) for i in range(10)])  # 6 free: not short
+    writer.export(views, [(0, 100 + i, i) for i in range(13)])  # 3 free: not short
+    time.sleep(2 * ROOM_PERIOD_S)
+    assert (writer.free(Tier.GPU, 0), d.num_blocks) == (3, 0)  # both wait for quiet
     t0 = time.monotonic()
-    assert writer.flush(10)  # hurried: the registration and the round now
-    assert time.monotonic() - t0 < 3.0 and d.num_blocks == 10
+    assert writer.flush(10)  # hurried: the registration now
+    assert time.monotonic() - t0 < 3.0 and d.num_blocks == 13
+    with writer.quiet.hurried():  # (what a flush does) the held room round goes too; (the
+        # flush's own round may have run before the registration: no victim was free then)
+        deadline = time.monotonic() + 3.0
+        while writer.free(Tier.GPU, 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert writer.free(Tier.GPU, 0) >= 4
     writer.quiet.busy()
-    writer.export(views, [(0, 200 + i, 10 + i) for i in range(5)], after_forward=False)
+    writer.export(views, [(0, 200 + i, 13 + i) for i in range(3)], after_forward=False)
     deadline = time.monotonic() + 3.0  # 1 free, under half the target: the room goes now
     while writer.free(Tier.GPU, 0) < 4 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -77,6 +77,13 @@ class WorkerHooks:
         sys.setswitchinterval(int(us) / 1e6)
         return old
 
+    def quiet_spell(self) -> Tuple[float, float]:
+        """The worker's quiet gate: ``(quiet_s, max_defer_s)`` (``XavierEngine.set_quiet_ms``
+        sets them)."""
+        assert self._plane.writer is not None, "the data plane is not attached"
+        gate = self._plane.writer.quiet
+        return gate.quiet_s, gate.max_defer_s
+
     # ----------------------------------------------------------------- faults
     def inject_fault(self, mode: str, count: int = 1, tp_rank: int = -1) -> None:
         """Arm ``mode`` for the next ``count`` loads (``tp_rank``: only in that worker of a

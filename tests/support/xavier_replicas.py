@@ -159,9 +159,11 @@ class ReplicaActor(xo.StatelessActor):
         if not self._xavier_config.get("plain"):
             await self.engine.set_victim_saves(enabled)
 
-    async def set_quiet_ms(self, quiet_ms: int) -> None:
-        if not self._xavier_config.get("plain"):
-            await self.engine.set_quiet_ms(quiet_ms)
+    async def set_quiet_ms(self, quiet_ms: int) -> Optional[int]:
+        """The workers' quiet spell; returns the one before (None on a plain replica)."""
+        if self._xavier_config.get("plain"):
+            return None
+        return await self.engine.set_quiet_ms(quiet_ms)
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset of the local prefix cache; False when vLLM refused it (a request

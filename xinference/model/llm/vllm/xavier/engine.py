@@ -208,12 +208,13 @@ class XavierEngine(AsyncLLM):
         if not all(done or [False]):  # a worker without a data plane: nothing was switched
             raise RuntimeError("xavier: set_victim_saves: a worker has no data plane")
 
-    async def set_quiet_ms(self, quiet_ms: int) -> None:
+    async def set_quiet_ms(self, quiet_ms: int) -> int:
         """Set ``xavier_quiet_ms`` (0 to 1000; refused otherwise, naming it) on every worker
         without a restart: the serving benchmark's measure of what the quiet gate changes,
-        on the same warm engines (``batched-quiet0``)."""
-        quiet_ms = parse_quiet_ms(quiet_ms)
+        on the same warm engines (``batched-quiet0``).  Returns the spell before."""
+        quiet_ms, before = parse_quiet_ms(quiet_ms), self.xavier_options.quiet_ms
         done = await self.collective_rpc("xavier_set_quiet_ms", args=(quiet_ms,))
         if not all(done or [False]):
             raise RuntimeError("xavier: set_quiet_ms: a worker has no attached data plane")
         self.xavier_options = dataclasses.replace(self.xavier_options, quiet_ms=quiet_ms)
+        return before

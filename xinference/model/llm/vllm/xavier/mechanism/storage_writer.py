@@ -20,7 +20,7 @@ copies), registers them there and claims the victims from the directory (a lease
 refused and kept).  Victims whose publication is pending are never taken (a claim must
 not overtake the registration it would undo).  Its rounds and the publisher's directory
 calls wait until no load or save was launched for a while (:mod:`.quiet_gate`), unless
-the top tier is short of room.
+the top tier is short of room; a wake with nothing to free makes no round.
 
 A CPU engine's CPU tier is written by the step thread directly; a CUDA engine's
 page-locked one in place through CUDA views (:mod:`.uva`), by demotions from few thread
@@ -267,11 +267,10 @@ class StorageWriter:
         while not self._closed:
             self._wake.wait(ROOM_PERIOD_S)
             self._wake.clear()
-            if self._closed:
-                return
+            if self._closed or not self._room_below(1):  # (no round: nothing to free)
+                continue
             self._idle.clear()  # (before the gate: a flush during it waits for the round)
-            if self._room_below(1):  # (a round with nothing to free holds nothing back)
-                self.quiet.wait(urgent=lambda: self._room_below(0.5))
+            self.quiet.wait(urgent=lambda: self._room_below(0.5))
             try:
                 self.make_room()
             except Exception as exc:  # the next round tries again; exports skip meanwhile
