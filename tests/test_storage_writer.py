@@ -3,10 +3,11 @@ engine caches and the GPU tier are on the GPU): exports that never wait, publica
 after the bytes, room made ahead (demotions, claims that respect leases), loads by a peer
 bit-exact."""
 
+import contextlib
 import os
 import threading
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterator, List
 
 import pytest
 import torch
@@ -336,24 +337,33 @@ def gated_writer(quiet_s: float, seed: int = 8):
     return writer, st, d, counters, views
 
 
+@contextlib.contextmanager
+def loads_launched(gate: QuietGate) -> Iterator[None]:
+    """While inside, a worker launching a load every 10 ms (its own thread)."""
+    stop = threading.Event()
+
+    def launching() -> None:
+        while not stop.is_set():
+            gate.busy()
+            time.sleep(0.01)
+    busy = threading.Thread(target=launching, daemon=True)
+    busy.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        busy.join()
+
+
 @pytest.mark.parametrize("quiet_s", [0.8, 0.0])
 def test_room_and_registrations_wait_while_loads_are_launched_then_go(quiet_s):
     """A worker launching loads every 10 ms: the room's round and the registration of 13
     exported blocks wait until it is quiet (negative control, the gate off: both at once)."""
     writer, st, d, counters, views = gated_writer(quiet_s)
-    stop = threading.Event()
-
-    def launching() -> None:
-        while not stop.is_set():
-            writer.quiet.busy()
-            time.sleep(0.01)
-    busy = threading.Thread(target=launching, daemon=True)
-    busy.start()
-    writer.export(views, [(0, 100 + i, i) for i in range(13)])  # 3 free: below the target
-    time.sleep(1.0)
-    during = (d.num_blocks, counters.get("room_rounds"))
-    stop.set()
-    busy.join()
+    with loads_launched(writer.quiet):
+        writer.export(views, [(0, 100 + i, i) for i in range(13)])  # 3 free: below the target
+        time.sleep(1.0)
+        during = (d.num_blocks, counters.get("room_rounds"))
     deadline = time.monotonic() + 10
     while (d.num_blocks < 13 or writer.free(Tier.GPU, 0) < 4) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -385,18 +395,9 @@ def test_a_room_round_with_nothing_to_free_is_not_held_back(guard):
     writer.export(views, [(0, 100 + i, i) for i in range(2)])
     assert writer.flush(10) and d.num_blocks == 2  # (the registration: not in the count)
     base = counters.get("background_deferrals")
-    stop = threading.Event()
-
-    def launching() -> None:
-        while not stop.is_set():
-            writer.quiet.busy()
-            time.sleep(0.01)
-    busy = threading.Thread(target=launching, daemon=True)
-    busy.start()
-    time.sleep(2 * ROOM_PERIOD_S + 0.3)
-    writer.quiet.close()  # (lets a held round go)
-    stop.set()
-    busy.join()
+    with loads_launched(writer.quiet):
+        time.sleep(2 * ROOM_PERIOD_S + 0.3)
+        writer.quiet.close()  # (lets a held round go)
     held = counters.get("background_deferrals") - base
     writer.close()
     st.close()
