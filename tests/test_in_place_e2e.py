@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
+from xinference.model.llm.vllm.xavier.mechanism.quiet_gate import MAX_DEFER_QUIETS
 from xinference.model.llm.vllm.xavier.planning.options import DEFAULT_QUIET_MS
 
 from .support.processes import tokens
@@ -275,7 +276,7 @@ def test_the_quiet_spell_is_set_at_runtime_on_every_worker(churn_pair: World):
     the gate holds back: ``test_storage_writer.py`` and ``test_publisher.py``.)"""
     lt, r = churn_pair.pair
     a, b = r.replicas
-    default = (DEFAULT_QUIET_MS / 1000, 4 * DEFAULT_QUIET_MS / 1000)
+    default = (DEFAULT_QUIET_MS / 1000, MAX_DEFER_QUIETS * DEFAULT_QUIET_MS / 1000)
     assert lt.run(a.hook_all("quiet_spell")) == [pytest.approx(default)]
     with pytest.raises(ValueError, match="xavier_quiet_ms"):
         lt.run(a.set_quiet_ms(1001))
