@@ -2,7 +2,7 @@
 
     python benchmarks/serving_bench.py [--quick] [--device cpu|cuda] [--concurrency 1,8,16,32]
         [--prefix-tokens 1024,4096] [--modes plain,local-hit,none,per_request,batched]
-        [--unique] [--model DIR] [--gpus 0,1] [--tp 2] [--eager]
+        [--unique] [--model DIR] [--gpus 0,1] [--tp 2] [--eager] [--cpu-bind replica|auto]
 
 Workload: groups of requests share a long prefix (a system prompt or a conversation's
 history) and differ in a short suffix; the turns of a group alternate between the two
@@ -85,6 +85,11 @@ IPC.  Without it both replicas share the one GPU (started one after the other).
 multiprocessing executor): on CUDA each replica on GPUs 0 and 1 (the pairs started one after
 the other); on CPU one OpenMP core per worker (``VLLM_CPU_OMP_THREADS_BIND``).
 
+On CPU each replica of every pair runs its forwards on a core of its own
+(``VLLM_CPU_OMP_THREADS_BIND``, round robin over the cores; ``--cpu-bind auto`` keeps
+vLLM's binding, which gives every engine of the host the same cores, so that a pair whose
+connector makes vLLM reserve a core more spreads over more cores than a plain pair).
+
 ``--steady-state`` fills every replica's top storage tier before measuring (unmeasured
 requests with fresh prefixes, each asked on both replicas, until each replica has evicted;
 before session 31 each fill prefix was asked once), so that every Xavier row meets
@@ -116,7 +121,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.support.engines import EngineOptions  # noqa: E402
+from tests.support.engines import EngineOptions, replica_cores  # noqa: E402
 from tests.support.scenarios import delta as counter_delta  # noqa: E402
 from tests.support.tiny_model import TinyQwen2, build_qwen2_config_only, build_tiny_qwen2  # noqa: E402
 from tests.support.xavier_replicas import Replicas, xavier_replicas  # noqa: E402
@@ -403,11 +408,13 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
                       report: Optional[Dict[str, Any]] = None,
                       gpu_memory_utilization: Optional[float] = None,
                       dummy_weights: bool = False, chat_users: Sequence[int] = (),
-                      chat_shape: Tuple[int, int, int] = (4, 1024, 768)
-                      ) -> List[Dict[str, Any]]:
+                      chat_shape: Tuple[int, int, int] = (4, 1024, 768),
+                      cpu_bind: str = "replica") -> List[Dict[str, Any]]:
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
     ``local-hit`` on a pair of plain vLLM engines started beside them (not started with
-    ``check_groups`` 0 and no plain mode asked); rows interleaved per
+    ``check_groups`` 0 and no plain mode asked); ``cpu_bind`` (CPU, one worker a replica):
+    ``replica`` gives each replica of every pair an OpenMP core of its own, ``auto`` leaves
+    vLLM's binding (which puts both replicas of a pair on the same core); rows interleaved per
     (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
     sees the rows so far after each measurement (the JSON is rewritten then: a run cut
     short keeps what it measured).  ``report`` receives ``device_memory``
@@ -455,6 +462,10 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     kw["extra_env"] = {} if switch_interval_us else {"XAVIER_TEST_HOOKS": ""}
     if tp > 1 and device == "cpu":  # vLLM's CPU build: one OpenMP core per TP worker
         kw["extra_env"]["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+    elif device == "cpu" and cpu_bind == "replica":
+        kw["cpu_binds"] = replica_cores(2)
+        print(f"[serving_bench] each replica's OpenMP threads on a core of its own "
+              f"(VLLM_CPU_OMP_THREADS_BIND {' / '.join(kw['cpu_binds'])})", flush=True)
     where = f"GPUs {','.join(gpus)}" if gpus else device
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
@@ -796,6 +807,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--check-groups", type=int, default=8,
                     help="requests per row generated again on plain vLLM to check tokens "
                     "(0 with no plain mode asked: no plain pair, nothing checked)")
+    ap.add_argument("--cpu-bind", default="replica", choices=["replica", "auto"],
+                    help="CPU: each replica's OpenMP threads on a core of its own (replica), "
+                    "or vLLM's binding (auto: every replica of the host on the same cores)")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -864,7 +878,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    gpu_memory_utilization=args.gpu_memory_utilization,
                                    dummy_weights=args.shape in DUMMY_WEIGHT_SHAPES,
                                    chat_users=[int(x) for x in args.chat.split(",") if x],
-                                   chat_shape=chat_shape))
+                                   chat_shape=chat_shape, cpu_bind=args.cpu_bind))
     write(rows)
     print()
     print(HEADER)
@@ -886,7 +900,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "export_exported",
                         "export_skipped_no_slot",
                         "load_failures", "rejected_batches", "load_launch_us",
-                        "export_launch_us", "room_demoted", "room_evicted", "scheduler_us",
+                        "export_launch_us", "export_launch_cpu_us", "room_demoted",
+                        "room_evicted", "scheduler_us",
                         "scheduler_steps", "lookup_calls", "lookups_deferred",
                         "host_index_hits", "hits_not_paying", "hits_declined",
                         "lookups_skipped_not_paying", "lookups_skipped_held_nowhere",

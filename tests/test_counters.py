@@ -2,6 +2,7 @@
 
 import multiprocessing as mp
 import os
+import time
 
 import pytest
 
@@ -10,6 +11,7 @@ from xinference.model.llm.vllm.xavier.planning.counters import (
     Counters,
     SharedCounters,
     TransferCounters,
+    elapsed_us,
     prometheus_text,
     sum_snapshots,
 )
@@ -115,3 +117,25 @@ def test_every_figure_of_the_scheduler_s_step_is_a_counter():
     assert names & set(GAUGE_NAMES) == {"cost_prefill_ns_per_token", "cost_step_fixed_us",
                                         "cost_hit_wait_us", "host_index_peers",
                                         "host_index_whole_launch"}
+
+
+def test_a_timed_block_s_cpu_time_is_apart_from_its_waiting():
+    """``export_launch_cpu_us`` / ``load_launch_cpu_us``: a block that waits (sleeps) counts
+    its wall time and almost no CPU; one that computes counts about as much CPU as wall."""
+    got: dict = {}
+
+    def timed(name: str):
+        return elapsed_us(lambda us: got.__setitem__(name + "_us", us),
+                          lambda us: got.__setitem__(name + "_cpu_us", us))
+
+    with timed("wait"):
+        time.sleep(0.05)
+    with timed("work"):
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+    assert got["wait_us"] >= 50_000 and got["wait_cpu_us"] < 10_000, got
+    assert got["work_cpu_us"] >= 50_000 and got["work_cpu_us"] <= got["work_us"] + 1_000, got
+    with pytest.raises(RuntimeError), timed("raised"):
+        raise RuntimeError("still timed")
+    assert "raised_us" in got and "raised_cpu_us" in got

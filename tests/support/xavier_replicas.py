@@ -307,7 +307,8 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                           extra_env: Optional[Dict[str, str]] = None,
                           gpus: Optional[Sequence[str]] = None,
                           transport: Optional[str] = None,
-                          plain: bool = False) -> AsyncIterator[Replicas]:
+                          plain: bool = False,
+                          cpu_binds: Optional[Sequence[str]] = None) -> AsyncIterator[Replicas]:
     """``n`` replicas (ranks 1..n; rank 0 is Xinference's coordinator and holds no engine).
     ``sequential``: start the engines one after the other (several engines on one GPU: vLLM's
     memory profiling of one must not see the other still starting).  ``gpus``: a CUDA
@@ -315,10 +316,15 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
     Xinference places replicas (each then sees one GPU, ``cuda:0``).  ``transport``: the
     launch's ``vllm_transfer_backend_type``.  ``plain``: replicas of vLLM's own
     ``AsyncLLM`` with no KV connector and vLLM's defaults (what users have without Xavier;
-    the benchmarks' ``plain`` rows)."""
+    the benchmarks' ``plain`` rows).  ``cpu_binds`` (vLLM's CPU build): each replica's
+    ``VLLM_CPU_OMP_THREADS_BIND`` (e.g. ``["0", "1"]``: a core of its own each; without it
+    vLLM binds every replica of a host to the same cores)."""
     opts = engine or EngineOptions(model=model_dir)
     kwargs = opts.llm_kwargs()
     env = cpu_engine_env(extra_env)
+    if cpu_binds is not None and len(cpu_binds) != n:
+        raise ValueError(f"cpu_binds: expected {n} core lists (one per replica), "
+                         f"got {list(cpu_binds)}")
     # (a killed replica's sub pool comes back without its actors, as in Xinference's worker
     # pool: xoscar's default would create the replica actor again and start an engine that
     # no test asked for, ~60 s of a test run, most of it in the world's teardown)
@@ -338,7 +344,9 @@ async def xavier_replicas(model_dir: str, n: int = 2, cpu_budget: str = "64MiB",
                        "plain": plain}
                 create = xo.create_actor(ReplicaActor, address=subs[rank - 1],
                                          uid=f"replica-{rank}", rank=rank, opts=kwargs,
-                                         xavier_config=cfg, env=env)
+                                         xavier_config=cfg,
+                                         env=dict(env, VLLM_CPU_OMP_THREADS_BIND=(
+                                             cpu_binds[rank - 1])) if cpu_binds else env)
                 replicas.append(await create if sequential else create)
             if not sequential:
                 replicas = list(await asyncio.gather(*replicas))

@@ -179,7 +179,8 @@ class StorageWriter:
         top = self._order[0]
         placed: Dict[int, Tuple[List[int], List[int]]] = {}  # group -> (blocks, slots)
         entries: List[Entry] = []
-        with elapsed_us(lambda us: self.sink.add("export_launch_us", us)):
+        with elapsed_us(lambda us: self.sink.add("export_launch_us", us),
+                        lambda us: self.sink.add("export_launch_cpu_us", us)):
             by_group = rows_by_group(rows)
             for group in by_group:  # (before anything is taken)
                 if group not in self._alloc[top]:

@@ -74,7 +74,7 @@ COUNTER_NAMES: Tuple[str, ...] = (
     "in_place_victims_held_elsewhere", "in_place_victims_never_shared",
     # exports
     "export_calls", "export_exported", "export_already_stored", "export_skipped_no_slot",
-    "export_launch_us", "export_published", "export_publish_failures",
+    "export_launch_us", "export_launch_cpu_us", "export_published", "export_publish_failures",
     # publications registered together with the one before them (queued while the
     # directory answered it: one call for them all), and steps whose forgets went with an
     # earlier step's (the scheduler keeps one forget call out at a time)
@@ -304,14 +304,18 @@ def prometheus_text(counters: Mapping[str, int], labels: Mapping[str, str],
 
 
 @contextlib.contextmanager
-def elapsed_us(add: Callable[[int], None]) -> Iterator[None]:
+def elapsed_us(add: Callable[[int], None],
+               add_cpu: Optional[Callable[[int], None]] = None) -> Iterator[None]:
     """Time the block (wall clock) and pass its microseconds to ``add``, also when it
-    raises: the time counters (``load_launch_us``, ...) are written so."""
-    t0 = time.perf_counter()
+    raises: the time counters (``load_launch_us``, ...) are written so.  ``add_cpu``: also
+    the calling thread's CPU time of it (the rest of the wall time was waiting)."""
+    t0, cpu0 = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         add(int(1e6 * (time.perf_counter() - t0)))
+        if add_cpu is not None:
+            add_cpu(int(1e6 * (time.thread_time() - cpu0)))
 
 
 def activity_line(rank: int, now: Mapping[str, int], before: Mapping[str, int]
