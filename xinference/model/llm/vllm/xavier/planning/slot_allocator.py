@@ -70,8 +70,14 @@ class SlotAllocator:
     def take_free_many(self, count: int) -> List[int]:
         """Up to ``count`` free slots (fewer when fewer are free), each taken, in the order
         :meth:`take_free` would give them."""
-        out: List[int] = []
         stack, free = self._free, self._free_set
+        if 0 < count <= len(stack):  # the usual case: the top of the stack, all still free
+            top = stack[-count:]
+            if free.issuperset(top) and len(set(top)) == count:
+                del stack[-count:]
+                free.difference_update(top)
+                return top[::-1]
+        out: List[int] = []
         while stack and len(out) < count:
             slot = stack.pop()
             if slot in free:
@@ -176,8 +182,12 @@ def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -
     top tier): a key any tier holds is touched (LRU) and left; the others take free slots
     together, their generations bumped in one pass (:meth:`SlotAllocator.assign_many`)."""
     out = Placement()
-    fresh: Dict[int, int] = {}  # key -> engine block, the first row's
     held = [alloc._lru for alloc in tiers]  # (a row costs a few dict operations: 512 a save)
+    fresh: Dict[int, int] = dict(rows)  # key -> engine block
+    if len(fresh) == len(rows) and all(lru.keys().isdisjoint(fresh) for lru in held):
+        rows = ()  # the common save: every key new and once (no row by row walk)
+    else:
+        fresh = {}  # (the first row's block of a key named twice)
     for key, block in rows:
         stored = key in fresh
         for lru in held:
@@ -192,6 +202,6 @@ def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -
     out.skipped_no_slot = len(fresh) - len(out.slots)
     if out.slots:
         out.keys = list(fresh)[:len(out.slots)]
-        out.blocks = [fresh[k] for k in out.keys]
+        out.blocks = [int(fresh[k]) for k in out.keys]
         out.generations = tiers[0].assign_many(out.keys, out.slots)
     return out
