@@ -5,7 +5,11 @@ import random
 import numpy as np
 import pytest
 
-from xinference.model.llm.vllm.xavier.planning.slot_allocator import SlotAllocator, take_free_slots
+from xinference.model.llm.vllm.xavier.planning.slot_allocator import (
+    SlotAllocator,
+    place_new,
+    take_free_slots,
+)
 
 
 def test_free_slots_in_order_and_a_directly_assigned_slot_is_never_handed_out():
@@ -118,3 +122,37 @@ def test_assign_many_bumps_the_generations_of_a_shared_row_together_and_checks_f
     assert a.key_of(4) is None and not a.holds(20)
     assert gens.tolist() == [1, 1, 1, 42, 0, 0, 0, 0] and a.used == 4 and a.free == 4
     assert a.release(1) == 11 and a.assign_many([11], [1]) == [2]  # reuse bumps again
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_placing_a_save_keeps_each_new_key_once_with_its_first_block_whatever_the_path(seed):
+    """``place_new``: the one-pass path (every key new, each once) and the row-by-row one
+    (a key stored in either tier, or named twice) give what the rule says: new keys in
+    order of first appearance, each with its first row's block, stored keys touched and
+    counted, and nothing taken for them."""
+    rng = random.Random(seed)
+    top, lower = SlotAllocator(64), SlotAllocator(64)
+    for key in range(0, 40, 4):  # keys 0, 4, ... stored: half on top, half below
+        (top if key % 8 else lower).assign(key, len(top._lru) + len(lower._lru))
+    top_keys_before = list(top._lru)
+    pool = list(range(40)) if seed % 2 else list(range(100, 140))  # odd seeds: some stored
+    rows = [(rng.choice(pool), rng.randrange(1000)) for _ in range(rng.randrange(1, 30))]
+    if seed % 4 == 0:
+        rows = [(k, b) for k, b in dict(rows).items()]  # distinct and new: the one pass
+    expected: dict = {}
+    stored = 0
+    for key, block in rows:
+        if key in expected or top.holds(key) or lower.holds(key):
+            stored += 1
+        else:
+            expected[key] = block
+    placed = place_new([top, lower], rows)
+    assert (placed.keys, placed.blocks) == (list(expected), list(expected.values()))
+    assert placed.already_stored == stored and placed.skipped_no_slot == 0
+    assert [top.lookup(k, touch=False)[0] for k in placed.keys] == placed.slots
+    named = {key for key, _ in rows}
+    untouched = [k for k in top_keys_before if k not in named]
+    order = list(top._lru)  # LRU: untouched stored keys, then the touched ones, then the new
+    assert order[:len(untouched)] == untouched
+    assert set(order[len(untouched):len(top_keys_before)]) == set(top_keys_before) & named
+    assert order[len(top_keys_before):] == placed.keys

@@ -182,12 +182,25 @@ def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -
     top tier): a key any tier holds is touched (LRU) and left; the others take free slots
     together, their generations bumped in one pass (:meth:`SlotAllocator.assign_many`)."""
     out = Placement()
-    held = [alloc._lru for alloc in tiers]  # (a row costs a few dict operations: 512 a save)
-    fresh: Dict[int, int] = dict(rows)  # key -> engine block
-    if len(fresh) == len(rows) and all(lru.keys().isdisjoint(fresh) for lru in held):
-        rows = ()  # the common save: every key new and once (no row by row walk)
-    else:
-        fresh = {}  # (the first row's block of a key named twice)
+    held = [alloc._lru for alloc in tiers]
+    fresh: Dict[int, int] = dict(rows)  # key -> engine block (the common save: all new, once)
+    if len(fresh) < len(rows) or not all(lru.keys().isdisjoint(fresh) for lru in held):
+        fresh = _walk_rows(rows, held, out)
+    out.slots = take_free_slots(tiers[0], len(fresh))
+    out.skipped_no_slot = len(fresh) - len(out.slots)
+    if out.slots:
+        out.keys = list(fresh)[:len(out.slots)]
+        out.blocks = [int(fresh[k]) for k in out.keys]
+        out.generations = tiers[0].assign_many(out.keys, out.slots)
+    return out
+
+
+def _walk_rows(rows: Sequence[Tuple[int, int]], held: Sequence[OrderedDict[int, int]],
+               out: Placement) -> Dict[int, int]:
+    """:func:`place_new` row by row (a few dict operations a row), for rows with a key
+    stored already or named twice: the stored ones touched (LRU) and counted in ``out``;
+    returns the new keys, each with its first row's engine block."""
+    fresh: Dict[int, int] = {}
     for key, block in rows:
         stored = key in fresh
         for lru in held:
@@ -198,10 +211,4 @@ def place_new(tiers: Sequence[SlotAllocator], rows: Sequence[Tuple[int, int]]) -
             out.already_stored += 1
         else:
             fresh[key] = int(block)
-    out.slots = take_free_slots(tiers[0], len(fresh))
-    out.skipped_no_slot = len(fresh) - len(out.slots)
-    if out.slots:
-        out.keys = list(fresh)[:len(out.slots)]
-        out.blocks = [int(fresh[k]) for k in out.keys]
-        out.generations = tiers[0].assign_many(out.keys, out.slots)
-    return out
+    return fresh
