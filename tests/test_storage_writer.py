@@ -315,17 +315,18 @@ def test_a_slot_s_generation_is_bumped_in_the_shared_file_before_its_bytes_are_w
     w.close()
 
 
-def gated_writer(quiet_s: float, seed: int = 8):
-    """A writer with a background room (16 GPU slots, target 4 free) and a CPU tier below,
-    its directory calls and rounds behind a quiet gate of ``quiet_s``."""
+def gated_writer(quiet_s: float, seed: int = 8, slots: int = 16):
+    """A writer with a background room (``slots`` GPU slots, room blocks 4: a target of 4
+    free with 16 slots) and a CPU tier below, its directory calls and rounds behind a quiet
+    gate of ``quiet_s``."""
     gen = torch.Generator().manual_seed(seed)
     cache = make_caches(N_BLOCKS, torch.bfloat16, gen, DEVICE)
     lay = layout_of(cache, BLOCK_DIM)
     per_block = max(g.block_bytes for g in lay.groups) * len(lay.groups)
     cuda = DEVICE == "cuda"
-    st = SnapshotStorage(1, lay, [TierConfig(Tier.GPU, 16 * per_block, device=DEVICE,
+    st = SnapshotStorage(1, lay, [TierConfig(Tier.GPU, slots * per_block, device=DEVICE,
                                              shared_memory=not cuda),
-                                  TierConfig(Tier.CPU, 16 * per_block, shared_memory=True)])
+                                  TierConfig(Tier.CPU, slots * per_block, shared_memory=True)])
     d = BlockDirectory()
     d.register_rank(1)
     counters = Counters()
@@ -428,3 +429,31 @@ def test_a_flush_or_a_tier_short_of_room_does_not_wait_for_quiet():
     assert writer.free(Tier.GPU, 0) >= 4
     writer.close()
     st.close()
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_one_step_s_save_leaves_the_room_round_waiting_for_quiet(monkeypatch, control):
+    """The room keeps two saves of ``room_blocks`` free: a hit's step saving that many
+    victims while loads are launched leaves the tier at half its target, not short, so the
+    round waits for quiet instead of running beside the hit (H200, session 44: with one
+    save's worth every save made the round urgent, and the quiet gate changed nothing).
+    Negative control, a target of one save: the same save empties it and the round runs."""
+    if control:
+        monkeypatch.setattr(writer_mod, "ROOM_TARGET_SAVES", 1)
+    writer, st, d, counters, views = gated_writer(5.0, slots=64)
+    target = writer._room_target
+    assert target == (4 if control else 8)
+    writer.export(views, [(0, 1000 + i, i % N_BLOCKS) for i in range(64 - target)])
+    assert writer.flush(10) and writer.free(Tier.GPU, 0) == target  # (at the target: no round)
+    rounds = counters.get("room_rounds")
+    with loads_launched(writer.quiet):
+        writer.export(views, [(0, 2000 + i, i) for i in range(4)], after_forward=False)
+        time.sleep(1.0)
+        during = (counters.get("room_rounds") - rounds, writer.free(Tier.GPU, 0))
+        writer.quiet.close()  # (lets a held round go before the writer closes)
+    writer.close()
+    st.close()
+    if not control:
+        assert during == (0, 4), "a round ran beside the hit's load"
+    else:
+        assert during[0] >= 1 and during[1] >= target, during

@@ -14,13 +14,13 @@ copied on a stream of their own, not after the forward in flight (which writes n
 defers freeing a block a step in flight may write).  The publisher thread registers the
 blocks after the copies' event (one call per export): never visible before their bytes.
 
-The room thread keeps free slots in the top tier ahead of the exports: it demotes LRU
-victims one tier down (in chunks, on a stream of its own, after the last export's
-copies), registers them there and claims the victims from the directory (a leased slot is
-refused and kept).  Victims whose publication is pending are never taken (a claim must
-not overtake the registration it would undo).  Its rounds and the publisher's directory
-calls wait until no load or save was launched for a while (:mod:`.quiet_gate`), unless
-the top tier is short of room; a wake with nothing to free makes no round.
+The room thread keeps two steps' saves of free top-tier slots: it demotes LRU victims one tier
+down (in chunks, on its own stream, after the last export's copies), registers them there and
+claims the victims (a leased slot is refused and kept), never one whose publication is pending
+(a claim must not overtake the registration it would undo).  Its rounds and the publisher's
+directory calls wait until no load or save was launched for a while (:mod:`.quiet_gate`),
+unless the tier is short of the next step's save (free under half the target: a hit's save
+alone leaves its round waiting); a wake with nothing to free makes no round.
 
 A CPU engine's CPU tier is written by the step thread directly; a CUDA engine's
 page-locked one in place through CUDA views (:mod:`.uva`), by demotions from few thread
@@ -60,8 +60,8 @@ from .uva import cuda_views
 
 logger = package_logger(__name__)
 
-#: blocks the room thread demotes and claims per round (per group)
-ROOM_CHUNK_BLOCKS = 512
+#: blocks a room round demotes and claims (per group); slots kept free, in saves of room_blocks
+ROOM_CHUNK_BLOCKS, ROOM_TARGET_SAVES = 512, 2
 #: how often the room thread looks even when no export woke it
 ROOM_PERIOD_S = 0.5
 
@@ -123,7 +123,7 @@ class StorageWriter:
         #: the forward in flight (high priority: a load may wait for them)
         self._save_stream = None if stream is None else torch.cuda.Stream(device, priority=-1)
         self._last_save_event: Optional[torch.cuda.Event] = None
-        self._room_target = min(room_blocks, self._slots[self._order[0]] // 4)
+        self._room_target = min(ROOM_TARGET_SAVES * room_blocks, self._slots[self._order[0]] // 4)
         self._wake, self._idle = threading.Event(), threading.Event()  # (idle: set)
         self._idle.set()  # the room thread is not in a round
         self._unpublished, self._closed = 0, False
