@@ -85,10 +85,12 @@ IPC.  Without it both replicas share the one GPU (started one after the other).
 multiprocessing executor): on CUDA each replica on GPUs 0 and 1 (the pairs started one after
 the other); on CPU one OpenMP core per worker (``VLLM_CPU_OMP_THREADS_BIND``).
 
-On CPU each replica of every pair runs its forwards on a core of its own
-(``VLLM_CPU_OMP_THREADS_BIND``, round robin over the cores; ``--cpu-bind auto`` keeps
-vLLM's binding, which gives every engine of the host the same cores, so that a pair whose
-connector makes vLLM reserve a core more spreads over more cores than a plain pair).
+On CPU each replica of every pair runs its forwards on cores of its own
+(``VLLM_CPU_OMP_THREADS_BIND``: the physical cores split evenly, ``replica_cores``; a
+binding the user exported is kept; ``--tp 2`` binds worker k of each replica to core k,
+whatever ``--cpu-bind``); ``--cpu-bind auto`` keeps vLLM's binding, which gives every
+engine of the host the same cores, so that a pair whose connector makes vLLM reserve a
+core more spreads over more cores than a plain pair.
 
 ``--steady-state`` fills every replica's top storage tier before measuring (unmeasured
 requests with fresh prefixes, each asked on both replicas, until each replica has evicted;
@@ -463,9 +465,14 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     if tp > 1 and device == "cpu":  # vLLM's CPU build: one OpenMP core per TP worker
         kw["extra_env"]["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     elif device == "cpu" and cpu_bind == "replica":
-        kw["cpu_binds"] = replica_cores(2)
-        print(f"[serving_bench] each replica's OpenMP threads on a core of its own "
-              f"(VLLM_CPU_OMP_THREADS_BIND {' / '.join(kw['cpu_binds'])})", flush=True)
+        if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # (the user's binding, kept)
+            print("[serving_bench] VLLM_CPU_OMP_THREADS_BIND is set: every replica keeps it",
+                  flush=True)
+        else:
+            binds = kw["cpu_binds"] = replica_cores(2)
+            shared = ": fewer cores than replicas, shared" if len(set(binds)) < 2 else ""
+            print(f"[serving_bench] each replica's OpenMP threads on cores of its own "
+                  f"(VLLM_CPU_OMP_THREADS_BIND {' / '.join(binds)}{shared})", flush=True)
     where = f"GPUs {','.join(gpus)}" if gpus else device
     vocab = 2000
     async with contextlib.AsyncExitStack() as stack:
@@ -808,8 +815,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="requests per row generated again on plain vLLM to check tokens "
                     "(0 with no plain mode asked: no plain pair, nothing checked)")
     ap.add_argument("--cpu-bind", default="replica", choices=["replica", "auto"],
-                    help="CPU: each replica's OpenMP threads on a core of its own (replica), "
-                    "or vLLM's binding (auto: every replica of the host on the same cores)")
+                    help="CPU: each replica's OpenMP threads on cores of its own, the "
+                    "physical cores split evenly (replica; an exported "
+                    "VLLM_CPU_OMP_THREADS_BIND is kept), or vLLM's binding (auto: every "
+                    "replica of the host on the same cores); --tp 2 binds per worker")
     ap.add_argument("--out", help="JSON path (default doc/results/serving_bench-<device>.json)")
     args = ap.parse_args(argv)
     if args.quick:

@@ -20,14 +20,28 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def replica_cores(n: int) -> List[str]:
-    """A core id per replica of vLLM's CPU build (each one's ``VLLM_CPU_OMP_THREADS_BIND``),
-    round robin over the cores this process may run on.  vLLM's own binding ("auto") knows
-    nothing of the other engines on the host and gives each the same cores: on a 2-core
-    machine both replicas of a pair ran their forwards (and started) on core 0, while a
-    pair with a KV connector that vLLM does not know (one core more reserved) spread over
-    both -- a no-op connector served 1.37x plain vLLM's tokens/s that way (session 43)."""
-    cores = sorted(os.sched_getaffinity(0))
-    return [str(cores[i % len(cores)]) for i in range(n)]
+    """Each of ``n`` replicas of vLLM's CPU build its own share of this process's cores (its
+    ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"0,1"``): one logical CPU per physical core (the
+    highest-numbered sibling, as vLLM's own binding picks on x86), split evenly; with
+    fewer cores than replicas, round robin over them (shared).  vLLM's own binding
+    ("auto") knows nothing of the other engines on the host and gives each the same cores:
+    on a 2-core machine both replicas of a pair ran their forwards (and started) on core 0,
+    while a pair with a KV connector that vLLM does not know (one core more reserved)
+    spread over both -- a no-op connector served 1.37x plain vLLM's tokens/s that way
+    (session 43)."""
+    per_core: Dict[str, int] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_cpus_list") as f:
+                core = f.read().strip()
+        except OSError:
+            core = str(cpu)
+        per_core[core] = cpu  # (the last sibling)
+    cores = sorted(per_core.values())
+    if len(cores) < n:
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    k = len(cores) // n
+    return [",".join(str(c) for c in cores[i * k:(i + 1) * k]) for i in range(n)]
 
 
 def cpu_engine_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
