@@ -415,8 +415,8 @@ async def bench_modes(model: str, device: str, modes: Sequence[str],
     """Every mode in ONE run: the Xavier modes on one pair of warm engines, ``plain`` and
     ``local-hit`` on a pair of plain vLLM engines started beside them (not started with
     ``check_groups`` 0 and no plain mode asked); ``cpu_bind`` (CPU, one worker a replica):
-    ``replica`` gives each replica of every pair an OpenMP core of its own, ``auto`` leaves
-    vLLM's binding (which puts both replicas of a pair on the same core); rows interleaved per
+    ``replica`` gives each replica of every pair its share of the cores (``replica_cores``),
+    ``auto`` leaves vLLM's binding (both replicas of a pair on the same cores); rows interleaved per
     (prefix, concurrency), so that their ratios come from the same minutes.  ``on_row``
     sees the rows so far after each measurement (the JSON is rewritten then: a run cut
     short keeps what it measured).  ``report`` receives ``device_memory``
